@@ -1,0 +1,111 @@
+"""The quart-trio routes: parse -> ``Proxy`` -> reply. Thin on purpose; the pipeline is in ``_proxy``.
+
+Every failure the client can see is rendered by the error handlers here, as an OpenAI-style JSON
+error (``{"error": {"message", "type", "code"}}``): a ``ProxyError`` carries its own status, a
+Werkzeug ``HTTPException`` (404, 405, 413) keeps its status, and anything unexpected is a 500 with
+a generic message (the traceback goes to the log, never to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from ._asgi import ProxyASGI, request_resources
+from ._config import Settings
+from ._errors import ProxyError, error_payload
+from ._proxy import Proxy, Reply, new_request_id
+from ._rewrite import Kind
+
+log = logging.getLogger("epd_trio")
+
+_OPENAI_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status=status, headers=headers,
+                    content_type="application/json")
+
+
+def _send(reply: Reply) -> Response:
+    if reply.stream is None:
+        return Response(reply.body, status=reply.status, headers=reply.headers)
+    response = Response(reply.stream, status=reply.status, headers=reply.headers)
+    response.timeout = None  # a long generation is not a reason to cut the stream
+    return response
+
+
+def create_app(settings: Settings) -> QuartTrio:
+    """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup)."""
+    app = QuartTrio("epd_trio")
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        # Quart cuts any response after RESPONSE_TIMEOUT (default 60 s); streams are bounded by
+        # the proxy's own idle timeout instead.
+        RESPONSE_TIMEOUT=None,
+    )
+    app.asgi_app = ProxyASGI(app.asgi_app)  # type: ignore[method-assign]
+    proxy = Proxy(settings)
+    app.extensions["epd_trio.proxy"] = proxy
+
+    @app.before_serving
+    async def _open() -> None:
+        await proxy.start()
+
+    @app.after_serving
+    async def _close() -> None:
+        await proxy.aclose()
+
+    async def forward(kind: Kind) -> Response:
+        request_id = new_request_id(request.headers.get("x-request-id"))
+        raw = await request.get_data(cache=False)
+        try:
+            reply = await proxy.handle(
+                kind, raw, request_id=request_id, resources=request_resources(),
+            )
+        except ProxyError as exc:
+            return Response(exc.body(), status=exc.status, content_type="application/json",
+                            headers={"x-request-id": request_id})
+        return _send(reply)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await forward("chat")
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await forward("completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return _send(await proxy.models())
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, report = await proxy.health()
+        return _json(200 if ok else 503, report)
+
+    @app.errorhandler(ProxyError)
+    async def _proxy_error(exc: ProxyError) -> Response:
+        return Response(exc.body(), status=exc.status, content_type="application/json")
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        message = exc.description or exc.name
+        if status == 413:
+            message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
+        payload = error_payload(message, type=_OPENAI_TYPES.get(status, "invalid_request_error"),
+                                code=status)
+        return _json(status, payload)
+
+    @app.errorhandler(Exception)
+    async def _unexpected(exc: Exception) -> Response:
+        log.exception("unexpected error while handling %s %s", request.method, request.path)
+        return _json(500, error_payload("internal proxy error", type="internal_error", code=500))
+
+    return app

@@ -1,0 +1,168 @@
+"""Settings: parsed once at start-up from the environment (and optionally a TOML file).
+
+Rules: parsing is pure (a mapping in, a frozen ``Settings`` out, or one ``ConfigError`` that names
+the variable); the only I/O is ``load_settings`` reading the ``EPD_CONFIG`` file. Every timeout
+has a finite default sized for real models (long prompts, long generations), because one hung
+backend must never hold a request forever.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ._routing import Instance, parse_instance
+
+ENV_PREFIX = "EPD_"
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; ``str()`` is the one line shown at start-up."""
+
+    def __init__(self, variable: str, problem: str) -> None:
+        super().__init__(f"{variable}: {problem}")
+        self.variable = variable
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """Everything the proxy is configured with. Field ``x`` is ``EPD_X`` in the environment."""
+
+    #: Encoder instances (empty: media goes straight to prefill/decode).
+    encode_urls: tuple[Instance, ...] = ()
+    #: Prefill instances (empty: decode does the whole request, the E+PD / PD layouts).
+    prefill_urls: tuple[Instance, ...] = ()
+    #: Decode (or combined prefill-decode) instances. Required.
+    decode_urls: tuple[Instance, ...] = ()
+    #: Max media items per encoder sub-request (0 = no cap, 1 = one item per sub-request).
+    encoder_max_batch: int = 0
+    #: Seconds to establish a TCP connection to an instance.
+    connect_timeout: float = 10.0
+    #: Seconds for the whole encoder stage of one request.
+    encode_timeout: float = 300.0
+    #: Seconds for a prefill call (long prompts on a loaded instance take minutes).
+    prefill_timeout: float = 600.0
+    #: Seconds until decode's response headers (a non-stream decode: until its whole body).
+    decode_timeout: float = 600.0
+    #: Seconds of silence allowed between two chunks of a decode stream.
+    stream_idle_timeout: float = 300.0
+    #: Upper bound on pooled upstream connections (all instances together).
+    max_connections: int = 2048
+    #: Largest client body accepted, in bytes (base64 media makes bodies big).
+    max_body_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.decode_urls:
+            raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL)")
+
+    @property
+    def layout(self) -> str:
+        """The EPD layout name used in logs and ``/health``: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``."""
+        serving = "P+D" if self.prefill_urls else "PD"
+        return f"E+{serving}" if self.encode_urls else serving
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _instances(raw: Any) -> tuple[Instance, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError("expected URLs (a comma-separated string or a list of strings)")
+    parsed = tuple(parse_instance(item) for item in items if item.strip())
+    urls = [inst.url for inst in parsed]
+    duplicates = sorted({url for url in urls if urls.count(url) > 1})
+    if duplicates:
+        raise ValueError(f"URL listed twice: {', '.join(duplicates)}")
+    return parsed
+
+
+def _non_negative_int(raw: Any) -> int:
+    value = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    if value is None and isinstance(raw, str) and raw.strip().isdigit():
+        value = int(raw.strip())
+    if value is None or value < 0:
+        raise ValueError(f"expected a non-negative integer, got {raw!r}")
+    return value
+
+
+def _positive_int(raw: Any) -> int:
+    value = _non_negative_int(raw)
+    if value == 0:
+        raise ValueError("expected a positive integer, got 0")
+    return value
+
+
+def _seconds(raw: Any) -> float:
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not (0 < value < math.inf):
+        raise ValueError(f"expected a positive, finite number of seconds, got {raw!r}")
+    return value
+
+
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "encode_urls": _instances,
+    "prefill_urls": _instances,
+    "decode_urls": _instances,
+    "encoder_max_batch": _non_negative_int,
+    "connect_timeout": _seconds,
+    "encode_timeout": _seconds,
+    "prefill_timeout": _seconds,
+    "decode_timeout": _seconds,
+    "stream_idle_timeout": _seconds,
+    "max_connections": _positive_int,
+    "max_body_bytes": _positive_int,
+}
+assert set(_PARSERS) == {f.name for f in fields(Settings)}
+
+
+def settings_from(
+    environ: Mapping[str, str], file_values: Mapping[str, Any] | None = None
+) -> Settings:
+    """Build ``Settings`` from the environment, over values from a config file.
+
+    The file uses the field names (``decode_urls = ["http://d0:8000#dp=2"]``); an environment
+    variable wins over the file. Unknown file keys are an error (a typo must not be silently
+    ignored); unknown ``EPD_`` variables are left alone (other tools share the prefix).
+    """
+    values: dict[str, Any] = {}
+    for key, raw in (file_values or {}).items():
+        if key not in _PARSERS:
+            raise ConfigError(f"config file key {key!r}", "unknown setting")
+        values[key] = _parse(key, raw, f"{key} (config file)")
+    for key in _PARSERS:
+        name = env_name(key)
+        if name in environ and environ[name].strip():
+            values[key] = _parse(key, environ[name], name)
+    return Settings(**values)
+
+
+def _parse(key: str, raw: Any, where: str) -> Any:
+    try:
+        return _PARSERS[key](raw)
+    except ValueError as exc:
+        raise ConfigError(where, str(exc)) from None
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read ``EPD_CONFIG`` (if set) and the environment; raise ``ConfigError`` on any problem."""
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_PREFIX + "CONFIG", "").strip()
+    file_values: dict[str, Any] = {}
+    if path:
+        try:
+            with open(path, "rb") as f:
+                file_values = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(ENV_PREFIX + "CONFIG", f"cannot read {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(ENV_PREFIX + "CONFIG", f"{path} is not valid TOML: {exc}") from None
+    return settings_from(environ, file_values)

@@ -1,0 +1,72 @@
+"""The objects that own the routing counters (the only mutable routing state in the proxy).
+
+The arithmetic lives in ``_routing.py``; these classes only hold the position and make each
+read-and-advance one indivisible step per request. One proxy owns one ``EncoderCursor`` and two
+``SlotCursor`` objects (prefill and decode each have their own counter, PROTOCOL.md "Decision": a
+shared one would pin prefill slot i to decode slot i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import trio
+
+from ._routing import Instance, dp_slots, encoder_rr_assignment
+
+
+class EncoderCursor:
+    """Global round-robin position over the encoders, persisting across requests.
+
+    ``assign`` reads and advances the cursor under a ``trio.Lock`` in one step, before any
+    sub-request is sent, so concurrent requests get disjoint, consecutive encoder ranges (300
+    concurrent single-image requests over 3 encoders give exactly 100 items each).
+    """
+
+    def __init__(self, encoders: Sequence[Instance], start: int = 0) -> None:
+        self._encoders = tuple(encoders)
+        self._start = start % len(self._encoders) if self._encoders else 0
+        self._lock = trio.Lock()
+
+    @property
+    def encoders(self) -> tuple[Instance, ...]:
+        return self._encoders
+
+    @property
+    def position(self) -> int:
+        return self._start
+
+    async def assign(self, count: int) -> list[Instance]:
+        """The encoder for each of ``count`` items of one request."""
+        async with self._lock:
+            assigned, self._start = encoder_rr_assignment(self._encoders, self._start, count)
+        return assigned
+
+
+class SlotCursor:
+    """Flat interleaved ``(instance, dp_rank)`` routing for one role (prefill or decode).
+
+    Request ``k`` (from 1) gets ``slots[(k - 1) % len(slots)]``; see ``dp_slots`` for the order.
+    Advancing is synchronous (no checkpoint between read and write), so it is atomic under trio.
+    """
+
+    def __init__(self, instances: Sequence[Instance]) -> None:
+        self._instances = tuple(instances)
+        self._slots = dp_slots(self._instances)
+        self._count = 0
+
+    @property
+    def instances(self) -> tuple[Instance, ...]:
+        return self._instances
+
+    @property
+    def slot_count(self) -> int:
+        return len(self._slots)
+
+    def next(self) -> tuple[Instance, int | None]:
+        """The slot for the next request; raises ``LookupError`` when the role has no instance."""
+        if not self._slots:
+            raise LookupError("no instance configured for this role")
+        index, rank = self._slots[self._count % len(self._slots)]
+        self._count += 1
+        return self._instances[index], rank

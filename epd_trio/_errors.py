@@ -1,0 +1,146 @@
+"""The proxy's exception tree; each exception knows the HTTP status and OpenAI error it becomes.
+
+    ProxyError                 status, OpenAI ``type``; rendered by one handler in the app
+    +-- BadRequest             the client's input is wrong (4xx, never retried)
+    +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
+        +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
+        +-- UpstreamTransportError connect/read failure (502)
+        +-- UpstreamTimeout        a deadline expired (504)
+
+Like h11's ``error_status_hint``, the status travels with the exception so the route code never
+maps errors itself, and nothing here does I/O: ``error_body`` returns bytes to send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+def error_payload(
+    message: str, *, type: str, code: int, **extra: Any
+) -> dict[str, Any]:
+    """The OpenAI error shape ``{"error": {"message", "type", "code", ...}}``.
+
+    ``code`` is the HTTP status, as vLLM's own server does; ``extra`` adds machine-readable fields
+    (``stage``, ``instance``) for upstream failures.
+    """
+    return {"error": {"message": message, "type": type, "param": None, "code": code, **extra}}
+
+
+class ProxyError(Exception):
+    """Base: something the client must be told, with a status and an OpenAI error type."""
+
+    status: int = 500
+    type: str = "internal_error"
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(self.message, type=self.type, code=self.status)
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.payload())
+
+
+class BadRequest(ProxyError):
+    """The client sent something the proxy cannot forward (malformed JSON, wrong field types)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class UpstreamError(ProxyError):
+    """A stage (``encode`` / ``prefill`` / ``decode``) failed at one instance."""
+
+    status = 502
+    type = "upstream_error"
+
+    def __init__(
+        self, message: str, *, stage: str, instance: str, status: int | None = None
+    ) -> None:
+        super().__init__(f"{stage} stage failed at {instance}: {message}", status=status)
+        self.stage = stage
+        self.instance = instance
+
+    def payload(self) -> dict[str, Any]:
+        return error_payload(
+            self.message, type=self.type, code=self.status, stage=self.stage,
+            instance=self.instance,
+        )
+
+
+class UpstreamStatusError(UpstreamError):
+    """The instance answered with a non-2xx status.
+
+    A 4xx means the client's request was bad (e.g. vLLM rejects a too-long prompt): it is relayed
+    with the upstream status, and for prefill/decode with the upstream body unchanged, since those
+    legs carry the client's own body. A 5xx becomes a 502 naming the stage.
+    """
+
+    def __init__(
+        self, *, stage: str, instance: str, upstream_status: int, upstream_body: bytes,
+        detail: str = "",
+    ) -> None:
+        self.upstream_status = upstream_status
+        self.upstream_body = upstream_body
+        is_client_error = 400 <= upstream_status < 500
+        snippet = upstream_message(upstream_body)
+        super().__init__(
+            f"{detail}HTTP {upstream_status}" + (f": {snippet}" if snippet else ""),
+            stage=stage, instance=instance,
+            status=upstream_status if is_client_error else 502,
+        )
+        if is_client_error:
+            self.type = "invalid_request_error"
+
+    @property
+    def relays_body(self) -> bool:
+        """True when the upstream body itself should reach the client (a prefill/decode 4xx)."""
+        return self.status < 500 and self.stage != "encode" and _is_error_json(self.upstream_body)
+
+    def body(self) -> bytes:
+        return self.upstream_body if self.relays_body else super().body()
+
+
+class UpstreamTransportError(UpstreamError):
+    """Connecting to, writing to or reading from the instance failed."""
+
+    status = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    """A stage deadline expired before the instance answered."""
+
+    status = 504
+    type = "upstream_timeout"
+
+
+def upstream_message(body: bytes, limit: int = 300) -> str:
+    """A short human-readable reason from an upstream error body (vLLM's JSON or plain text)."""
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:limit].decode("utf-8", "replace").strip()
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"][:limit]
+        if isinstance(parsed.get("message"), str):
+            return parsed["message"][:limit]
+        if isinstance(parsed.get("detail"), str):
+            return parsed["detail"][:limit]
+    return body[:limit].decode("utf-8", "replace").strip()
+
+
+def _is_error_json(body: bytes) -> bool:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict | str)

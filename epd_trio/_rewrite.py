@@ -1,0 +1,245 @@
+"""Request validation and the body each stage sends (PROTOCOL.md "Media items", "Prefill stage",
+"Decode stage").
+
+Rules: no I/O, no trio. The client's parsed body is never mutated: every leg's body is a new
+top-level dict that shares the unchanged sub-objects with the original (large base64 media strings
+are immutable ``str`` objects and are never copied). Only the fields the proxy reads are validated;
+everything else passes through untouched to vLLM, which owns the rest of the schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from ._errors import BadRequest
+
+Kind = Literal["chat", "completions"]
+
+#: Content part types that are media items for the encode stage (each gets a ``uuid``).
+MEDIA_TYPES = frozenset({"image_url", "audio_url", "input_audio", "video_url"})
+#: Content part types passed through without encoding (text and precomputed embeddings).
+PASSTHROUGH_TYPES = frozenset({"text", "refusal", "image_embeds"})
+#: The field of each media part that holds its URL (``input_audio`` has none: it is inline data).
+_URL_FIELD = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "video_url"}
+
+#: Fields copied from the client body into each encoder sub-request (they change how media is
+#: processed, so the encoder must see them to produce the cache entry decode will look up).
+ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority")
+
+#: The ``kv_transfer_params`` that asks a prefill instance to keep the KV for a remote decode.
+PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated client request: the original body plus where its media items are."""
+
+    kind: Kind
+    body: dict[str, Any]
+    stream: bool
+    #: (message index, content part index) of each media item, in order of appearance.
+    media: tuple[tuple[int, int], ...]
+
+
+def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
+    """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    if kind == "chat":
+        media = _find_media(body.get("messages"))
+    else:
+        _check_prompt(body.get("prompt"))
+        media = ()
+    return ParsedRequest(kind=kind, body=body, stream=stream, media=media)
+
+
+def _find_media(messages: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty array")
+    found: list[tuple[int, int]] = []
+    for m, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise BadRequest(f"messages[{m}] must be an object")
+        if not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{m}].role is required and must be a string")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise BadRequest(f"messages[{m}].content must be a string or an array of parts")
+        for p, part in enumerate(content):
+            where = f"messages[{m}].content[{p}]"
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise BadRequest(f"{where} must be an object with a string 'type'")
+            kind = part["type"]
+            if kind in MEDIA_TYPES:
+                _check_media_part(part, where)
+                found.append((m, p))
+            elif kind not in PASSTHROUGH_TYPES:
+                supported = ", ".join(sorted(MEDIA_TYPES | PASSTHROUGH_TYPES))
+                raise BadRequest(f"{where}.type {kind!r} is not supported (supported: {supported})")
+    return tuple(found)
+
+
+def _check_media_part(part: Mapping[str, Any], where: str) -> None:
+    kind = part["type"]
+    if "uuid" in part and part["uuid"] is not None and (
+        not isinstance(part["uuid"], str) or not part["uuid"]
+    ):
+        raise BadRequest(f"{where}.uuid must be a non-empty string")
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+            raise BadRequest(f"{where}.input_audio must be an object with string 'data'")
+        return
+    field = _URL_FIELD[kind]
+    value = part.get(field)
+    if not isinstance(value, dict) or not isinstance(value.get("url"), str) or not value["url"]:
+        raise BadRequest(f"{where}.{field} must be an object with a non-empty string 'url'")
+
+
+def _check_prompt(prompt: Any) -> None:
+    ok = isinstance(prompt, str) or (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and (
+            all(isinstance(x, str) for x in prompt)
+            or all(isinstance(x, int) and not isinstance(x, bool) for x in prompt)
+            or all(isinstance(x, list) and all(isinstance(t, int) for t in x) for x in prompt)
+        )
+    )
+    if not ok:
+        raise BadRequest(
+            "'prompt' is required: a string, an array of strings, or token id array(s)"
+        )
+
+
+def item_uuid(part: Mapping[str, Any]) -> str:
+    """The stable id of a media item: the client's ``uuid``, else a SHA-256 of its URL/data.
+
+    Every instance keys its encoder cache by this id, so E, P and D must see the same value; a
+    hash of the URL is stable across retries and never re-hashes decoded media.
+    """
+    own = part.get("uuid")
+    if isinstance(own, str) and own:
+        return own
+    kind = part["type"]
+    if kind == "input_audio":
+        data = orjson.dumps(part["input_audio"], option=orjson.OPT_SORT_KEYS)
+    else:
+        data = part[_URL_FIELD[kind]]["url"].encode()
+    return hashlib.sha256(data).hexdigest()
+
+
+def with_item_uuids(request: ParsedRequest) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A copy of the body whose media parts carry their ``uuid``, and those parts in order.
+
+    Only the containers on the path to a media part are copied; everything else is shared with
+    the original body, which stays unchanged.
+    """
+    if not request.media:
+        return request.body, []
+    body = dict(request.body)
+    messages = list(body["messages"])
+    body["messages"] = messages
+    copied: set[int] = set()
+    items: list[dict[str, Any]] = []
+    for m, p in request.media:
+        if m not in copied:
+            messages[m] = {**messages[m], "content": list(messages[m]["content"])}
+            copied.add(m)
+        part = messages[m]["content"][p]
+        tagged = {**part, "uuid": item_uuid(part)}
+        messages[m]["content"][p] = tagged
+        items.append(tagged)
+    return body, items
+
+
+def build_encoder_body(body: Mapping[str, Any], items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One encoder sub-request: only the media items (no text), one generated token, no stream."""
+    encoder_body: dict[str, Any] = {
+        "model": body["model"],
+        "messages": [{"role": "user", "content": list(items)}],
+        "max_tokens": 1,
+        "stream": False,
+    }
+    for field in ENCODER_PASSTHROUGH_FIELDS:
+        if field in body:
+            encoder_body[field] = body[field]
+    return encoder_body
+
+
+def build_prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The prefill leg: compute the KV cache for one token and keep it for a remote decode."""
+    prefill = {
+        key: value
+        for key, value in body.items()
+        if key not in ("stream_options", "min_tokens", "min_completion_tokens")
+    }
+    prefill["stream"] = False
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["kv_transfer_params"] = dict(PREFILL_KV_TRANSFER_PARAMS)
+    return prefill
+
+
+def build_decode_body(
+    body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The decode leg: the client's body plus the prefill's KV handle (when it returned one).
+
+    Without a handle, decode recomputes the prefill itself: slower, but the answer is the same.
+    """
+    decode = dict(body)
+    if kv_transfer_params is not None:
+        decode["kv_transfer_params"] = kv_transfer_params
+    return decode
+
+
+def kv_transfer_params_of(prefill_response: bytes) -> dict[str, Any] | None:
+    """The top-level ``kv_transfer_params`` object of a prefill response, if it has one."""
+    try:
+        parsed = orjson.loads(prefill_response)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    params = parsed.get("kv_transfer_params")
+    return params if isinstance(params, dict) else None
+
+
+def upstream_headers(
+    request_id: str, rank: int | None, authorization: str | None = None
+) -> dict[str, str]:
+    """Headers for one upstream leg; the DP rank header only for a ``dp_size > 1`` instance."""
+    headers = {"content-type": "application/json", "x-request-id": request_id}
+    if rank is not None:
+        headers["x-data-parallel-rank"] = str(rank)
+    if authorization:
+        headers["authorization"] = authorization
+    return headers

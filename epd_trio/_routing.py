@@ -1,0 +1,128 @@
+"""Routing arithmetic: which encoder gets which item, which (instance, DP rank) slot gets a request.
+
+Rule: nothing here does I/O or imports trio; every function takes values and returns values, so
+the properties the upstream proxies got wrong (PROTOCOL.md "Encoder assignment", "DP routing") are
+checked by plain table-driven tests. The objects that *own* the counters live in ``_cursors.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_DP_SUFFIX = re.compile(r"#dp=(?P<n>[^#]*)$")
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One vLLM server: its base URL and how many data-parallel ranks it serves.
+
+    ``dp_size > 1`` means the server runs DP engines internally and takes the rank to use from the
+    ``X-data-parallel-rank`` header; a rank outside ``[0, dp_size)`` is an HTTP 400 there.
+    """
+
+    url: str
+    dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"instance URL must start with http:// or https://: {self.url!r}")
+        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
+            raise ValueError(f"dp_size must be an integer >= 1: {self.dp_size!r}")
+        # One spelling per server: trailing slashes would make "the same URL" two instances.
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+
+
+def parse_instance(spec: str) -> Instance:
+    """Parse ``http://host:port`` with an optional ``#dp=N`` suffix (the config file/env syntax)."""
+    spec = spec.strip()
+    dp_size = 1
+    match = _DP_SUFFIX.search(spec)
+    if match:
+        raw = match.group("n").strip()
+        if not raw.isdigit():
+            raise ValueError(f"bad '#dp=' suffix in {spec!r}: expected a positive integer")
+        dp_size = int(raw)
+        spec = spec[: match.start()]
+    return Instance(spec, dp_size)
+
+
+def encoder_rr_assignment(
+    urls: Sequence[T], start: int, count: int
+) -> tuple[list[T], int]:
+    """Assign ``count`` media items to encoders round-robin, continuing from a global ``start``.
+
+    Item ``i`` goes to ``urls[(start + i) % len(urls)]`` and the next request starts at
+    ``(start + count) % len(urls)``. Continuing from a persistent cursor (instead of restarting at
+    encoder 0 for every request, as upstream did) is what spreads single-image traffic evenly.
+    """
+    n = len(urls)
+    if n == 0:
+        raise ValueError("no encoder to assign items to")
+    if count < 0:
+        raise ValueError(f"count must be >= 0: {count}")
+    start %= n
+    return [urls[(start + i) % n] for i in range(count)], (start + count) % n
+
+
+def dp_slots(instances: Sequence[Instance]) -> list[tuple[int, int | None]]:
+    """Every ``(instance_index, dp_rank)`` slot, in flat interleaved order.
+
+    The list is built rank by rank: ``inst0_r0, inst1_r0, ..., inst0_r1, inst1_r1, ...``, so that
+    consecutive requests land on different instances first, and an instance with a smaller
+    ``dp_size`` simply drops out of the higher ranks (never an out-of-range rank). The rank is
+    ``None`` for an instance with ``dp_size == 1``: such a server must not get the header.
+    """
+    if not instances:
+        return []
+    max_dp = max(inst.dp_size for inst in instances)
+    return [
+        (index, rank if inst.dp_size > 1 else None)
+        for rank in range(max_dp)
+        for index, inst in enumerate(instances)
+        if rank < inst.dp_size
+    ]
+
+
+def flat_interleaved_dp_route(
+    request_number: int, instances: Sequence[Instance]
+) -> tuple[int, int | None]:
+    """The slot for request number ``request_number`` (counting from 1, as upstream does).
+
+    With ``n`` instances of equal ``dp`` this equals ``slot = (k - 1) % (n * dp)``,
+    ``instance = slot % n``, ``rank = slot // n``: one counter walks all ``n * dp`` slots, so two
+    instances with DP8 use all 16 slots (upstream's aliasing left half the ranks idle).
+    """
+    if request_number < 1:
+        raise ValueError(f"request numbers start at 1: {request_number}")
+    slots = dp_slots(instances)
+    if not slots:
+        raise ValueError("no instance to route to")
+    return slots[(request_number - 1) % len(slots)]
+
+
+def group_by_target(
+    targets: Sequence[T], max_batch: int
+) -> list[tuple[T, list[int]]]:
+    """Group item indices by their assigned target, in order of first appearance.
+
+    Items on the same encoder may share one sub-request; ``max_batch`` caps a group's size
+    (0 = no cap, 1 = one item per sub-request). Groups keep the items' original order so the
+    derived request ids (``-enc-k``) are stable for a given assignment.
+    """
+    if max_batch < 0:
+        raise ValueError(f"max_batch must be >= 0: {max_batch}")
+    open_groups: dict[T, list[int]] = {}
+    groups: list[tuple[T, list[int]]] = []
+    for index, target in enumerate(targets):
+        group = open_groups.get(target)
+        if group is None or (max_batch and len(group) >= max_batch):
+            group = []
+            open_groups[target] = group
+            groups.append((target, group))
+        group.append(index)
+    return groups

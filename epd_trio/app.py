@@ -1,0 +1,22 @@
+"""The served app: ``hypercorn --worker-class trio epd_trio.app:app``.
+
+Configuration is read from the environment (and ``EPD_CONFIG``) when this module is imported, so a
+missing or malformed setting stops the server before it binds, with one line naming the variable
+instead of a traceback. Code that builds its own settings should call ``create_app`` instead of
+importing this module.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ._app import create_app
+from ._config import ConfigError, load_settings
+
+try:
+    settings = load_settings()
+except ConfigError as exc:
+    print(f"epd_trio: configuration error: {exc}", file=sys.stderr)
+    raise SystemExit(2) from None
+
+app = create_app(settings)

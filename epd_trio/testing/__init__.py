@@ -1,0 +1,9 @@
+"""Test doubles shipped with the package: the fake vLLM server and an in-process cluster."""
+
+from .cluster import Cluster as Cluster
+from .cluster import run_cluster as run_cluster
+from .fake_vllm import Behaviour as Behaviour
+from .fake_vllm import FakeVLLM as FakeVLLM
+from .fake_vllm import Received as Received
+
+__all__ = ["Behaviour", "Cluster", "FakeVLLM", "Received", "run_cluster"]

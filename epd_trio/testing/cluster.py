@@ -1,0 +1,84 @@
+"""An in-process EPD cluster: fake vLLM instances plus the real proxy, all on 127.0.0.1.
+
+Used by the integration tests, ``epd-trio demo`` and the burst bench. Every server runs in one
+nursery owned by ``run_cluster``; leaving the ``async with`` block stops them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+
+from .._app import create_app
+from .._config import Settings
+from .._routing import Instance
+from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
+from .fake_vllm import FakeVLLM, Role
+
+
+@dataclass
+class Cluster:
+    """The running cluster: the fakes by role, the proxy's URL and its settings."""
+
+    encoders: list[FakeVLLM]
+    prefills: list[FakeVLLM]
+    decodes: list[FakeVLLM]
+    settings: Settings
+    proxy_url: str
+
+    @property
+    def fakes(self) -> list[FakeVLLM]:
+        return [*self.encoders, *self.prefills, *self.decodes]
+
+
+async def _start_fakes(
+    nursery: trio.Nursery, count: int, role: Role, dp_size: int, host: str
+) -> list[FakeVLLM]:
+    fakes = [FakeVLLM(role=role, dp_size=dp_size) for _ in range(count)]
+    for fake in fakes:
+        await nursery.start(fake.serve, host)
+    return fakes
+
+
+@asynccontextmanager
+async def run_cluster(
+    *,
+    encoders: int = 0,
+    prefills: int = 0,
+    prefill_dp: int = 1,
+    decodes: int = 1,
+    decode_dp: int = 1,
+    decode_role: Role | None = None,
+    host: str = "127.0.0.1",
+    proxy_port: int = 0,
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
+    **settings: Any,
+) -> AsyncIterator[Cluster]:
+    """Start the fakes and the proxy (Hypercorn trio worker, in-process); stop all on exit.
+
+    ``decode_role`` defaults to ``prefill_decode`` when there are no prefill instances (the
+    E+PD / PD layouts) and ``decode`` otherwise. ``settings`` override ``Settings`` fields.
+    """
+    role: Role = decode_role or ("decode" if prefills else "prefill_decode")
+    async with trio.open_nursery() as nursery:
+        e = await _start_fakes(nursery, encoders, "encode", 1, host)
+        p = await _start_fakes(nursery, prefills, "prefill", prefill_dp, host)
+        d = await _start_fakes(nursery, decodes, role, decode_dp, host)
+        config = Settings(
+            encode_urls=tuple(Instance(f.url) for f in e),
+            prefill_urls=tuple(Instance(f.url, prefill_dp) for f in p),
+            decode_urls=tuple(Instance(f.url, decode_dp) for f in d),
+        )
+        config = replace(config, **settings)
+        app = create_app(config)
+        url = await nursery.start(
+            serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive)
+        )
+        try:
+            yield Cluster(e, p, d, config, url)
+        finally:
+            nursery.cancel_scope.cancel()

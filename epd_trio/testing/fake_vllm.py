@@ -1,0 +1,403 @@
+"""A fake vLLM OpenAI server for tests, the demo and the bench: fast, observable, breakable.
+
+It speaks the subset of vLLM's API the proxy uses, with the behaviour observed on real vLLM
+(``../shared/STACK-NOTES.md``): an ``X-data-parallel-rank`` outside ``[0, dp_size)`` is a 400; the
+``X-Request-Id`` becomes the response id and is echoed; an encoder answers with
+``ec_transfer_params`` keyed by each item's ``uuid``; a prefill asked for ``do_remote_decode``
+returns a NIXL-shaped ``kv_transfer_params``; a prompt over ``max_model_len`` is a 400. Generated
+text is deterministic in the prompt, so "through the proxy" can be compared with "direct".
+
+It is a raw ASGI app (no framework) so it costs little CPU next to the proxy under test, and so it
+can see a client disconnect exactly: each request runs beside a watcher of ``receive()``; an
+``http.disconnect`` before the response finished cancels the handler and is counted.
+
+Everything it receives is recorded (``received``), and ``wait_until`` lets tests synchronise on
+its state without sleeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+import trio
+
+from .._serving import quiet_config, serve_app
+
+Role = Literal["encode", "prefill", "decode", "prefill_decode"]
+ROLES: tuple[Role, ...] = ("encode", "prefill", "decode", "prefill_decode")
+_MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
+_WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
+    "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
+
+
+@dataclass
+class Behaviour:
+    """Knobs a test turns to make this server slow or broken (read at each request)."""
+
+    #: Seconds to wait before answering (before the response headers).
+    latency: float = 0.0
+    #: Seconds between two stream chunks.
+    chunk_delay: float = 0.0
+    #: Tokens a decode generates when the request does not cap them lower.
+    tokens: int = 8
+    #: Answer with this HTTP status (and a vLLM-style error body) instead of working.
+    fail_status: int | None = None
+    #: How many requests get ``fail_status`` (None: all of them, while it is set).
+    fail_count: int | None = None
+    #: Never answer: wait until the client goes away.
+    hang: bool = False
+    #: Streams: after this many chunks, stop without finishing the HTTP response (broken stream).
+    break_after: int | None = None
+    #: Awaited before answering each request: lets a test hold a request at a known point.
+    gate: Callable[[], Awaitable[None]] | None = None
+    #: Prompt length limit, in whitespace-separated words plus media items.
+    max_model_len: int = 4096
+
+
+@dataclass
+class Received:
+    """One request as the server saw it."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: Any
+    rank: int | None
+    request_id: str | None
+    #: Set when the client disconnected before the response was complete.
+    disconnected: bool = False
+    #: Status answered (None while in flight or when the client left first).
+    status: int | None = None
+
+
+@dataclass
+class FakeVLLM:
+    """One fake vLLM server. Serve it with ``await nursery.start(fake.serve)``."""
+
+    role: Role = "decode"
+    dp_size: int = 1
+    model: str = "fake-model"
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    received: list[Received] = field(default_factory=list)
+    in_flight: int = 0
+    disconnects: int = 0
+    url: str = ""
+    _changed: trio.Event = field(default_factory=trio.Event, repr=False)
+    _ids: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}: {self.role!r}")
+
+    # -- observation -----------------------------------------------------------------------
+    def requests(self, path: str | None = "/v1/") -> list[Received]:
+        """Recorded requests whose path starts with ``path`` (default: the OpenAI API ones)."""
+        return [r for r in self.received if path is None or r.path.startswith(path)]
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds; re-checked after every state change of this server."""
+        while not predicate():
+            await self._changed.wait()
+
+    # -- serving -----------------------------------------------------------------------------
+    async def serve(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve on ``host:port`` (0 = any free port) until cancelled; reports the base URL."""
+        async with trio.open_nursery() as nursery:
+            self.url = await nursery.start(serve_app, self, quiet_config(host, port))
+            task_status.started(self.url)
+
+    # -- ASGI ----------------------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        raw = b"".join(chunks)
+        try:
+            body = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            body = raw
+        record = Received(
+            method=scope["method"], path=scope["path"], headers=headers, body=body,
+            rank=_int_or_none(headers.get("x-data-parallel-rank")),
+            request_id=headers.get("x-request-id"),
+        )
+        self.received.append(record)
+        self.in_flight += 1
+        self._notify()
+        finishing = False
+
+        async def respond(status: int, content: bytes, content_type: str = "application/json",
+                          more: bool = False) -> None:
+            nonlocal finishing
+            record.status = status
+            await send({
+                "type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type.encode()),
+                            (b"x-request-id", (record.request_id or "").encode())],
+            })
+            if not more:
+                finishing = True
+                await send({"type": "http.response.body", "body": content})
+
+        async def body_chunk(content: bytes, last: bool) -> None:
+            nonlocal finishing
+            finishing = finishing or last
+            await send({"type": "http.response.body", "body": content, "more_body": not last})
+
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def watch_disconnect() -> None:
+                    while True:
+                        message = await receive()
+                        if message["type"] == "http.disconnect":
+                            break
+                    if not finishing:
+                        record.disconnected = True
+                        self.disconnects += 1
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch_disconnect)
+                await self._handle(record, respond, body_chunk)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.in_flight -= 1
+            self._notify()
+
+    async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:
+        b = self.behaviour
+        if record.path == "/health":
+            await respond(200, b"")
+            return
+        if record.path == "/v1/models" and record.method == "GET":
+            await respond(200, orjson.dumps({"object": "list", "data": [{
+                "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
+                "root": self.model, "parent": None, "max_model_len": b.max_model_len}]}))
+            return
+        if record.method != "POST" or record.path not in ("/v1/chat/completions", "/v1/completions"):
+            await respond(404, _error("Not Found", "NotFoundError", 404))
+            return
+        if b.gate is not None:
+            await b.gate()
+        if b.latency:
+            await trio.sleep(b.latency)
+        if b.hang:
+            await trio.sleep_forever()
+        if b.fail_status is not None and (b.fail_count is None or b.fail_count > 0):
+            if b.fail_count is not None:
+                b.fail_count -= 1
+            await respond(b.fail_status, _error(f"injected failure ({b.fail_status})",
+                                                "InternalServerError", b.fail_status))
+            return
+        problem = self._validate(record)
+        if problem:
+            await respond(400, _error(problem, "BadRequestError", 400))
+            return
+        chat = record.path == "/v1/chat/completions"
+        request_id = record.request_id or f"{next(self._ids)}"
+        body = record.body
+        if self.role == "encode":
+            await respond(200, orjson.dumps(self._encoder_answer(request_id, body)))
+            return
+        words = self._generate(body)
+        kv = self._kv_transfer_params(request_id, body)
+        if body.get("stream"):
+            await self._stream(request_id, body, words, chat, respond, body_chunk)
+            return
+        text = " ".join(words)
+        choice: dict[str, Any] = (
+            {"index": 0, "message": {"role": "assistant", "content": text,
+                                     "reasoning_content": None, "tool_calls": []},
+             "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            if chat else
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
+             "stop_reason": None, "prompt_logprobs": None}
+        )
+        prompt_tokens = _prompt_len(body, chat)
+        await respond(200, orjson.dumps({
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": body.get("model", self.model),
+            "choices": [choice],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
+                      "total_tokens": prompt_tokens + len(words)},
+            "prompt_logprobs": None,
+            "kv_transfer_params": kv,
+        }))
+
+    def _validate(self, record: Received) -> str | None:
+        body = record.body
+        if not isinstance(body, dict):
+            return "request body must be a JSON object"
+        rank_header = record.headers.get("x-data-parallel-rank")
+        if rank_header is not None:
+            if record.rank is None:
+                return f"invalid X-data-parallel-rank header: {rank_header!r}"
+            if not 0 <= record.rank < self.dp_size:
+                return (f"data_parallel_rank {record.rank} is out of range "
+                        f"[0, {self.dp_size}).")
+        chat = record.path == "/v1/chat/completions"
+        length = _prompt_len(body, chat)
+        if length > self.behaviour.max_model_len:
+            return (f"This model's maximum context length is {self.behaviour.max_model_len} "
+                    f"tokens. However, your request has {length} input tokens.")
+        return None
+
+    def _encoder_answer(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        ec: dict[str, Any] = {}
+        for index, part in enumerate(_media_parts(body)):
+            key = part.get("uuid") or _content_hash(part)
+            ec[key] = {"item_indices": [index], "metadata": {"image_grid_thw": [1, 4, 4]}}
+        return {
+            "id": f"chatcmpl-{request_id}", "object": "chat.completion",
+            "created": int(time.time()), "model": body.get("model", self.model),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": "length", "stop_reason": None}],
+            "usage": {"prompt_tokens": len(ec), "completion_tokens": 0,
+                      "total_tokens": len(ec)},
+            "ec_transfer_params": ec,
+        }
+
+    def _kv_transfer_params(self, request_id: str, body: Mapping[str, Any]) -> Any:
+        params = body.get("kv_transfer_params")
+        if self.role == "prefill" and isinstance(params, dict) and params.get("do_remote_decode"):
+            port = int(self.url.rsplit(":", 1)[-1]) if self.url else 0
+            return {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]], "remote_engine_id": f"fake-prefill-{port}",
+                "remote_request_id": request_id, "remote_host": "127.0.0.1",
+                "remote_port": port + 1, "tp_size": 1,
+            }
+        return None
+
+    def _generate(self, body: Mapping[str, Any]) -> list[str]:
+        limit = self.behaviour.tokens
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                limit = min(limit, value)
+        seed = hashlib.sha256(orjson.dumps(
+            body.get("messages", body.get("prompt")), option=orjson.OPT_SORT_KEYS,
+        )).digest()
+        return [_WORDS[seed[i % len(seed)] % len(_WORDS)] for i in range(max(limit, 0))]
+
+    async def _stream(self, request_id: str, body: Mapping[str, Any], words: list[str],
+                      chat: bool, respond: Any, body_chunk: Any) -> None:
+        b = self.behaviour
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": obj,
+                "created": int(time.time()), "model": body.get("model", self.model)}
+
+        def frame(piece: str | None, finish: str | None, first: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+                    {"content": piece} if piece is not None else {})
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None,
+                          "finish_reason": finish}
+            return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+
+        frames = ([frame(None, None, first=True)] if chat else []) + [
+            frame(("" if i == 0 else " ") + word, None) for i, word in enumerate(words)
+        ] + [frame(None, "length"), b"data: [DONE]\n\n"]
+        await respond(200, b"", "text/event-stream", more=True)
+        for i, data in enumerate(frames):
+            if b.break_after is not None and i >= b.break_after:
+                # End the handler without finishing the response: Hypercorn then closes the
+                # connection mid-body, which a client sees as a broken stream.
+                raise _BrokenStream
+            if b.chunk_delay and i:
+                await trio.sleep(b.chunk_delay)
+            await body_chunk(data, last=i == len(frames) - 1)
+
+
+class _BrokenStream(Exception):
+    """Raised inside the ASGI app to make Hypercorn drop a response mid-body."""
+
+
+async def _lifespan(receive: Any, send: Any) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def _error(message: str, kind: str, status: int) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None,
+                                   "code": status}})
+
+
+def _int_or_none(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
+def _media_parts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    parts = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            parts += [p for p in content if isinstance(p, dict) and p.get("type") in _MEDIA]
+    return parts
+
+
+def _content_hash(part: Mapping[str, Any]) -> str:
+    return hashlib.sha256(orjson.dumps(part, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _prompt_len(body: Mapping[str, Any], chat: bool) -> int:
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return len(prompt.split())
+        return len(prompt) if isinstance(prompt, list) else 0
+    total = 0
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content.split())
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    total += len(str(part.get("text", "")).split())
+                else:
+                    total += 1
+    return total
