@@ -47,7 +47,7 @@ def parse_instance(spec: str) -> Instance:
         if not raw.isdigit():
             raise ValueError(f"bad '#dp=' suffix in {spec!r}: expected a positive integer")
         dp_size = int(raw)
-        spec = spec[: match.start()]
+        spec = spec[: match.start()].strip()
     return Instance(spec, dp_size)
 
 

@@ -41,10 +41,17 @@ def quiet_config(
 async def serve_app(
     app: Any,
     config: Config,
+    shutdown: trio.Event | None = None,
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``app`` until cancelled; reports the base URL (``http://host:port``) once bound."""
+    """Serve ``app``; reports the base URL (``http://host:port``) once bound.
+
+    Returns after a graceful shutdown once ``shutdown`` is set (connections drain for
+    ``config.graceful_timeout``, then the app's shutdown hooks run and close its upstream
+    client); without an event it serves until cancelled.
+    """
+    trigger = shutdown.wait if shutdown is not None else None
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config))
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=trigger))
         task_status.started(binds[0])

@@ -75,10 +75,15 @@ async def run_cluster(
         )
         config = replace(config, **settings)
         app = create_app(config)
-        url = await nursery.start(
-            serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive)
-        )
-        try:
-            yield Cluster(e, p, d, config, url)
-        finally:
-            nursery.cancel_scope.cancel()
+        stop = trio.Event()
+        # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown
+        # hook) before the fakes are cancelled.
+        async with trio.open_nursery() as proxy_nursery:
+            url = await proxy_nursery.start(
+                serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive), stop
+            )
+            try:
+                yield Cluster(e, p, d, config, url)
+            finally:
+                stop.set()
+        nursery.cancel_scope.cancel()

@@ -76,6 +76,8 @@ class Received:
     disconnected: bool = False
     #: Status answered (None while in flight or when the client left first).
     status: int | None = None
+    #: The exact response body bytes sent (for byte-for-byte pass-through checks).
+    sent: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -166,11 +168,13 @@ class FakeVLLM:
             })
             if not more:
                 finishing = True
+                record.sent += content
                 await send({"type": "http.response.body", "body": content})
 
         async def body_chunk(content: bytes, last: bool) -> None:
             nonlocal finishing
             finishing = finishing or last
+            record.sent += content
             await send({"type": "http.response.body", "body": content, "more_body": not last})
 
         try:

@@ -1,0 +1,84 @@
+"""Settings parsing: environment, TOML file, and one clear error naming the variable."""
+
+from pathlib import Path
+
+import pytest
+
+from epd_trio import ConfigError, Instance, load_settings, settings_from
+
+
+def test_environment_settings() -> None:
+    s = settings_from({
+        "EPD_ENCODE_URLS": "http://e0:1, http://e1:1/",
+        "EPD_PREFILL_URLS": "http://p0:1#dp=2",
+        "EPD_DECODE_URLS": "http://d0:1#dp=4,http://d1:1#dp=4",
+        "EPD_ENCODER_MAX_BATCH": "2",
+        "EPD_PREFILL_TIMEOUT": "12.5",
+        "UNRELATED": "x",
+    })
+    assert s.encode_urls == (Instance("http://e0:1"), Instance("http://e1:1"))
+    assert s.prefill_urls == (Instance("http://p0:1", 2),)
+    assert s.decode_urls == (Instance("http://d0:1", 4), Instance("http://d1:1", 4))
+    assert s.encoder_max_batch == 2 and s.prefill_timeout == 12.5
+    assert s.layout == "E+P+D"
+
+
+def test_layouts() -> None:
+    assert settings_from({"EPD_DECODE_URLS": "http://d:1"}).layout == "PD"
+    assert settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_ENCODE_URLS": "http://e:1"}
+                         ).layout == "E+PD"
+    assert settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_PREFILL_URLS": "http://p:1"}
+                         ).layout == "P+D"
+
+
+@pytest.mark.parametrize(
+    "env, variable",
+    [
+        ({}, "EPD_DECODE_URLS"),
+        ({"EPD_DECODE_URLS": " , "}, "EPD_DECODE_URLS"),
+        ({"EPD_DECODE_URLS": "d0:8000"}, "EPD_DECODE_URLS"),
+        ({"EPD_DECODE_URLS": "http://d:1#dp=zero"}, "EPD_DECODE_URLS"),
+        ({"EPD_DECODE_URLS": "http://d:1,http://d:1/"}, "EPD_DECODE_URLS"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_ENCODER_MAX_BATCH": "-1"},
+         "EPD_ENCODER_MAX_BATCH"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_CONNECT_TIMEOUT": "inf"}, "EPD_CONNECT_TIMEOUT"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_DECODE_TIMEOUT": "0"}, "EPD_DECODE_TIMEOUT"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_MAX_BODY_BYTES": "lots"}, "EPD_MAX_BODY_BYTES"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], variable: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings_from(env)
+    assert info.value.variable == variable
+    assert str(info.value).startswith(variable + ":")
+    assert "\n" not in str(info.value)
+
+
+def test_config_file_with_environment_override(tmp_path: Path) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text(
+        'decode_urls = ["http://d0:1#dp=2", "http://d1:1#dp=2"]\n'
+        'encode_urls = "http://e0:1"\n'
+        "encoder_max_batch = 3\n"
+        "stream_idle_timeout = 30\n"
+    )
+    s = load_settings({"EPD_CONFIG": str(path), "EPD_ENCODER_MAX_BATCH": "1"})
+    assert s.decode_urls == (Instance("http://d0:1", 2), Instance("http://d1:1", 2))
+    assert s.encode_urls == (Instance("http://e0:1"),)
+    assert s.encoder_max_batch == 1 and s.stream_idle_timeout == 30.0
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [("decode_urls = [", "not valid TOML"), ('decode_url = "http://d:1"', "unknown setting")],
+)
+def test_bad_config_file(tmp_path: Path, content: str, fragment: str) -> None:
+    path = tmp_path / "epd.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=fragment):
+        load_settings({"EPD_CONFIG": str(path)})
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="EPD_CONFIG: cannot read"):
+        load_settings({"EPD_CONFIG": str(tmp_path / "absent.toml")})

@@ -1,0 +1,66 @@
+"""The generic nursery fan-out: ordered results, first failure wins and cancels the rest."""
+
+from functools import partial
+
+import pytest
+import trio
+import trio.testing
+
+from epd_trio import fan_out
+
+
+async def test_results_come_back_in_input_order(autojump_clock: trio.abc.Clock) -> None:
+    async def job(value: int, delay: float) -> int:
+        await trio.sleep(delay)
+        return value
+
+    results = await fan_out([partial(job, i, d) for i, d in enumerate([3, 1, 2, 0])])
+    assert results == [0, 1, 2, 3]
+    assert await fan_out([]) == []
+
+
+async def test_first_failure_cancels_siblings_and_is_raised_plain() -> None:
+    started, cancelled, finished = trio.Event(), [], []
+
+    async def slow(name: str) -> None:
+        try:
+            started.set()
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.append(name)
+            raise
+        finally:
+            finished.append(name)
+
+    async def failing() -> None:
+        await started.wait()
+        raise KeyError("boom")
+
+    async def late_failure() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise RuntimeError("consequence, not cause")  # noqa: B012
+
+    with pytest.raises(KeyError, match="boom"):  # not an ExceptionGroup
+        await fan_out([partial(slow, "a"), failing, partial(slow, "b"), late_failure])
+    assert sorted(cancelled) == ["a", "b"] and sorted(finished) == ["a", "b"]
+
+
+async def test_outer_cancellation_cancels_every_job() -> None:
+    running, cancelled = [], []
+
+    async def job(i: int) -> None:
+        running.append(i)
+        try:
+            await trio.sleep_forever()
+        except trio.Cancelled:
+            cancelled.append(i)
+            raise
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fan_out, [partial(job, i) for i in range(5)])
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(running) == list(range(5))
+        nursery.cancel_scope.cancel()
+    assert sorted(cancelled) == list(range(5))

@@ -1,0 +1,129 @@
+"""The routing properties upstream's own tests assert, plus unequal DP sizes (pure functions)."""
+
+from collections import Counter
+
+import pytest
+
+from epd_trio import (
+    Instance,
+    dp_slots,
+    encoder_rr_assignment,
+    flat_interleaved_dp_route,
+    group_by_target,
+    parse_instance,
+)
+
+
+@pytest.mark.parametrize("n_encoders", [1, 2, 3, 5])
+def test_single_item_requests_hit_every_encoder_equally(n_encoders: int) -> None:
+    urls = [f"E{i}" for i in range(n_encoders)]
+    start, hits = 0, Counter[str]()
+    for _ in range(3 * n_encoders):
+        assigned, start = encoder_rr_assignment(urls, start, 1)
+        hits.update(assigned)
+    assert hits == {url: 3 for url in urls}
+
+
+def test_three_encoders_single_items_rotate() -> None:
+    start, seen = 0, []
+    for _ in range(6):
+        assigned, start = encoder_rr_assignment(["E0", "E1", "E2"], start, 1)
+        seen += assigned
+    assert seen == ["E0", "E1", "E2", "E0", "E1", "E2"]
+
+
+def test_item_counts_continue_from_the_cursor() -> None:
+    start, per_request = 0, []
+    for count in [2, 1, 3, 1]:
+        assigned, start = encoder_rr_assignment(["E0", "E1", "E2"], start, count)
+        per_request.append(assigned)
+    assert per_request == [["E0", "E1"], ["E2"], ["E0", "E1", "E2"], ["E0"]]
+    assert start == 1
+
+
+def test_encoder_assignment_edge_cases() -> None:
+    assert encoder_rr_assignment(["E0", "E1"], 7, 0) == ([], 1)
+    assert encoder_rr_assignment(["E0", "E1"], 1, 3) == (["E1", "E0", "E1"], 0)
+    with pytest.raises(ValueError):
+        encoder_rr_assignment([], 0, 1)
+
+
+def _instances(*dp: int) -> list[Instance]:
+    return [Instance(f"http://i{i}:8000", d) for i, d in enumerate(dp)]
+
+
+@pytest.mark.parametrize(
+    "n, dp", [(1, 1), (2, 1), (4, 1), (1, 8), (2, 8), (3, 8)]
+)
+def test_dp_shapes_cover_every_slot_uniformly(n: int, dp: int) -> None:
+    instances = _instances(*[dp] * n)
+    slots = n * dp
+    hits = Counter(flat_interleaved_dp_route(k, instances) for k in range(1, 3 * slots + 1))
+    expected_rank = (lambda r: r) if dp > 1 else (lambda r: None)
+    assert hits == {(i, expected_rank(r)): 3 for i in range(n) for r in range(dp)}
+
+
+@pytest.mark.parametrize("n, dp", [(2, 8), (3, 4), (4, 2)])
+def test_matches_the_closed_formula_for_equal_sizes(n: int, dp: int) -> None:
+    instances = _instances(*[dp] * n)
+    for k in range(1, 5 * n * dp):
+        slot = (k - 1) % (n * dp)
+        assert flat_interleaved_dp_route(k, instances) == (slot % n, slot // n)
+
+
+def test_two_instances_dp8_get_all_ranks_in_16_requests() -> None:
+    instances = _instances(8, 8)
+    routes = [flat_interleaved_dp_route(k, instances) for k in range(1, 17)]
+    assert routes[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for index in (0, 1):
+        assert sorted(rank for i, rank in routes if i == index) == list(range(8))
+
+
+def test_unequal_dp_sizes_never_emit_out_of_range_ranks() -> None:
+    instances = _instances(4, 1, 2)
+    slots = dp_slots(instances)
+    assert slots == [(0, 0), (1, None), (2, 0), (0, 1), (2, 1), (0, 2), (0, 3)]
+    hits = Counter(flat_interleaved_dp_route(k, instances) for k in range(1, 7 * 10 + 1))
+    assert set(hits.values()) == {10}
+    for index, rank in hits:
+        dp = instances[index].dp_size
+        assert (rank is None) if dp == 1 else 0 <= rank < dp
+
+
+def test_route_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        flat_interleaved_dp_route(0, _instances(1))
+    with pytest.raises(ValueError):
+        flat_interleaved_dp_route(1, [])
+
+
+@pytest.mark.parametrize(
+    "targets, cap, expected",
+    [
+        (["A", "B", "A", "C", "A"], 0, [("A", [0, 2, 4]), ("B", [1]), ("C", [3])]),
+        (["A", "B", "A", "C", "A"], 1, [("A", [0]), ("B", [1]), ("A", [2]), ("C", [3]),
+                                        ("A", [4])]),
+        (["A", "A", "A", "B", "A"], 2, [("A", [0, 1]), ("A", [2, 4]), ("B", [3])]),
+        ([], 0, []),
+    ],
+)
+def test_group_by_target(targets: list[str], cap: int, expected: list) -> None:
+    assert group_by_target(targets, cap) == expected
+
+
+@pytest.mark.parametrize(
+    "spec, url, dp",
+    [
+        ("http://a:1", "http://a:1", 1),
+        (" http://a:1/ #dp=8", "http://a:1", 8),
+        ("https://h/x/#dp=2", "https://h/x", 2),
+    ],
+)
+def test_parse_instance(spec: str, url: str, dp: int) -> None:
+    assert parse_instance(spec) == Instance(url, dp)
+
+
+@pytest.mark.parametrize("spec", ["a:1", "http://a:1#dp=0", "http://a:1#dp=x", "http://a#dp=-1"])
+def test_parse_instance_rejects(spec: str) -> None:
+    with pytest.raises(ValueError):
+        parse_instance(spec)
