@@ -56,7 +56,8 @@ def map_httpx_errors(
         ) from exc
     except httpx.TransportError as exc:
         raise UpstreamTransportError(
-            f"{detail}{type(exc).__name__}: {exc or 'connection failed'}", stage=stage, instance=instance
+            f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
+            stage=stage, instance=instance,
         ) from exc
 
 

@@ -6,7 +6,6 @@ import hashlib
 from typing import Any
 
 
-
 def image(n: int) -> dict[str, Any]:
     """A distinct small image item (data URL); its uuid is the SHA-256 of the URL."""
     return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,iVBORw0KGgo{n:08d}"}}

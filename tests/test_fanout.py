@@ -40,7 +40,7 @@ async def test_first_failure_cancels_siblings_and_is_raised_plain() -> None:
         try:
             await trio.sleep_forever()
         finally:
-            raise RuntimeError("consequence, not cause")  # noqa: B012
+            raise RuntimeError("consequence, not cause")
 
     with pytest.raises(KeyError, match="boom"):  # not an ExceptionGroup
         await fan_out([partial(slow, "a"), failing, partial(slow, "b"), late_failure])

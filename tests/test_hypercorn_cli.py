@@ -1,0 +1,88 @@
+"""The production entry point: ``hypercorn --worker-class trio epd_trio.app:app`` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+import trio
+
+from epd_trio.testing import FakeVLLM
+
+from helpers import chat_body, image
+
+HYPERCORN = [sys.executable, "-m", "hypercorn", "--worker-class", "trio", "epd_trio.app:app"]
+
+
+def _env(**settings: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    return {**env, **settings}
+
+
+# Hypercorn's multi-process runner (the default, one worker process) reports exit code 0 when
+# its worker exits early (hypercorn/run.py joins the workers twice and keeps the second, empty
+# result); with ``--workers 0`` the app runs in the main process and the exit code is ours.
+@pytest.mark.parametrize("workers, exit_code", [([], None), (["--workers", "0"], 2)])
+async def test_missing_setting_fails_with_one_line(
+    workers: list[str], exit_code: int | None
+) -> None:
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [*HYPERCORN, "--bind", "127.0.0.1:0", *workers], env=_env(EPD_ENCODER_MAX_BATCH="2"),
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert result.stderr.decode().strip().splitlines() == [
+        "epd_trio: configuration error: EPD_DECODE_URLS: is required (at least one decode URL)"
+    ]
+    if exit_code is not None:
+        assert result.returncode == exit_code
+
+
+async def test_malformed_setting_names_the_variable() -> None:
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [*HYPERCORN, "--bind", "127.0.0.1:0", "--workers", "0"],
+            env=_env(EPD_DECODE_URLS="http://127.0.0.1:9", EPD_PREFILL_TIMEOUT="soon"),
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert result.returncode == 2
+    (line,) = result.stderr.decode().strip().splitlines()
+    assert line.startswith("epd_trio: configuration error: EPD_PREFILL_TIMEOUT:")
+
+
+async def test_serves_an_epd_request_under_hypercorn(nursery: trio.Nursery) -> None:
+    encoder, prefill, decode = FakeVLLM("encode"), FakeVLLM("prefill"), FakeVLLM("decode", 2)
+    for fake in (encoder, prefill, decode):
+        await nursery.start(fake.serve)
+    process = await trio.lowlevel.open_process(
+        [*HYPERCORN, "--bind", "127.0.0.1:0"],
+        env=_env(EPD_ENCODE_URLS=encoder.url, EPD_PREFILL_URLS=prefill.url,
+                 EPD_DECODE_URLS=f"{decode.url}#dp=2"),
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert process.stderr is not None
+        log = b""
+        with trio.fail_after(30):
+            while not (match := re.search(rb"Running on (http://\S+)", log)):
+                chunk = await process.stderr.receive_some()
+                assert chunk, f"hypercorn exited early: {log.decode()}"
+                log += chunk
+        url = match.group(1).decode()
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+            for _ in range(2):
+                r = await client.post(url + "/v1/chat/completions", json=chat_body(image(1)))
+                assert r.status_code == 200, r.text
+        assert len(encoder.requests()) == 2 and len(prefill.requests()) == 2
+        assert sorted(x.rank for x in decode.requests()) == [0, 1]
+    finally:
+        process.terminate()
+        with trio.move_on_after(15):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
