@@ -54,7 +54,7 @@ def create_app(settings: Settings) -> QuartTrio:
 
     @app.before_serving
     async def _open() -> None:
-        await proxy.start()
+        await proxy.start(app.nursery)
 
     @app.after_serving
     async def _close() -> None:
@@ -86,8 +86,13 @@ def create_app(settings: Settings) -> QuartTrio:
 
     @app.get("/health")
     async def health() -> Response:
-        ok, report = await proxy.health()
+        ok, report = proxy.health()
         return _json(200 if ok else 503, report)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok = proxy.registry.ready()
+        return _json(200 if ok else 503, {"ready": ok, "roles": proxy.registry.report()})
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:

@@ -54,6 +54,16 @@ class Settings:
     max_connections: int = 2048
     #: Largest client body accepted, in bytes (base64 media makes bodies big).
     max_body_bytes: int = 64 * 1024 * 1024
+    #: Attempts per encoder sub-request and per prefill call (each on a different instance).
+    max_attempts: int = 2
+    #: Extra decode attempts (each re-runs prefill) when decode fails before its first byte.
+    decode_retries: int = 1
+    #: Seconds between two health probes of an instance.
+    health_interval: float = 5.0
+    #: Seconds a health probe may take.
+    health_timeout: float = 2.0
+    #: Consecutive failures (probes or live transport errors) that take an instance out.
+    health_threshold: int = 3
 
     def __post_init__(self) -> None:
         if not self.decode_urls:
@@ -120,6 +130,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "stream_idle_timeout": _seconds,
     "max_connections": _positive_int,
     "max_body_bytes": _positive_int,
+    "max_attempts": _positive_int,
+    "decode_retries": _non_negative_int,
+    "health_interval": _seconds,
+    "health_timeout": _seconds,
+    "health_threshold": _positive_int,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

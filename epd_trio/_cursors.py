@@ -8,11 +8,14 @@ shared one would pin prefill slot i to decode slot i).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 from ._routing import Instance, dp_slots, encoder_rr_assignment
+
+#: Which instances may be chosen right now (live, not already tried by this request...).
+Usable = Callable[[Instance], bool]
 
 
 class EncoderCursor:
@@ -36,10 +39,17 @@ class EncoderCursor:
     def position(self) -> int:
         return self._start
 
-    async def assign(self, count: int) -> list[Instance]:
-        """The encoder for each of ``count`` items of one request."""
+    async def assign(self, count: int, usable: Usable | None = None) -> list[Instance]:
+        """The encoder for each of ``count`` items of one request, among the ``usable`` ones.
+
+        Raises ``LookupError`` when no encoder is usable. Skipping an encoder keeps the others
+        in their order; the cursor is a position in the usable list, so it stays fair.
+        """
+        candidates = [e for e in self._encoders if usable is None or usable(e)]
+        if not candidates:
+            raise LookupError("no usable encoder")
         async with self._lock:
-            assigned, self._start = encoder_rr_assignment(self._encoders, self._start, count)
+            assigned, self._start = encoder_rr_assignment(candidates, self._start, count)
         return assigned
 
 
@@ -63,10 +73,17 @@ class SlotCursor:
     def slot_count(self) -> int:
         return len(self._slots)
 
-    def next(self) -> tuple[Instance, int | None]:
-        """The slot for the next request; raises ``LookupError`` when the role has no instance."""
-        if not self._slots:
-            raise LookupError("no instance configured for this role")
-        index, rank = self._slots[self._count % len(self._slots)]
+    def next(self, usable: Usable | None = None) -> tuple[Instance, int | None]:
+        """The slot for the next request among the ``usable`` instances' slots.
+
+        Unusable instances' slots are left out and the rest keep their flat interleaved order
+        (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable.
+        """
+        slots = self._slots if usable is None else [
+            slot for slot in self._slots if usable(self._instances[slot[0]])
+        ]
+        if not slots:
+            raise LookupError("no usable instance for this role")
+        index, rank = slots[self._count % len(slots)]
         self._count += 1
         return self._instances[index], rank

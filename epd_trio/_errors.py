@@ -60,6 +60,8 @@ class UpstreamError(ProxyError):
 
     status = 502
     type = "upstream_error"
+    #: The instance itself looks down (refused/reset/unreachable): counts as a failed probe.
+    instance_failure: bool = False
 
     def __init__(
         self, message: str, *, stage: str, instance: str, status: int | None = None
@@ -112,13 +114,18 @@ class UpstreamTransportError(UpstreamError):
     """Connecting to, writing to or reading from the instance failed."""
 
     status = 502
+    instance_failure = True
 
 
 class UpstreamTimeout(UpstreamError):
-    """A stage deadline expired before the instance answered."""
+    """A stage deadline expired before the instance answered (``connect``: it never accepted)."""
 
     status = 504
     type = "upstream_timeout"
+
+    def __init__(self, message: str, *, stage: str, instance: str, connect: bool = False) -> None:
+        super().__init__(message, stage=stage, instance=instance)
+        self.instance_failure = connect
 
 
 def upstream_message(body: bytes, limit: int = 300) -> str:

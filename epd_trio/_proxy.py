@@ -1,16 +1,24 @@
 """The E -> P -> D pipeline for one client request (PROTOCOL.md), independent of the web framework.
 
-``Proxy`` owns the routing state (one encoder cursor, a prefill and a decode slot cursor) and the
-pooled httpx client; it takes the raw client body and returns a ``Reply`` for the web layer to send.
-Stages run in order; each is skipped when the layout has no such role (no encoders, or a request
-without media: no encode stage; no prefill instances: decode does the whole request).
+``Proxy`` owns the routing state (one encoder cursor, a prefill and a decode slot cursor), the
+health ``Registry`` and the pooled httpx client; it takes the raw client body and returns a
+``Reply`` for the web layer to send. Stages run in order; each is skipped when the layout has no
+such role (no encoders, or a request without media: no encode stage; no prefill instances:
+decode does the whole request).
+
+Failure rules (README "Guarantees"): encoder and prefill attempts fail over to another instance
+(``max_attempts``); a decode that fails before its first byte is retried on another decode slot,
+re-running prefill since its KV handle belongs to the failed attempt (``decode_retries``);
+nothing is retried once a byte reached the client, and a 4xx is never retried.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -21,7 +29,9 @@ import trio
 from ._config import Settings
 from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
-from ._fanout import fan_out
+from ._failover import Failover, Slot, with_failover
+from ._health import Registry
+from ._prober import run_prober
 from ._rewrite import (
     Kind,
     build_decode_body,
@@ -42,6 +52,8 @@ from ._upstream import (
     run_encoder_fanout,
 )
 
+log = logging.getLogger("epd_trio")
+
 PATHS: dict[Kind, str] = {"chat": CHAT_PATH, "completions": "/v1/completions"}
 
 
@@ -55,13 +67,16 @@ class Reply:
     stream: AsyncIterator[bytes] | None = None
 
 
-@dataclass(slots=True)
-class Route:
-    """Which instances one request used (kept for logs, metrics and tests)."""
+@dataclass
+class Counters:
+    """Process-wide event counts (exported as metrics; read by tests)."""
 
-    encoders: list[str] = field(default_factory=list)
-    prefill: tuple[str, int | None] | None = None
-    decode: tuple[str, int | None] | None = None
+    #: Retries (attempts after the first) by stage.
+    retries: Counter[str] = field(default_factory=Counter)
+    #: Requests abandoned by their client, by the stage they were in.
+    client_cancels: Counter[str] = field(default_factory=Counter)
+    #: Prefill answers without ``kv_transfer_params`` (decode then recomputes the prefill).
+    kv_missing: int = 0
 
 
 def new_request_id(client_value: str | None) -> str:
@@ -93,18 +108,31 @@ def make_client(settings: Settings) -> httpx.AsyncClient:
 
 
 class Proxy:
-    """Routing state and upstream calls for one proxy process.
+    """Routing state, health and upstream calls for one proxy process.
 
-    The client must be opened before serving and closed after (``async with proxy.running():``
-    or the app's lifespan hooks); everything per request happens in ``handle``.
+    ``start(nursery)`` opens the upstream client and starts the health prober in ``nursery``;
+    ``aclose()`` stops the prober, then closes the client. Everything per request happens in
+    ``handle``.
     """
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.registry = Registry.from_roles(
+            {"encode": settings.encode_urls, "prefill": settings.prefill_urls,
+             "decode": settings.decode_urls},
+            threshold=settings.health_threshold,
+        )
+        self.registry.on_change.append(_log_health_change)
         self.encoders = EncoderCursor(settings.encode_urls)
         self.prefills = SlotCursor(settings.prefill_urls)
         self.decodes = SlotCursor(settings.decode_urls)
+        self.counters = Counters()
+        self._failover = Failover(max_attempts=settings.max_attempts, track=self._track,
+                                  on_retry=self._retried)
+        self._decode_failover = Failover(max_attempts=1 + settings.decode_retries,
+                                         on_retry=self._retried)
         self._client: httpx.AsyncClient | None = None
+        self._prober: trio.CancelScope | None = None
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -112,15 +140,58 @@ class Proxy:
             raise RuntimeError("Proxy.client used outside start()/aclose()")
         return self._client
 
-    async def start(self) -> None:
+    async def start(self, nursery: trio.Nursery | None = None) -> None:
+        """Open the upstream client; with a ``nursery``, also start the health prober in it."""
         self._client = make_client(self.settings)
+        if nursery is not None:
+            self._prober = await nursery.start(self._run_prober)
+
+    async def _run_prober(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            await run_prober(self.client, self.registry, interval=self.settings.health_interval,
+                             probe_timeout=self.settings.health_timeout)
 
     async def aclose(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            self._prober = None
         if self._client is not None:
             with trio.CancelScope(shield=True):
                 await self._client.aclose()
             self._client = None
 
+    # -- bookkeeping ---------------------------------------------------------------------------
+    @contextmanager
+    def _track(self, stage: str, instance: Instance) -> Iterator[None]:
+        """Count one upstream attempt: in flight while it runs, its outcome fed to health."""
+        state = self.registry.state(stage, instance.url)
+        state.in_flight += 1
+        state.sent += 1
+        try:
+            yield
+        except UpstreamError as error:
+            state.errors += 1
+            if error.instance_failure:
+                self.registry.failed(state)
+            raise
+        else:
+            self.registry.succeeded(state)
+        finally:
+            state.in_flight -= 1
+
+    def _retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
+        self.counters.retries[stage] += 1
+        log.warning("retrying %s after failure at %s: %s", stage, instance.url, error.message)
+
+    async def _next_slot(self, cursor: SlotCursor, role: str, tried: set[str]) -> Slot | None:
+        usable = self.registry.usable(role)
+        try:
+            return cursor.next(lambda inst: inst.url not in tried and usable(inst))
+        except LookupError:
+            return None
+
+    # -- the pipeline --------------------------------------------------------------------------
     async def handle(
         self,
         kind: Kind,
@@ -136,96 +207,137 @@ class Proxy:
         stream): the web layer closes it after the response is sent or the client went away.
         Raises ``ProxyError`` for anything the client must be told.
         """
-        settings = self.settings
         request = parse_request(raw_body, kind)
         body, items = with_item_uuids(request)
-        reply_headers = {"x-request-id": request_id}
+        stage = "encode"
+        try:
+            if items and self.settings.encode_urls:
+                await run_encoder_fanout(
+                    self.client, self.encoders, body=body, items=items, request_id=request_id,
+                    max_batch=self.settings.encoder_max_batch,
+                    deadline=self.settings.encode_timeout, authorization=authorization,
+                    usable=self.registry.usable("encode"), failover=self._failover,
+                )
+            stage = "prefill" if self.settings.prefill_urls else "decode"
+            attempts = 0
 
-        if items and settings.encode_urls:
-            await run_encoder_fanout(
-                self.client, self.encoders, body=body, items=items, request_id=request_id,
-                max_batch=settings.encoder_max_batch, deadline=settings.encode_timeout,
-                authorization=authorization,
-            )
+            async def attempt(slot: Slot) -> Reply:
+                nonlocal attempts, stage
+                leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
+                attempts += 1
+                decode_body: dict[str, Any] = body
+                if self.settings.prefill_urls:
+                    stage = "prefill"
+                    decode_body = await self._prefill(body, PATHS[kind], leg_id, authorization)
+                stage = "decode"
+                return await self._decode(slot, decode_body, request.stream, PATHS[kind],
+                                          leg_id, authorization, resources)
 
-        path = PATHS[kind]
-        decode_body: dict[str, Any] = body
-        if settings.prefill_urls:
-            prefill, rank = self.prefills.next()
-            response = await post_json(
-                self.client, stage="prefill", instance=prefill, path=path,
-                body=build_prefill_body(body),
+            first = await self._next_slot(self.decodes, "decode", set())
+            assert first is not None  # decode_urls is never empty
+            reply = await with_failover(self._decode_failover, "decode", first, attempt,
+                                        partial(self._next_slot, self.decodes, "decode"))
+        except trio.Cancelled:
+            self.counters.client_cancels[stage] += 1
+            raise
+        reply.headers["x-request-id"] = request_id
+        return reply
+
+    async def _prefill(
+        self, body: dict[str, Any], path: str, request_id: str, authorization: str | None
+    ) -> dict[str, Any]:
+        """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
+        prefill_body = build_prefill_body(body)
+
+        async def attempt(slot: Slot) -> httpx.Response:
+            instance, rank = slot
+            return await post_json(
+                self.client, stage="prefill", instance=instance, path=path, body=prefill_body,
                 headers=upstream_headers(request_id, rank, authorization),
-                deadline=settings.prefill_timeout,
+                deadline=self.settings.prefill_timeout,
             )
-            decode_body = build_decode_body(body, kv_transfer_params_of(response.content))
 
-        decode, rank = self.decodes.next()
+        first = await self._next_slot(self.prefills, "prefill", set())
+        assert first is not None
+        response = await with_failover(self._failover, "prefill", first, attempt,
+                                       partial(self._next_slot, self.prefills, "prefill"))
+        params = kv_transfer_params_of(response.content)
+        if params is None:
+            self.counters.kv_missing += 1
+        return build_decode_body(body, params)
+
+    async def _decode(
+        self, slot: Slot, body: dict[str, Any], stream: bool, path: str, request_id: str,
+        authorization: str | None, resources: AsyncExitStack,
+    ) -> Reply:
+        instance, rank = slot
         headers = upstream_headers(request_id, rank, authorization)
-        if not request.stream:
-            response = await post_json(
-                self.client, stage="decode", instance=decode, path=path, body=decode_body,
-                headers=headers, deadline=settings.decode_timeout,
+        with self._track("decode", instance):
+            if not stream:
+                response = await post_json(
+                    self.client, stage="decode", instance=instance, path=path, body=body,
+                    headers=headers, deadline=self.settings.decode_timeout,
+                )
+                content_type = response.headers.get("content-type", "application/json")
+                return Reply(response.status_code, {"content-type": content_type},
+                             body=response.content)
+            response = await open_stream(
+                self.client, stage="decode", instance=instance, path=path, body=body,
+                headers=headers, deadline=self.settings.decode_timeout,
+                idle_timeout=self.settings.stream_idle_timeout,
             )
-            content_type = response.headers.get("content-type", "application/json")
-            return Reply(response.status_code, {**reply_headers, "content-type": content_type},
-                         body=response.content)
+        # The stream stays in flight until the web layer closes the request's resources.
+        state = self.registry.state("decode", instance.url)
+        state.in_flight += 1
 
-        response = await open_stream(
-            self.client, stage="decode", instance=decode, path=path, body=decode_body,
-            headers=headers, deadline=settings.decode_timeout,
-            idle_timeout=settings.stream_idle_timeout,
-        )
+        def stream_closed() -> None:
+            state.in_flight -= 1
+
+        def stream_failed(error: UpstreamError) -> None:
+            state.errors += 1
+            if error.instance_failure:
+                self.registry.failed(state)
+
+        def stream_abandoned() -> None:
+            self.counters.client_cancels["decode"] += 1
+
+        resources.callback(stream_closed)
         resources.push_async_callback(aclose_shielded, response)
         return Reply(
-            response.status_code,
-            {**reply_headers, "content-type": "text/event-stream", "cache-control": "no-cache"},
-            stream=relay_stream(response, stage="decode", instance=decode.url),
+            response.status_code, {"content-type": "text/event-stream", "cache-control": "no-cache"},
+            stream=relay_stream(response, stage="decode", instance=instance.url,
+                                on_error=stream_failed, on_abandon=stream_abandoned),
         )
 
+    # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:
-        """``GET /v1/models`` from the first decode-side instance that answers."""
+        """``GET /v1/models`` from the first live decode-side instance that answers."""
+        usable = self.registry.usable("decode")
+        candidates = sorted(self.settings.decode_urls, key=lambda inst: not usable(inst))
         last_error: UpstreamError | None = None
-        for instance in self.settings.decode_urls:
+        for instance in candidates:
             try:
-                with_deadline = self.settings.connect_timeout + 5.0
-                response = await get(self.client, "decode", instance, "/v1/models", with_deadline)
-            except UpstreamError as exc:
-                last_error = exc
+                response = await get(self.client, "decode", instance, "/v1/models",
+                                     self.settings.health_timeout + self.settings.connect_timeout)
+            except UpstreamError as error:
+                last_error = error
                 continue
             content_type = response.headers.get("content-type", "application/json")
-            return Reply(response.status_code, {"content-type": content_type}, body=response.content)
+            return Reply(response.status_code, {"content-type": content_type},
+                         body=response.content)
         assert last_error is not None
         raise last_error
 
-    async def health(self, probe_timeout: float = 2.0) -> tuple[bool, dict[str, Any]]:
-        """Probe every instance's ``/health`` concurrently; healthy when each role has a live one."""
-        roles = {
-            "encode": self.settings.encode_urls,
-            "prefill": self.settings.prefill_urls,
-            "decode": self.settings.decode_urls,
-        }
-        targets = [(role, inst) for role, insts in roles.items() for inst in insts]
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """200-worthy when every configured role has a live instance; the per-instance report."""
+        ok = self.registry.healthy()
+        return ok, {"status": "ok" if ok else "unavailable", "layout": self.settings.layout,
+                    "ready": self.registry.ready(), "roles": self.registry.report()}
 
-        async def probe(role: str, instance: Instance) -> bool:
-            try:
-                await get(self.client, role, instance, "/health", probe_timeout)
-            except UpstreamError:
-                return False
-            return True
 
-        results = await fan_out([partial(probe, role, inst) for role, inst in targets])
-        report: dict[str, Any] = {"layout": self.settings.layout, "roles": {}}
-        ok = True
-        for role, instances in roles.items():
-            if not instances:
-                continue
-            states = [
-                {"url": inst.url, "dp_size": inst.dp_size, "healthy": healthy}
-                for (r, inst), healthy in zip(targets, results, strict=True)
-                if r == role
-            ]
-            report["roles"][role] = states
-            ok = ok and any(s["healthy"] for s in states)
-        report["status"] = "ok" if ok else "unavailable"
-        return ok, report
+def _log_health_change(state: Any) -> None:
+    if state.live:
+        log.warning("%s instance %s is back in rotation", state.role, state.url)
+    else:
+        log.warning("%s instance %s left the rotation after %d consecutive failures",
+                    state.role, state.url, state.consecutive_failures)

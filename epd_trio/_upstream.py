@@ -9,9 +9,9 @@ every upstream connection of its request (vLLM sees the disconnect and aborts th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -19,13 +19,14 @@ import httpx
 import orjson
 import trio
 
-from ._cursors import EncoderCursor
+from ._cursors import EncoderCursor, Usable
 from ._errors import (
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamTransportError,
 )
+from ._failover import NO_FAILOVER, Failover, with_failover
 from ._fanout import fan_out
 from ._rewrite import build_encoder_body, upstream_headers
 from ._routing import Instance, group_by_target
@@ -52,7 +53,8 @@ def map_httpx_errors(
         ) from None
     except httpx.TimeoutException as exc:
         raise UpstreamTimeout(
-            f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage, instance=instance
+            f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage, instance=instance,
+            connect=isinstance(exc, httpx.ConnectTimeout),
         ) from exc
     except httpx.TransportError as exc:
         raise UpstreamTransportError(
@@ -160,22 +162,35 @@ def sse_error_event(error: UpstreamError) -> bytes:
 
 
 async def relay_stream(
-    response: httpx.Response, *, stage: str, instance: str
+    response: httpx.Response,
+    *,
+    stage: str,
+    instance: str,
+    on_error: Callable[[UpstreamError], None] | None = None,
+    on_abandon: Callable[[], None] | None = None,
 ) -> AsyncIterator[bytes]:
     """Yield the upstream bytes exactly as received (no re-chunking, no decoding).
 
     If the upstream breaks or goes silent past its idle timeout after bytes were sent, the stream
-    ends with an SSE error event instead of a silent truncation. The response is closed when the
-    generator finishes, fails or is closed early (client gone).
+    ends with an SSE error event instead of a silent truncation (``on_error`` is told). If the
+    consumer stops early (the client went away), ``on_abandon`` is told. The response is closed
+    in every case, which makes vLLM abort the generation.
     """
+    finished = False
     try:
         try:
             with map_httpx_errors(stage, instance):
                 async for chunk in response.aiter_raw():
                     yield chunk
-        except UpstreamError as exc:
-            yield sse_error_event(exc)
+            finished = True
+        except UpstreamError as error:
+            finished = True
+            if on_error is not None:
+                on_error(error)
+            yield sse_error_event(error)
     finally:
+        if not finished and on_abandon is not None:
+            on_abandon()
         await aclose_shielded(response)
 
 
@@ -198,32 +213,49 @@ async def run_encoder_fanout(
     max_batch: int = 0,
     deadline: float = 300.0,
     authorization: str | None = None,
+    usable: Usable | None = None,
+    failover: Failover = NO_FAILOVER,
 ) -> list[EncoderCall]:
     """Encode every media item of one request, concurrently, on round-robin encoders.
 
     ``items`` are the request's media parts already carrying their ``uuid`` (see
     ``with_item_uuids``); ``body`` supplies ``model`` and the media-processing fields. Items are
-    assigned from the shared ``cursor`` (one locked step per request, before anything is sent),
-    grouped per encoder (at most ``max_batch`` items per sub-request, 0 = no cap), and sent in one
-    nursery. The first failure cancels the sibling sub-requests and is raised as one
-    ``UpstreamError`` naming the ``encode`` stage, the instance and the item indices; the whole
-    stage is bounded by ``deadline`` seconds.
+    assigned from the shared ``cursor`` among the ``usable`` encoders (one locked step per
+    request, before anything is sent), grouped per encoder (at most ``max_batch`` items per
+    sub-request, 0 = no cap), and sent in one nursery. A sub-request that fails in a retryable
+    way is retried on the next untried encoder in rotation (``failover.max_attempts`` in all);
+    the first failure that stays a failure cancels the sibling sub-requests and is raised as one
+    ``UpstreamError`` naming the ``encode`` stage, the instance and the item indices. Each
+    attempt is bounded by ``deadline`` seconds. ``EncoderCall.instance`` is where it succeeded.
     """
     if not items:
         return []
-    assigned = await cursor.assign(len(items))
-    calls = [
+    assigned = await cursor.assign(len(items), usable)
+    planned = [
         EncoderCall(k, instance, tuple(indices))
         for k, (instance, indices) in enumerate(group_by_target(assigned, max_batch))
     ]
 
-    async def encode(call: EncoderCall) -> None:
-        await post_json(
-            client, stage="encode", instance=call.instance, path=CHAT_PATH,
-            body=build_encoder_body(body, [items[i] for i in call.item_indices]),
-            headers=upstream_headers(f"{request_id}-enc-{call.index}", None, authorization),
-            deadline=deadline, detail=f"items {list(call.item_indices)}: ",
-        )
+    async def encode(call: EncoderCall) -> EncoderCall:
+        encoder_body = build_encoder_body(body, [items[i] for i in call.item_indices])
+        headers = upstream_headers(f"{request_id}-enc-{call.index}", None, authorization)
+        detail = f"items {list(call.item_indices)}: "
 
-    await fan_out([partial(encode, call) for call in calls])
-    return calls
+        async def attempt(slot: tuple[Instance, int | None]) -> EncoderCall:
+            await post_json(
+                client, stage="encode", instance=slot[0], path=CHAT_PATH, body=encoder_body,
+                headers=headers, deadline=deadline, detail=detail,
+            )
+            return replace(call, instance=slot[0])
+
+        async def pick_next(tried: set[str]) -> tuple[Instance, int | None] | None:
+            try:
+                (instance,) = await cursor.assign(1, lambda e: e.url not in tried and (
+                    usable is None or usable(e)))
+            except LookupError:
+                return None
+            return instance, None
+
+        return await with_failover(failover, "encode", (call.instance, None), attempt, pick_next)
+
+    return await fan_out([partial(encode, call) for call in planned])

@@ -144,7 +144,8 @@ async def test_300_concurrent_single_image_requests_split_exactly(
 async def test_failing_encoder_cancels_siblings_and_fails_once(
     client: httpx.AsyncClient,
 ) -> None:
-    async with run_cluster(encoders=3, prefills=1, decodes=1) as c:
+    # One attempt per sub-request: the failure is final (failover is tested in test_faults.py).
+    async with run_cluster(encoders=3, prefills=1, decodes=1, max_attempts=1) as c:
         e0, e1, e2 = c.encoders
         e0.behaviour.hang = True
         e2.behaviour.hang = True
@@ -261,9 +262,7 @@ async def test_models_and_health(client: httpx.AsyncClient) -> None:
         assert r.status_code == 200
         report = r.json()
         assert report["layout"] == "E+P+D"
-        assert [i["healthy"] for i in report["roles"]["decode"]] == [True, True]
-        c.encoders[0].behaviour.fail_status = 503  # only /v1 paths fail; /health stays up
-        assert (await client.get(c.proxy_url + "/health")).status_code == 200
+        assert [i["state"] for i in report["roles"]["decode"]] == ["healthy", "healthy"]
 
 
 async def test_client_body_errors_are_openai_json(client: httpx.AsyncClient) -> None:

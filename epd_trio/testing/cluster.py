@@ -15,6 +15,7 @@ import trio
 
 from .._app import create_app
 from .._config import Settings
+from .._proxy import Proxy
 from .._routing import Instance
 from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
 from .fake_vllm import FakeVLLM, Role
@@ -29,6 +30,8 @@ class Cluster:
     decodes: list[FakeVLLM]
     settings: Settings
     proxy_url: str
+    #: The proxy object behind the app (its registry, counters and cursors).
+    proxy: Proxy
 
     @property
     def fakes(self) -> list[FakeVLLM]:
@@ -83,7 +86,7 @@ async def run_cluster(
                 serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive), stop
             )
             try:
-                yield Cluster(e, p, d, config, url)
+                yield Cluster(e, p, d, config, url, app.extensions["epd_trio.proxy"])
             finally:
                 stop.set()
         nursery.cancel_scope.cancel()

@@ -60,6 +60,8 @@ class Behaviour:
     gate: Callable[[], Awaitable[None]] | None = None
     #: Prompt length limit, in whitespace-separated words plus media items.
     max_model_len: int = 4096
+    #: ``GET /health`` answers 200 when True, 503 when False.
+    healthy: bool = True
 
 
 @dataclass
@@ -93,6 +95,7 @@ class FakeVLLM:
     disconnects: int = 0
     url: str = ""
     _changed: trio.Event = field(default_factory=trio.Event, repr=False)
+    _scope: trio.CancelScope | None = field(default=None, repr=False)
     _ids: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
     def __post_init__(self) -> None:
@@ -122,9 +125,15 @@ class FakeVLLM:
         task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve on ``host:port`` (0 = any free port) until cancelled; reports the base URL."""
-        async with trio.open_nursery() as nursery:
-            self.url = await nursery.start(serve_app, self, quiet_config(host, port))
-            task_status.started(self.url)
+        with trio.CancelScope() as self._scope:
+            async with trio.open_nursery() as nursery:
+                self.url = await nursery.start(serve_app, self, quiet_config(host, port))
+                task_status.started(self.url)
+
+    def stop(self) -> None:
+        """Kill the server abruptly: listener and open connections close, like a crashed vLLM."""
+        if self._scope is not None:
+            self._scope.cancel()
 
     # -- ASGI ----------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -200,7 +209,7 @@ class FakeVLLM:
     async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:
         b = self.behaviour
         if record.path == "/health":
-            await respond(200, b"")
+            await respond(200 if b.healthy else 503, b"")
             return
         if record.path == "/v1/models" and record.method == "GET":
             await respond(200, orjson.dumps({"object": "list", "data": [{

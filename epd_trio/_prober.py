@@ -1,0 +1,47 @@
+"""The background health prober: one task per proxy, owned by the app's lifespan nursery.
+
+Every ``interval`` seconds it probes every instance's ``GET /health`` concurrently (one nursery
+per round, so a slow instance delays nobody else's verdict) and feeds the results to the
+``Registry``. Any failure counts: refused, timed out, or a non-2xx answer.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import httpx
+import trio
+
+from ._errors import UpstreamError
+from ._fanout import fan_out
+from ._health import InstanceState, Registry
+from ._upstream import get
+
+
+async def probe_once(client: httpx.AsyncClient, registry: Registry, probe_timeout: float) -> None:
+    """One probe of every instance (returns when all have answered or timed out)."""
+
+    async def probe(state: InstanceState) -> None:
+        try:
+            await get(client, state.role, state.instance, "/health", probe_timeout)
+        except UpstreamError:
+            registry.failed(state)
+        else:
+            registry.succeeded(state)
+
+    await fan_out([partial(probe, state) for state in registry.states()])
+
+
+async def run_prober(
+    client: httpx.AsyncClient,
+    registry: Registry,
+    *,
+    interval: float,
+    probe_timeout: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Probe forever (until cancelled); the first round starts at once."""
+    task_status.started()
+    while True:
+        await probe_once(client, registry, probe_timeout)
+        await trio.sleep(interval)
