@@ -41,9 +41,21 @@ async def fan_out(jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
                 first_failure.append(exc)
             scope.cancel()
 
-    async with trio.open_nursery() as nursery:
-        for index, job in enumerate(jobs):
-            nursery.start_soon(run, index, job, nursery.cancel_scope)
+    try:
+        async with trio.open_nursery() as nursery:
+            for index, job in enumerate(jobs):
+                nursery.start_soon(run, index, job, nursery.cancel_scope)
+    except BaseExceptionGroup as group:
+        # Jobs only let BaseExceptions through; when those are all Cancelled (we are being
+        # cancelled from outside), re-raise one plain Cancelled so callers can `except` it.
+        if group.split(trio.Cancelled)[1] is None:
+            raise _first_leaf(group) from None
+        raise
     if first_failure:
         raise first_failure[0]
     return results  # type: ignore[return-value]
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first

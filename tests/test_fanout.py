@@ -58,9 +58,20 @@ async def test_outer_cancellation_cancels_every_job() -> None:
             cancelled.append(i)
             raise
 
+    seen: list[BaseException] = []
+
+    async def caller() -> None:
+        try:
+            await fan_out([partial(job, i) for i in range(5)])
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fan_out, [partial(job, i) for i in range(5)])
+        nursery.start_soon(caller)
         await trio.testing.wait_all_tasks_blocked()
         assert sorted(running) == list(range(5))
         nursery.cancel_scope.cancel()
     assert sorted(cancelled) == list(range(5))
+    (exc,) = seen
+    assert isinstance(exc, trio.Cancelled)  # one plain Cancelled, not a group of them

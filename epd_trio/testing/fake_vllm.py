@@ -91,6 +91,7 @@ class FakeVLLM:
     model: str = "fake-model"
     behaviour: Behaviour = field(default_factory=Behaviour)
     received: list[Received] = field(default_factory=list)
+    #: API (``/v1/...``) requests being answered now; health probes are not counted.
     in_flight: int = 0
     disconnects: int = 0
     url: str = ""
@@ -162,7 +163,8 @@ class FakeVLLM:
             request_id=headers.get("x-request-id"),
         )
         self.received.append(record)
-        self.in_flight += 1
+        api = record.path.startswith("/v1/")
+        self.in_flight += api
         self._notify()
         finishing = False
 
@@ -186,6 +188,13 @@ class FakeVLLM:
             record.sent += content
             await send({"type": "http.response.body", "body": content, "more_body": not last})
 
+        def client_left() -> None:
+            if not finishing and not record.disconnected:
+                record.disconnected = True
+                self.disconnects += 1
+
+        # Hypercorn either delivers ``http.disconnect`` (seen by the watcher) or cancels the app
+        # task when the connection closes; both count as the client going away.
         try:
             async with trio.open_nursery() as nursery:
 
@@ -194,16 +203,20 @@ class FakeVLLM:
                         message = await receive()
                         if message["type"] == "http.disconnect":
                             break
-                    if not finishing:
-                        record.disconnected = True
-                        self.disconnects += 1
-                        nursery.cancel_scope.cancel()
+                    client_left()
+                    nursery.cancel_scope.cancel()
 
                 nursery.start_soon(watch_disconnect)
                 await self._handle(record, respond, body_chunk)
                 nursery.cancel_scope.cancel()
+        except BaseException as exc:
+            cancelled = isinstance(exc, trio.Cancelled) or (
+                isinstance(exc, BaseExceptionGroup) and exc.split(trio.Cancelled)[1] is None)
+            if cancelled:
+                client_left()
+            raise
         finally:
-            self.in_flight -= 1
+            self.in_flight -= api
             self._notify()
 
     async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:

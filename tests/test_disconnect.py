@@ -1,0 +1,57 @@
+"""A client that goes away cancels every upstream leg of its request, whatever the stage."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from epd_trio.testing import Cluster, FakeVLLM, run_cluster
+
+from helpers import chat_body, image
+
+CHAT = "/v1/chat/completions"
+
+
+def _stage_target(c: Cluster, stage: str) -> FakeVLLM:
+    return {"encode": c.encoders[0], "prefill": c.prefills[0]}.get(stage, c.decodes[0])
+
+
+@pytest.mark.parametrize("stage", ["encode", "prefill", "decode", "decode-stream"])
+async def test_client_disconnect_cancels_the_upstream_leg(
+    client: httpx.AsyncClient, stage: str
+) -> None:
+    async with run_cluster(encoders=1, prefills=1, decodes=1) as c:
+        target = _stage_target(c, stage)
+        stream = stage == "decode-stream"
+        if stream:
+            target.behaviour.chunk_delay = 3600  # first chunk, then silence
+        else:
+            target.behaviour.hang = True
+        body = chat_body(image(1), stream=stream)
+        first_byte = trio.Event()
+
+        async def request(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                async with client.stream("POST", c.proxy_url + CHAT, json=body) as r:
+                    async for _ in r.aiter_raw():
+                        first_byte.set()
+
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(request)
+            with trio.fail_after(10):
+                if stream:
+                    await first_byte.wait()
+                else:
+                    await target.wait_until(lambda: target.in_flight == 1)
+                scope.cancel()  # the client closes its connection
+                await target.wait_until(lambda: target.disconnects == 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert target.in_flight == 0
+        assert c.proxy.registry.in_flight() == 0
+        assert c.proxy.counters.client_cancels == {stage.removesuffix("-stream"): 1}
+        later = [f for f in c.fakes if f is not target and f.requests()]
+        order = [*c.encoders, *c.prefills, *c.decodes]
+        assert all(order.index(f) < order.index(target) for f in later)  # no later stage ran

@@ -1,0 +1,152 @@
+"""Failover, deadlines and broken upstreams, against fake vLLM servers over real sockets."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import orjson
+import trio
+import trio.testing
+
+from epd_trio import Instance
+from epd_trio.testing import run_cluster
+
+from helpers import chat_body, image
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_encoder_killed_mid_burst(client: httpx.AsyncClient) -> None:
+    async with run_cluster(encoders=3, prefills=1, decodes=2, health_interval=3600,
+                           health_threshold=2) as c:
+        victim = c.encoders[1]
+        for e in c.encoders:
+            e.behaviour.latency = 0.01  # keep requests in flight when the kill comes
+        state = c.proxy.registry.state("encode", victim.url)
+        sent_at_eviction: list[int] = []
+        c.proxy.registry.on_change.append(
+            lambda s: sent_at_eviction.append(s.sent) if s is state and not s.live else None)
+        outcomes: Counter[str] = Counter()
+        errors: list[dict] = []
+
+        async def one(n: int) -> None:
+            with trio.move_on_after(60) as scope:
+                r = await client.post(c.proxy_url + CHAT, json=chat_body(image(n)))
+                if r.status_code == 200:
+                    outcomes["ok"] += 1
+                else:
+                    errors.append(r.json())
+                    outcomes["failed cleanly" if r.status_code >= 500 else "other"] += 1
+            if scope.cancelled_caught:
+                outcomes["hung"] += 1
+
+        async with trio.open_nursery() as nursery:
+            for n in range(200):
+                nursery.start_soon(one, n)
+            await victim.wait_until(lambda: len(victim.requests()) >= 20)
+            victim.stop()
+        assert outcomes["hung"] == 0 and outcomes["other"] == 0, (outcomes, errors)
+        assert outcomes["ok"] + outcomes["failed cleanly"] == 200
+        assert all(e["error"]["stage"] == "encode" for e in errors)
+        assert not state.live and sent_at_eviction  # evicted by live transport failures
+        assert c.proxy.counters.retries["encode"] >= 1
+        # Evicted: the dead encoder gets nothing more.
+        sent_after_burst = state.sent
+        for n in range(200, 230):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(image(n)))
+            assert r.status_code == 200
+        assert state.sent == sent_after_burst
+        print(f"\nencoder kill mid-burst of 200: {dict(outcomes)}, "
+              f"encode retries {c.proxy.counters.retries['encode']}")
+
+
+async def test_decode_500_before_first_byte_succeeds_on_the_other(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(prefills=1, decodes=2) as c:
+        d0, d1 = c.decodes
+        d0.behaviour.fail_status = 500
+        for stream in (False, True):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=stream),
+                                  headers={"x-request-id": f"s{stream}"})
+            assert r.status_code == 200, r.text
+        # Each request: d0 failed, prefill re-ran for the retry (its KV handle belonged to the
+        # failed attempt), d1 answered.
+        assert [x.request_id for x in d0.requests()] == ["sFalse", "sTrue"]
+        assert [x.request_id for x in d1.requests()] == ["sFalse-retry1", "sTrue-retry1"]
+        prefill_ids = [x.request_id for x in c.prefills[0].requests()]
+        assert prefill_ids == ["sFalse", "sFalse-retry1", "sTrue", "sTrue-retry1"]
+        retried = d1.requests()[0].body["kv_transfer_params"]["remote_request_id"]
+        assert retried == "sFalse-retry1"
+        assert c.proxy.counters.retries == {"decode": 2}
+
+
+async def test_client_errors_are_never_retried(client: httpx.AsyncClient) -> None:
+    async with run_cluster(encoders=2, prefills=2, decodes=2) as c:
+        c.prefills[0].behaviour.fail_status = 422
+        c.decodes[1].behaviour.fail_status = 400
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())  # P0 (fails), D0 not called
+        assert r.status_code == 422
+        assert len(c.prefills[1].requests()) == 0 and len(c.decodes[0].requests()) == 0
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())  # P1, then D1 (fails)
+        assert r.status_code == 400
+        assert len(c.decodes[0].requests()) == 0 and len(c.prefills[0].requests()) == 1
+        assert c.proxy.counters.retries == {}
+
+
+async def test_prefill_failover_to_the_next_instance(client: httpx.AsyncClient) -> None:
+    async with run_cluster(prefills=2, decodes=1, prefill_timeout=0.5) as c:
+        p0, p1 = c.prefills
+        p0.behaviour.hang = True
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200
+        assert len(p0.requests()) == len(p1.requests()) == 1
+        assert c.proxy.counters.retries == {"prefill": 1}
+        assert p0.disconnects == 1  # the timed-out attempt was closed, so vLLM aborts it
+
+
+async def test_hung_prefill_is_a_504_at_the_deadline(client: httpx.AsyncClient) -> None:
+    async with run_cluster(prefills=1, decodes=1, prefill_timeout=0.3) as c:
+        c.prefills[0].behaviour.hang = True
+        with trio.fail_after(10):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 504
+        error = r.json()["error"]
+        assert error["stage"] == "prefill" and error["instance"] == c.prefills[0].url
+        assert error["type"] == "upstream_timeout" and "0.3 s" in error["message"]
+        assert c.decodes[0].requests() == []
+
+
+async def test_decode_first_byte_deadline(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1, decode_timeout=0.3) as c:
+        c.decodes[0].behaviour.hang = True
+        for stream in (False, True):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=stream))
+            assert r.status_code == 504 and r.json()["error"]["stage"] == "decode"
+
+
+async def test_stream_idle_gap_ends_with_an_sse_error(client: httpx.AsyncClient) -> None:
+    async with run_cluster(prefills=1, decodes=2, stream_idle_timeout=0.3) as c:
+        c.decodes[0].behaviour.chunk_delay = 3600
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+        assert r.status_code == 200
+        frames = [f for f in r.text.split("\n\n") if f]
+        assert len(frames) == 2  # the first chunk, then the error: no retry after a byte
+        error = orjson.loads(frames[-1].removeprefix("data: "))["error"]
+        assert error["stage"] == "decode" and error["type"] == "upstream_timeout"
+        assert c.decodes[1].requests() == [] and c.proxy.counters.retries == {}
+        await trio.testing.wait_all_tasks_blocked()
+        assert c.decodes[0].disconnects == 1 and c.proxy.registry.in_flight() == 0
+
+
+async def test_unreachable_prefill_fails_over(client: httpx.AsyncClient) -> None:
+    dead = Instance("http://127.0.0.1:1")
+    async with run_cluster(prefills=1, decodes=1, health_interval=3600) as c:
+        live = c.settings.prefill_urls[0]
+        async with run_cluster(decodes=1, prefill_urls=(dead, live),
+                               decode_urls=c.settings.decode_urls, health_interval=3600) as c2:
+            r = await client.post(c2.proxy_url + CHAT, json=chat_body())
+            assert r.status_code == 200 and len(c.prefills[0].requests()) == 1
+            assert c2.proxy.counters.retries == {"prefill": 1}
+            assert c2.proxy.registry.state("prefill", dead.url).errors == 1

@@ -1,0 +1,139 @@
+"""Health: the pure state machine, the background prober, and routing around the unhealthy."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+import trio.testing
+
+from epd_trio import Instance, SlotCursor
+from epd_trio._health import InstanceState, Registry
+from epd_trio.testing import run_cluster
+
+from helpers import chat_body, image
+
+CHAT = "/v1/chat/completions"
+
+
+def test_threshold_evicts_and_one_success_restores() -> None:
+    state = InstanceState(Instance("http://a:1"), "decode")
+    assert state.live and not state.probed
+    assert [state.record_failure(3) for _ in range(4)] == [False, False, True, False]
+    assert not state.live and state.evictions == 1
+    assert state.record_success() is True
+    assert state.live and state.probed and state.consecutive_failures == 0
+    state.record_failure(3)
+    state.record_success()
+    assert [state.record_failure(3) for _ in range(3)] == [False, False, True]
+
+
+def test_registry_panic_mode_and_readiness() -> None:
+    a, b = Instance("http://a:1"), Instance("http://b:1")
+    registry = Registry.from_roles({"encode": [], "decode": [a, b]}, threshold=1)
+    assert registry.healthy() and not registry.ready()
+    registry.failed(registry.state("decode", a.url))
+    usable = registry.usable("decode")
+    assert not usable(a) and usable(b) and registry.healthy()
+    registry.failed(registry.state("decode", b.url))
+    assert not registry.healthy()
+    assert registry.usable("decode")(a)  # nobody live: try everyone rather than fail for sure
+    registry.succeeded(registry.state("decode", b.url))
+    assert registry.ready() and registry.healthy()
+
+
+def test_skipping_an_instance_keeps_the_order_of_the_others() -> None:
+    a, b, c = (Instance(f"http://{n}:1", 2) for n in "abc")
+    cursor = SlotCursor([a, b, c])
+    got = [cursor.next(lambda i: i is not b) for _ in range(8)]
+    assert got == [(a, 0), (c, 0), (a, 1), (c, 1)] * 2
+
+
+async def test_prober_evicts_and_restores(client: httpx.AsyncClient) -> None:
+    async with run_cluster(encoders=3, prefills=1, decodes=1, health_interval=0.05,
+                           health_threshold=2) as c:
+        e1 = c.encoders[1]
+        changes: list[tuple[str, bool]] = []
+        changed = trio.Event()
+
+        def listen(state: InstanceState) -> None:
+            changes.append((state.url, state.live))
+            changed.set()
+
+        c.proxy.registry.on_change.append(listen)
+        e1.behaviour.healthy = False
+        with trio.fail_after(10):
+            await changed.wait()
+        assert changes == [(e1.url, False)]
+        r = await client.get(c.proxy_url + "/health")
+        assert r.status_code == 200  # the role still has live encoders
+        assert [s["state"] for s in r.json()["roles"]["encode"]] == [
+            "healthy", "unhealthy", "healthy"]
+
+        before = len(e1.requests())
+        owners = []
+        for n in range(4):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(image(n)),
+                                  headers={"x-request-id": f"r{n}"})
+            assert r.status_code == 200
+            owners += [i for i, e in enumerate(c.encoders)
+                       if any(x.request_id == f"r{n}-enc-0" for x in e.requests())]
+        assert owners == [0, 2, 0, 2] and len(e1.requests()) == before
+
+        changed = trio.Event()
+        e1.behaviour.healthy = True
+        with trio.fail_after(10):
+            await changed.wait()
+        assert changes[-1] == (e1.url, True)
+
+
+async def test_health_is_503_when_a_role_has_no_live_instance(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(prefills=1, decodes=1, health_interval=0.05,
+                           health_threshold=1) as c:
+        c.decodes[0].behaviour.healthy = False
+        gone = trio.Event()
+        c.proxy.registry.on_change.append(lambda s: gone.set())
+        with trio.fail_after(10):
+            await gone.wait()
+        r = await client.get(c.proxy_url + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        # Panic mode: requests are still tried (the instance may be fine; only /health says no).
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200
+
+
+async def test_ready_waits_for_one_probe_per_role(client: httpx.AsyncClient) -> None:
+    async with run_cluster(encoders=1, prefills=1, decodes=1, health_interval=0.05) as c:
+        c.encoders[0].behaviour.healthy = False
+        # Wait until the decode and prefill answered a probe: then only the encoder is missing.
+        with trio.fail_after(10):
+            for fake in (c.prefills[0], c.decodes[0]):
+                await fake.wait_until(lambda f=fake: any(
+                    r.path == "/health" and r.status == 200 for r in f.received))
+        r = await client.get(c.proxy_url + "/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False
+        ready = trio.Event()
+        c.proxy.registry.on_change.append(lambda s: ready.set())
+        c.encoders[0].behaviour.healthy = True
+        with trio.fail_after(10):
+            await c.encoders[0].wait_until(lambda: any(
+                r.path == "/health" and r.status == 200 for r in c.encoders[0].received))
+        await trio.testing.wait_all_tasks_blocked()
+        r = await client.get(c.proxy_url + "/ready")
+        assert r.status_code == 200 and r.json()["ready"] is True
+
+
+async def test_live_transport_failures_count_as_failed_probes(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(prefills=1, decodes=2, health_interval=3600,
+                           health_threshold=2) as c:
+        dead = c.decodes[0]
+        state = c.proxy.registry.state("decode", dead.url)
+        await trio.testing.wait_all_tasks_blocked()  # the first probe round is done
+        dead.stop()
+        for _ in range(6):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            assert r.status_code == 200  # each failure fails over to the other decode
+        assert not state.live and state.errors == 2 and state.sent == 2
