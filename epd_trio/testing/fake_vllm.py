@@ -76,6 +76,8 @@ class Received:
     request_id: str | None
     #: Set when the client disconnected before the response was complete.
     disconnected: bool = False
+    #: ``trio.current_time()`` when that disconnect was seen.
+    disconnected_at: float | None = None
     #: Status answered (None while in flight or when the client left first).
     status: int | None = None
     #: The exact response body bytes sent (for byte-for-byte pass-through checks).
@@ -191,6 +193,7 @@ class FakeVLLM:
         def client_left() -> None:
             if not finishing and not record.disconnected:
                 record.disconnected = True
+                record.disconnected_at = trio.current_time()
                 self.disconnects += 1
 
         # Hypercorn either delivers ``http.disconnect`` (seen by the watcher) or cancels the app
