@@ -64,7 +64,9 @@ async def with_failover(
     """Run ``attempt`` on ``first``; on a retryable failure, on ``pick_next(tried_urls)``, ...
 
     At most ``policy.max_attempts`` attempts. ``pick_next`` returns ``None`` when no untried
-    instance is usable, which ends the retries.
+    instance is usable, which ends the retries. Only failures of ``stage`` itself are retried
+    here: an attempt that fails in an inner stage (the prefill inside a decode attempt) has
+    already had that stage's own failover, and retrying it again would multiply the attempts.
     """
     slot, tried, attempts = first, set[str](), 0
     while True:
@@ -73,7 +75,8 @@ async def with_failover(
             with policy.tracking(stage, slot[0]):
                 return await attempt(slot)
         except UpstreamError as error:
-            if attempts >= policy.max_attempts or not is_retryable(error):
+            if (attempts >= policy.max_attempts or error.stage != stage
+                    or not is_retryable(error)):
                 raise
             tried.add(slot[0].url)
             following = await pick_next(tried)

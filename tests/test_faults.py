@@ -95,6 +95,19 @@ async def test_client_errors_are_never_retried(client: httpx.AsyncClient) -> Non
         assert c.proxy.counters.retries == {}
 
 
+async def test_prefill_failures_are_not_retried_again_by_decode(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(prefills=3, decodes=2, max_attempts=2, decode_retries=1) as c:
+        for p in c.prefills:
+            p.behaviour.fail_status = 503
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 502 and r.json()["error"]["stage"] == "prefill"
+        assert sum(len(p.requests()) for p in c.prefills) == 2  # max_attempts, not 2 x 2
+        assert all(d.requests() == [] for d in c.decodes)
+        assert c.proxy.counters.retries == {"prefill": 1}
+
+
 async def test_prefill_failover_to_the_next_instance(client: httpx.AsyncClient) -> None:
     async with run_cluster(prefills=2, decodes=1, prefill_timeout=0.5) as c:
         p0, p1 = c.prefills
