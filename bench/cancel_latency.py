@@ -22,6 +22,12 @@ from epd_trio.testing.media import png_data_url
 STAGES = ("encode", "prefill", "decode", "decode-stream")
 
 
+async def _request(client: httpx.AsyncClient, url: str, body: dict, first_byte: trio.Event) -> None:
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async for _ in r.aiter_raw():
+            first_byte.set()
+
+
 async def measure(stage: str, reps: int) -> list[float]:
     samples = []
     async with run_cluster(encoders=1, prefills=1, decodes=1, health_interval=3600) as c, \
@@ -38,14 +44,7 @@ async def measure(stage: str, reps: int) -> list[float]:
                                 {"type": "text", "text": "hi"}]}]}
             first_byte = trio.Event()
             async with trio.open_nursery() as nursery:
-
-                async def request() -> None:
-                    async with client.stream("POST", c.proxy_url + "/v1/chat/completions",
-                                             json=body) as r:
-                        async for _ in r.aiter_raw():
-                            first_byte.set()
-
-                nursery.start_soon(request)
+                nursery.start_soon(_request, client, c.proxy_url, body, first_byte)
                 with trio.fail_after(10):
                     if stream:
                         await first_byte.wait()

@@ -1,7 +1,6 @@
 """The fake vLLM server behaves like the real one where the proxy depends on it."""
 
 import hashlib
-import re
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import orjson
 import trio
 
 from epd_trio.testing import FakeVLLM
+from epd_trio.testing.process import read_url
 
 from helpers import chat_body, image, url_uuid
 
@@ -58,14 +58,9 @@ async def test_runs_on_its_own() -> None:
     )
     try:
         assert process.stdout is not None
-        out = b""
-        with trio.fail_after(30):
-            while not (match := re.search(rb"on (http://\S+)", out)):
-                chunk = await process.stdout.receive_some()
-                assert chunk, out
-                out += chunk
+        url = await read_url(process.stdout, rb"on (http://\S+)")
         async with httpx.AsyncClient(trust_env=False) as client:
-            r = await client.get(match.group(1).decode() + "/health")
+            r = await client.get(url + "/health")
             assert r.status_code == 200
     finally:
         process.terminate()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 import trio
 
 from epd_trio.testing import FakeVLLM
+from epd_trio.testing.process import read_url
 
 from helpers import chat_body, image
 
@@ -66,13 +66,7 @@ async def test_serves_an_epd_request_under_hypercorn(nursery: trio.Nursery) -> N
     )
     try:
         assert process.stderr is not None
-        log = b""
-        with trio.fail_after(30):
-            while not (match := re.search(rb"Running on (http://\S+)", log)):
-                chunk = await process.stderr.receive_some()
-                assert chunk, f"hypercorn exited early: {log.decode()}"
-                log += chunk
-        url = match.group(1).decode()
+        url = await read_url(process.stderr, rb"Running on (http://\S+)")
         async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
             for _ in range(2):
                 r = await client.post(url + "/v1/chat/completions", json=chat_body(image(1)))
