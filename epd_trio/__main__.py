@@ -1,4 +1,8 @@
-"""Command line: ``epd-trio demo`` (or ``python -m epd_trio demo``).
+"""Command line: ``epd-trio serve`` and ``epd-trio demo`` (or ``python -m epd_trio ...``).
+
+``serve`` runs the proxy on Hypercorn's trio worker (``--workers N`` processes sharing their
+routing counters), configured by flags, ``EPD_*`` environment variables or ``--config FILE``, in
+that order of priority.
 
 ``demo`` starts an embedded fake cluster (3 encoders, 2 prefill x DP2, 2 decode x DP2) and the
 real proxy on a local port, prints a ready-to-paste ``curl``, and serves until Ctrl-C.
@@ -14,10 +18,21 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import httpx
 import trio
 
+from ._config import (
+    SETTING_DEFAULTS,
+    SETTING_FIELDS,
+    ConfigError,
+    env_name,
+    flag_name,
+    load_settings,
+)
+from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
+from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster
 from .testing.media import png_data_url
 
@@ -96,10 +111,57 @@ async def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="run the proxy (Hypercorn trio worker)",
+        description="Run the proxy. Every setting can also come from its EPD_* environment "
+                    "variable or the --config TOML file; a flag wins.")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
+    serve.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    serve.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG,
+                       help=f"listen backlog (default {DEFAULT_BACKLOG})")
+    serve.add_argument("--keep-alive", type=float, default=DEFAULT_KEEP_ALIVE,
+                       help=f"idle keep-alive seconds (default {DEFAULT_KEEP_ALIVE:g})")
+    serve.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT,
+                       help="seconds in-flight requests get at shutdown before being cancelled "
+                            f"(default {DEFAULT_GRACEFUL_TIMEOUT:g}; the process exits within "
+                            f"this + {WATCHDOG_MARGIN + 1:g} s)")
+    serve.add_argument("--access-log", action="store_true", help="log every request (off)")
+    serve.add_argument("--config", metavar="FILE", help="TOML file of settings (EPD_CONFIG)")
+    for field in SETTING_FIELDS:
+        env = env_name(field)
+        if field.endswith("_urls"):
+            serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
+                               metavar="URL[#dp=N]", help=f"{field.removesuffix('_urls')} "
+                               f"instances ({env})")
+        else:
+            default = SETTING_DEFAULTS[field]
+            serve.add_argument(flag_name(field), dest=field, metavar="N",
+                               help=f"{env} (default {default})")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    flags = {field: getattr(args, field) for field in SETTING_FIELDS}
+    try:
+        settings = load_settings(flags=flags, config_path=args.config)
+    except ConfigError as exc:
+        print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
+        return 2
+    options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
+                           backlog=args.backlog, keep_alive=args.keep_alive,
+                           graceful_timeout=args.graceful_timeout, access_log=args.access_log)
+    if options.workers < 1:
+        print("epd-trio: --workers must be at least 1", file=sys.stderr)
+        return 2
+    return serve(settings, options)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve(commands)
     demo = commands.add_parser("demo", help="run the proxy on an embedded fake EPD cluster")
     demo.add_argument("--host", default="127.0.0.1")
     demo.add_argument("--port", type=int, default=8000, help="proxy port (0 = any free port)")
@@ -107,6 +169,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       help="send N requests (default 6), print their routes and exit")
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return _serve(args)
         return trio.run(_demo, args)
     except OSError as exc:
         print(f"epd-trio: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from ._asgi import ProxyASGI, request_resources
 from ._config import Settings
+from ._counters import CursorCounters
 from ._errors import ProxyError, error_payload
 from ._proxy import Proxy, Reply, new_request_id
 from ._rewrite import Kind
@@ -39,8 +40,12 @@ def _send(reply: Reply) -> Response:
     return response
 
 
-def create_app(settings: Settings) -> QuartTrio:
-    """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup)."""
+def create_app(settings: Settings, counters: CursorCounters | None = None) -> QuartTrio:
+    """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
+
+    ``counters`` lets several worker processes share their routing positions (``epd-trio serve``
+    passes shared-memory ones); by default each app counts on its own.
+    """
     app = QuartTrio("epd_trio")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -49,7 +54,7 @@ def create_app(settings: Settings) -> QuartTrio:
         RESPONSE_TIMEOUT=None,
     )
     app.asgi_app = ProxyASGI(app.asgi_app)  # type: ignore[method-assign]
-    proxy = Proxy(settings)
+    proxy = Proxy(settings, counters)
     app.extensions["epd_trio.proxy"] = proxy
 
     @app.before_serving

@@ -81,9 +81,10 @@ def env_name(field: str) -> str:
 
 
 def _instances(raw: Any) -> tuple[Instance, ...]:
-    items = raw if isinstance(raw, list) else str(raw).split(",")
+    items = raw if isinstance(raw, list | tuple) else [raw]
     if not all(isinstance(item, str) for item in items):
         raise ValueError("expected URLs (a comma-separated string or a list of strings)")
+    items = [part for item in items for part in item.split(",")]
     parsed = tuple(parse_instance(item) for item in items if item.strip())
     urls = [inst.url for inst in parsed]
     duplicates = sorted({url for url in urls if urls.count(url) > 1})
@@ -139,14 +140,28 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 
 
-def settings_from(
-    environ: Mapping[str, str], file_values: Mapping[str, Any] | None = None
-) -> Settings:
-    """Build ``Settings`` from the environment, over values from a config file.
+def flag_name(field: str) -> str:
+    """The command-line flag of a setting (``--decode`` for the URL lists, else ``--field``)."""
+    if field.endswith("_urls"):
+        return "--" + field.removesuffix("_urls")
+    return "--" + field.replace("_", "-")
 
-    The file uses the field names (``decode_urls = ["http://d0:8000#dp=2"]``); an environment
-    variable wins over the file. Unknown file keys are an error (a typo must not be silently
-    ignored); unknown ``EPD_`` variables are left alone (other tools share the prefix).
+
+SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
+SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
+
+
+def settings_from(
+    environ: Mapping[str, str],
+    file_values: Mapping[str, Any] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build ``Settings`` from command-line flags, the environment and a config file.
+
+    Priority: a flag (``flags`` maps field names to raw values; ``None`` = not given) wins over
+    an environment variable, which wins over the file. The file uses the field names
+    (``decode_urls = ["http://d0:8000#dp=2"]``). Unknown file keys are an error (a typo must not
+    be silently ignored); unknown ``EPD_`` variables are left alone (other tools share the prefix).
     """
     values: dict[str, Any] = {}
     for key, raw in (file_values or {}).items():
@@ -157,7 +172,16 @@ def settings_from(
         name = env_name(key)
         if name in environ and environ[name].strip():
             values[key] = _parse(key, environ[name], name)
-    return Settings(**values)
+    for key, raw in (flags or {}).items():
+        if raw is not None:
+            values[key] = _parse(key, raw, flag_name(key))
+    try:
+        return Settings(**values)
+    except ConfigError as exc:
+        if flags is not None and exc.variable == env_name("decode_urls"):
+            raise ConfigError(f"{flag_name('decode_urls')} / {exc.variable}",
+                              "is required (at least one decode URL)") from None
+        raise
 
 
 def _parse(key: str, raw: Any, where: str) -> Any:
@@ -167,10 +191,17 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         raise ConfigError(where, str(exc)) from None
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read ``EPD_CONFIG`` (if set) and the environment; raise ``ConfigError`` on any problem."""
+def load_settings(
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    config_path: str | None = None,
+) -> Settings:
+    """Read the config file (``config_path``, else ``EPD_CONFIG``), the environment and flags.
+
+    Raises ``ConfigError`` (one line naming the variable or flag) on any problem.
+    """
     environ = os.environ if environ is None else environ
-    path = environ.get(ENV_PREFIX + "CONFIG", "").strip()
+    path = config_path or environ.get(ENV_PREFIX + "CONFIG", "").strip()
     file_values: dict[str, Any] = {}
     if path:
         try:
@@ -180,4 +211,4 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(ENV_PREFIX + "CONFIG", f"cannot read {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(ENV_PREFIX + "CONFIG", f"{path} is not valid TOML: {exc}") from None
-    return settings_from(environ, file_values)
+    return settings_from(environ, file_values, flags)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from ._counters import Counter, LocalCounter
 from ._routing import Instance, dp_slots, encoder_rr_assignment
 
 #: Which instances may be chosen right now (live, not already tried by this request...).
@@ -26,9 +27,12 @@ class EncoderCursor:
     concurrent single-image requests over 3 encoders give exactly 100 items each).
     """
 
-    def __init__(self, encoders: Sequence[Instance], start: int = 0) -> None:
+    def __init__(
+        self, encoders: Sequence[Instance], start: int = 0, counter: Counter | None = None
+    ) -> None:
         self._encoders = tuple(encoders)
-        self._start = start % len(self._encoders) if self._encoders else 0
+        self._counter = counter if counter is not None else LocalCounter(start)
+        self._start = start
         self._lock = trio.Lock()
 
     @property
@@ -37,7 +41,8 @@ class EncoderCursor:
 
     @property
     def position(self) -> int:
-        return self._start
+        """Where the next request starts (modulo the number of usable encoders)."""
+        return self._start % len(self._encoders) if self._encoders else 0
 
     async def assign(self, count: int, usable: Usable | None = None) -> list[Instance]:
         """The encoder for each of ``count`` items of one request, among the ``usable`` ones.
@@ -49,7 +54,9 @@ class EncoderCursor:
         if not candidates:
             raise LookupError("no usable encoder")
         async with self._lock:
-            assigned, self._start = encoder_rr_assignment(candidates, self._start, count)
+            start = self._counter.fetch_add(count)
+            self._start = start + count
+        assigned, _ = encoder_rr_assignment(candidates, start, count)
         return assigned
 
 
@@ -60,10 +67,10 @@ class SlotCursor:
     Advancing is synchronous (no checkpoint between read and write), so it is atomic under trio.
     """
 
-    def __init__(self, instances: Sequence[Instance]) -> None:
+    def __init__(self, instances: Sequence[Instance], counter: Counter | None = None) -> None:
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
-        self._count = 0
+        self._counter = counter if counter is not None else LocalCounter()
 
     @property
     def instances(self) -> tuple[Instance, ...]:
@@ -84,6 +91,5 @@ class SlotCursor:
         ]
         if not slots:
             raise LookupError("no usable instance for this role")
-        index, rank = slots[self._count % len(slots)]
-        self._count += 1
+        index, rank = slots[self._counter.fetch_add(1) % len(slots)]
         return self._instances[index], rank

@@ -27,6 +27,7 @@ import httpx
 import trio
 
 from ._config import Settings
+from ._counters import CursorCounters
 from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
 from ._failover import Failover, Slot, with_failover
@@ -115,17 +116,18 @@ class Proxy:
     ``handle``.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, counters: CursorCounters | None = None) -> None:
         self.settings = settings
+        counters = counters if counters is not None else CursorCounters.local()
         self.registry = Registry.from_roles(
             {"encode": settings.encode_urls, "prefill": settings.prefill_urls,
              "decode": settings.decode_urls},
             threshold=settings.health_threshold,
         )
         self.registry.on_change.append(_log_health_change)
-        self.encoders = EncoderCursor(settings.encode_urls)
-        self.prefills = SlotCursor(settings.prefill_urls)
-        self.decodes = SlotCursor(settings.decode_urls)
+        self.encoders = EncoderCursor(settings.encode_urls, counter=counters.encode)
+        self.prefills = SlotCursor(settings.prefill_urls, counter=counters.prefill)
+        self.decodes = SlotCursor(settings.decode_urls, counter=counters.decode)
         self.counters = Counters()
         self._failover = Failover(max_attempts=settings.max_attempts, track=self._track,
                                   on_retry=self._retried)

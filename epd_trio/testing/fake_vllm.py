@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -188,6 +188,7 @@ class FakeVLLM:
             nonlocal finishing
             finishing = finishing or last
             record.sent += content
+            self._notify()
             await send({"type": "http.response.body", "body": content, "more_body": not last})
 
         def client_left() -> None:
@@ -357,18 +358,24 @@ class FakeVLLM:
                           "finish_reason": finish}
             return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
 
-        frames = ([frame(None, None, first=True)] if chat else []) + [
-            frame(("" if i == 0 else " ") + word, None) for i, word in enumerate(words)
-        ] + [frame(None, "length"), b"data: [DONE]\n\n"]
+        def frames() -> Iterator[bytes]:  # lazily: a test may ask for millions of tokens
+            if chat:
+                yield frame(None, None, first=True)
+            for i, word in enumerate(words):
+                yield frame(("" if i == 0 else " ") + word, None)
+            yield frame(None, "length")
+            yield b"data: [DONE]\n\n"
+
+        count = len(words) + 2 + chat
         await respond(200, b"", "text/event-stream", more=True)
-        for i, data in enumerate(frames):
+        for i, data in enumerate(frames()):
             if b.break_after is not None and i >= b.break_after:
                 # End the handler without finishing the response: Hypercorn then closes the
                 # connection mid-body, which a client sees as a broken stream.
                 raise _BrokenStream
             if b.chunk_delay and i:
                 await trio.sleep(b.chunk_delay)
-            await body_chunk(data, last=i == len(frames) - 1)
+            await body_chunk(data, last=i == count - 1)
 
 
 class _BrokenStream(Exception):

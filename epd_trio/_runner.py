@@ -1,0 +1,215 @@
+"""``epd-trio serve``: the proxy on Hypercorn's trio worker, one or more processes, bounded shutdown.
+
+Why not ``hypercorn.run``: three things it does not do. (1) Shutdown must be bounded: Hypercorn's
+socket writes are shielded and have no write timeout, so a client that stopped reading keeps a
+worker alive past its graceful timeout (seen: 10 s with a 2 s graceful timeout). Each worker here
+arms a watchdog thread when shutdown starts and exits the process at graceful-timeout + 4 s if
+the event loop has not finished by then; the parent kills any worker still alive 1 s later.
+(2) Workers must share their routing counters (``_counters.py``), created here before spawning.
+(3) Its parent reports exit status 0 when a worker dies at start-up; here a failed start is a
+failed start.
+
+Layout: the parent binds the listening socket (so port 0 works and the URL is known before any
+worker runs), spawns ``workers`` processes that each serve it, and waits for a signal or for a
+worker to die. With one worker everything runs in the parent process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.synchronize import Event as EventType
+from typing import Any
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from ._app import create_app
+from ._config import Settings
+from ._counters import CursorCounters
+from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
+
+#: Seconds past the graceful timeout after which a worker process exits no matter what.
+WATCHDOG_MARGIN = 4.0
+DEFAULT_GRACEFUL_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """How to serve (the proxy's own settings are in ``Settings``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    backlog: int = DEFAULT_BACKLOG
+    keep_alive: float = DEFAULT_KEEP_ALIVE
+    graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT
+    access_log: bool = False
+
+
+def hypercorn_config(options: ServeOptions) -> Config:
+    config = Config()
+    config.bind = [f"{options.host}:{options.port}"]
+    config.backlog = options.backlog
+    config.keep_alive_timeout = options.keep_alive
+    config.graceful_timeout = options.graceful_timeout
+    config.accesslog = "-" if options.access_log else None
+    config.errorlog = "-"
+    config.worker_class = "trio"
+    return config
+
+
+def _say(message: str) -> None:
+    print(f"epd-trio: {message}", file=sys.stderr, flush=True)
+
+
+def _arm_watchdog(limit: float, who: str) -> None:
+    """Exit this process after ``limit`` seconds, whatever the event loop is doing."""
+
+    def expire() -> None:
+        _say(f"{who}: shutdown still not finished after {limit:g} s "
+             "(a client stopped reading?); exiting")
+        os._exit(0)
+
+    timer = threading.Timer(limit, expire)
+    timer.daemon = True
+    timer.start()
+
+
+async def _serve(
+    settings: Settings,
+    counters: CursorCounters,
+    config: Config,
+    sockets: Sockets,
+    stop: trio.Event,
+    who: str,
+) -> None:
+    app = wrap_app(create_app(settings, counters), config.wsgi_max_body_size, "asgi")
+
+    async def shutdown_trigger() -> None:
+        await stop.wait()
+        _arm_watchdog(config.graceful_timeout + WATCHDOG_MARGIN, who)
+
+    await worker_serve(app, config, sockets=sockets, shutdown_trigger=shutdown_trigger)
+
+
+def _worker_main(
+    settings: Settings,
+    counters: CursorCounters,
+    config: Config,
+    sockets: Sockets,
+    shutdown_event: EventType,
+    index: int,
+) -> None:
+    """One worker process: serve until the parent sets ``shutdown_event``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+
+    async def main() -> None:
+        stop = trio.Event()
+
+        async def watch_parent() -> None:
+            await trio.to_thread.run_sync(shutdown_event.wait, abandon_on_cancel=True)
+            stop.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_parent)
+            await _serve(settings, counters, config, sockets, stop, f"worker {index}")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def serve(settings: Settings, options: ServeOptions) -> int:
+    """Run until SIGINT/SIGTERM; returns the process exit status."""
+    config = hypercorn_config(options)
+    sockets = config.create_sockets()
+    for sock in sockets.insecure_sockets:
+        # Listening before any worker runs: early connections wait in the backlog, not refused.
+        sock.listen(config.backlog)
+        host, port = sock.getsockname()[:2]
+        _say(f"proxy ({settings.layout}, {options.workers} worker"
+             f"{'s' if options.workers != 1 else ''}) listening on http://{host}:{port}")
+    if options.workers == 1:
+        return _serve_in_process(settings, config, sockets)
+    return _serve_workers(settings, options, config, sockets)
+
+
+def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> int:
+    async def main() -> None:
+        stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def on_signal() -> None:
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async for signum in signals:
+                        _say(f"{signal.Signals(signum).name}: shutting down "
+                             f"(graceful timeout {config.graceful_timeout:g} s)")
+                        stop.set()
+                        return
+
+            nursery.start_soon(on_signal)
+            await _serve(settings, CursorCounters.local(), config, sockets, stop, "proxy")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0
+
+
+def _serve_workers(
+    settings: Settings, options: ServeOptions, config: Config, sockets: Sockets
+) -> int:
+    ctx = multiprocessing.get_context("spawn")
+    shutdown_event = ctx.Event()
+    counters = CursorCounters.shared(ctx)
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if not stopping.is_set():
+            _say(f"{signal.Signals(signum).name}: shutting down "
+                 f"(graceful timeout {config.graceful_timeout:g} s)")
+        stopping.set()
+        shutdown_event.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    processes = [
+        ctx.Process(
+            target=_worker_main,
+            kwargs={"settings": settings, "counters": counters, "config": config,
+                    "sockets": sockets, "shutdown_event": shutdown_event, "index": index},
+            name=f"epd-trio-worker-{index}",
+        )
+        for index in range(options.workers)
+    ]
+    for process in processes:
+        process.start()
+    status = 0
+    # Wait for a signal, or for any worker to die on its own (then stop the others too).
+    while not stopping.is_set():
+        finished = wait([p.sentinel for p in processes], timeout=0.2)
+        if finished and not stopping.is_set():
+            status = 1
+            dead = [p.name for p in processes if p.exitcode is not None]
+            _say(f"{', '.join(dead)} exited on its own; stopping")
+            shutdown_event.set()
+            break
+    # Each worker bounds itself (watchdog); this is the backstop for a worker that cannot.
+    deadline = time.monotonic() + config.graceful_timeout + WATCHDOG_MARGIN + 1.0
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for sock in sockets.insecure_sockets:
+        sock.close()
+    return status
+
