@@ -8,7 +8,7 @@ shared one would pin prefill slot i to decode slot i).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import trio
 
@@ -80,14 +80,18 @@ class SlotCursor:
     def slot_count(self) -> int:
         return len(self._slots)
 
-    def next(self, usable: Usable | None = None) -> tuple[Instance, int | None]:
-        """The slot for the next request among the ``usable`` instances' slots.
+    def next(
+        self, usable: Usable | None = None, exclude: Collection[tuple[Instance, int | None]] = ()
+    ) -> tuple[Instance, int | None]:
+        """The slot for the next request among the ``usable`` instances' slots, minus ``exclude``.
 
         Unusable instances' slots are left out and the rest keep their flat interleaved order
         (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable.
         """
-        slots = self._slots if usable is None else [
-            slot for slot in self._slots if usable(self._instances[slot[0]])
+        slots = self._slots if usable is None and not exclude else [
+            (index, rank) for index, rank in self._slots
+            if (usable is None or usable(self._instances[index]))
+            and (self._instances[index], rank) not in exclude
         ]
         if not slots:
             raise LookupError("no usable instance for this role")

@@ -2,6 +2,7 @@
 
     ProxyError                 status, OpenAI ``type``; rendered by one handler in the app
     +-- BadRequest             the client's input is wrong (4xx, never retried)
+    +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
         +-- UpstreamTransportError connect/read failure (502)
@@ -53,6 +54,16 @@ class BadRequest(ProxyError):
 
     status = 400
     type = "invalid_request_error"
+
+
+class ProxyOverloaded(ProxyError):
+    """The proxy's own upstream connection pool had no free connection in time.
+
+    Not the instance's fault: not retried elsewhere and not counted against its health.
+    """
+
+    status = 503
+    type = "proxy_overloaded"
 
 
 class UpstreamError(ProxyError):

@@ -59,16 +59,16 @@ async def with_failover(
     stage: str,
     first: Slot,
     attempt: Callable[[Slot], Awaitable[T]],
-    pick_next: Callable[[set[str]], Awaitable[Slot | None]],
+    pick_next: Callable[[set[Slot]], Awaitable[Slot | None]],
 ) -> T:
-    """Run ``attempt`` on ``first``; on a retryable failure, on ``pick_next(tried_urls)``, ...
+    """Run ``attempt`` on ``first``; on a retryable failure, on ``pick_next(tried_slots)``, ...
 
     At most ``policy.max_attempts`` attempts. ``pick_next`` returns ``None`` when no untried
     instance is usable, which ends the retries. Only failures of ``stage`` itself are retried
     here: an attempt that fails in an inner stage (the prefill inside a decode attempt) has
     already had that stage's own failover, and retrying it again would multiply the attempts.
     """
-    slot, tried, attempts = first, set[str](), 0
+    slot, tried, attempts = first, set[Slot](), 0
     while True:
         attempts += 1
         try:
@@ -78,7 +78,7 @@ async def with_failover(
             if (attempts >= policy.max_attempts or error.stage != stage
                     or not is_retryable(error)):
                 raise
-            tried.add(slot[0].url)
+            tried.add(slot)
             following = await pick_next(tried)
             if following is None:
                 raise

@@ -30,7 +30,7 @@ from ._config import Settings
 from ._counters import CursorCounters
 from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
-from ._failover import Failover, Slot, with_failover
+from ._failover import Failover, Slot, is_retryable, with_failover
 from ._health import Registry
 from ._prober import run_prober
 from ._rewrite import (
@@ -43,15 +43,7 @@ from ._rewrite import (
     with_item_uuids,
 )
 from ._routing import Instance
-from ._upstream import (
-    CHAT_PATH,
-    aclose_shielded,
-    get,
-    open_stream,
-    post_json,
-    relay_stream,
-    run_encoder_fanout,
-)
+from ._upstream import CHAT_PATH, get, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
 
@@ -83,7 +75,9 @@ class Counters:
 def new_request_id(client_value: str | None) -> str:
     """Keep the client's ``x-request-id`` (it ties our legs to their logs), else a fresh one."""
     value = (client_value or "").strip()
-    return value if value and len(value) <= 256 and value.isprintable() else uuid.uuid4().hex
+    # ASCII only: it goes into upstream headers, and an id httpx cannot encode must not be a 500.
+    keep = value and len(value) <= 256 and value.isascii() and value.isprintable()
+    return value if keep else uuid.uuid4().hex
 
 
 def make_client(settings: Settings) -> httpx.AsyncClient:
@@ -134,6 +128,7 @@ class Proxy:
         self._decode_failover = Failover(max_attempts=1 + settings.decode_retries,
                                          on_retry=self._retried)
         self._client: httpx.AsyncClient | None = None
+        self._probe_client: httpx.AsyncClient | None = None
         self._prober: trio.CancelScope | None = None
 
     @property
@@ -146,22 +141,30 @@ class Proxy:
         """Open the upstream client; with a ``nursery``, also start the health prober in it."""
         self._client = make_client(self.settings)
         if nursery is not None:
-            self._prober = await nursery.start(self._run_prober)
+            # Probes get their own small pool: a pool full of long streams must not delay
+            # them into timeouts that would evict healthy instances.
+            self._probe_client = httpx.AsyncClient(
+                timeout=self.settings.health_timeout, trust_env=False,
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+            self._prober = await nursery.start(self._run_prober, self._probe_client)
 
-    async def _run_prober(self, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+    async def _run_prober(
+        self, client: httpx.AsyncClient, task_status: trio.TaskStatus[trio.CancelScope]
+    ) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
-            await run_prober(self.client, self.registry, interval=self.settings.health_interval,
+            await run_prober(client, self.registry, interval=self.settings.health_interval,
                              probe_timeout=self.settings.health_timeout)
 
     async def aclose(self) -> None:
         if self._prober is not None:
             self._prober.cancel()
             self._prober = None
-        if self._client is not None:
-            with trio.CancelScope(shield=True):
-                await self._client.aclose()
-            self._client = None
+        with trio.CancelScope(shield=True):
+            for client in (self._client, self._probe_client):
+                if client is not None:
+                    await client.aclose()
+        self._client = self._probe_client = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @contextmanager
@@ -173,7 +176,8 @@ class Proxy:
         try:
             yield
         except UpstreamError as error:
-            state.errors += 1
+            if is_retryable(error):  # a 4xx is the client's fault, not the instance's
+                state.errors += 1
             if error.instance_failure:
                 self.registry.failed(state)
             raise
@@ -186,10 +190,20 @@ class Proxy:
         self.counters.retries[stage] += 1
         log.warning("retrying %s after failure at %s: %s", stage, instance.url, error.message)
 
-    async def _next_slot(self, cursor: SlotCursor, role: str, tried: set[str]) -> Slot | None:
+    async def _next_slot(
+        self, cursor: SlotCursor, role: str, tried: set[Slot], any_slot: bool = False
+    ) -> Slot | None:
+        """The next usable slot on an instance not tried yet; with ``any_slot``, failing that,
+        an untried slot (another DP rank) of a tried instance."""
         usable = self.registry.usable(role)
+        urls = {inst.url for inst, _ in tried}
         try:
-            return cursor.next(lambda inst: inst.url not in tried and usable(inst))
+            return cursor.next(lambda inst: inst.url not in urls and usable(inst))
+        except LookupError:
+            if not any_slot:
+                return None
+        try:
+            return cursor.next(usable, exclude=tried)
         except LookupError:
             return None
 
@@ -237,8 +251,9 @@ class Proxy:
 
             first = await self._next_slot(self.decodes, "decode", set())
             assert first is not None  # decode_urls is never empty
-            reply = await with_failover(self._decode_failover, "decode", first, attempt,
-                                        partial(self._next_slot, self.decodes, "decode"))
+            reply = await with_failover(
+                self._decode_failover, "decode", first, attempt,
+                partial(self._next_slot, self.decodes, "decode", any_slot=True))
         except trio.Cancelled:
             self.counters.client_cancels[stage] += 1
             raise
@@ -283,17 +298,15 @@ class Proxy:
                 content_type = response.headers.get("content-type", "application/json")
                 return Reply(response.status_code, {"content-type": content_type},
                              body=response.content)
-            response = await open_stream(
+            relay = await open_stream(
                 self.client, stage="decode", instance=instance, path=path, body=body,
                 headers=headers, deadline=self.settings.decode_timeout,
                 idle_timeout=self.settings.stream_idle_timeout,
             )
+        # The first bytes are here: from now on the request belongs to this decode instance.
         # The stream stays in flight until the web layer closes the request's resources.
         state = self.registry.state("decode", instance.url)
         state.in_flight += 1
-
-        def stream_closed() -> None:
-            state.in_flight -= 1
 
         def stream_failed(error: UpstreamError) -> None:
             state.errors += 1
@@ -303,12 +316,17 @@ class Proxy:
         def stream_abandoned() -> None:
             self.counters.client_cancels["decode"] += 1
 
+        def stream_closed() -> None:
+            state.in_flight -= 1
+
+        relay.on_error = stream_failed
+        relay.on_abandon = stream_abandoned
         resources.callback(stream_closed)
-        resources.push_async_callback(aclose_shielded, response)
+        resources.push_async_callback(relay.aclose)
         return Reply(
-            response.status_code, {"content-type": "text/event-stream", "cache-control": "no-cache"},
-            stream=relay_stream(response, stage="decode", instance=instance.url,
-                                on_error=stream_failed, on_abandon=stream_abandoned),
+            relay.response.status_code,
+            {"content-type": "text/event-stream", "cache-control": "no-cache"},
+            stream=relay.relay(),
         )
 
     # -- other endpoints -----------------------------------------------------------------------

@@ -211,11 +211,12 @@ def build_prefill_body(body: Mapping[str, Any]) -> dict[str, Any]:
 def build_decode_body(
     body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """The decode leg: the client's body plus the prefill's KV handle (when it returned one).
+    """The decode leg after a prefill: the client's body plus the prefill's KV handle.
 
     Without a handle, decode recomputes the prefill itself: slower, but the answer is the same.
+    Any ``kv_transfer_params`` the client sent are dropped: they cannot describe this prefill.
     """
-    decode = dict(body)
+    decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
     if kv_transfer_params is not None:
         decode["kv_transfer_params"] = kv_transfer_params
     return decode

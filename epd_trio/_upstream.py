@@ -9,7 +9,7 @@ every upstream connection of its request (vLLM sees the disconnect and aborts th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
@@ -21,6 +21,7 @@ import trio
 
 from ._cursors import EncoderCursor, Usable
 from ._errors import (
+    ProxyOverloaded,
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -47,6 +48,11 @@ def map_httpx_errors(
     try:
         with trio.fail_after(deadline) if deadline is not None else _no_deadline():
             yield
+    except httpx.PoolTimeout:
+        raise ProxyOverloaded(
+            f"{stage} stage: no free upstream connection within the pool timeout "
+            "(EPD_MAX_CONNECTIONS connections all busy)"
+        ) from None
     except trio.TooSlowError:
         raise UpstreamTimeout(
             f"{detail}no answer within {deadline:g} s", stage=stage, instance=instance
@@ -68,6 +74,12 @@ def _no_deadline() -> Iterator[None]:
     yield
 
 
+def _timeout(client: httpx.AsyncClient, *, read: float) -> httpx.Timeout:
+    """The client's connect/write/pool timeouts with this call's own read timeout."""
+    base = client.timeout
+    return httpx.Timeout(base.connect, read=read, write=base.write, pool=base.pool)
+
+
 def _encode_json(body: Mapping[str, Any]) -> bytes:
     return orjson.dumps(body)
 
@@ -83,10 +95,15 @@ async def post_json(
     deadline: float,
     detail: str = "",
 ) -> httpx.Response:
-    """POST a JSON body and read the whole answer; a non-2xx answer raises ``UpstreamStatusError``."""
+    """POST a JSON body and read the whole answer; a non-2xx answer raises ``UpstreamStatusError``.
+
+    ``deadline`` bounds the whole call; httpx's per-read timeout is set to the same value so a
+    long prefill or a long non-stream generation is not cut short by the stream idle timeout.
+    """
     with map_httpx_errors(stage, instance.url, deadline, detail):
         response = await client.post(
-            instance.url + path, content=_encode_json(body), headers=headers
+            instance.url + path, content=_encode_json(body), headers=headers,
+            timeout=_timeout(client, read=deadline),
         )
     if not response.is_success:
         raise UpstreamStatusError(
@@ -94,6 +111,63 @@ async def post_json(
             upstream_body=response.content, detail=detail,
         )
     return response
+
+
+class StreamRelay:
+    """An upstream stream that has produced its first body bytes, ready to be relayed.
+
+    Why read the first chunk before answering the client: vLLM sends its 200 headers at once,
+    so a decode that fails before generating anything (a failed KV pull, a crash) would otherwise
+    reach the client as a 200 followed by an error event. Up to the first body byte the failure
+    is still the proxy's to handle (it can fail over); after it, nothing is retried.
+
+    ``relay()`` yields the upstream bytes exactly as received (no re-chunking, no decoding). If
+    the upstream then breaks or goes silent past its idle timeout, the stream ends with an SSE
+    error event instead of a silent truncation (``on_error`` is told). ``aclose()`` (idempotent,
+    safe under cancellation) closes the upstream connection, which makes vLLM abort the
+    generation, and tells ``on_abandon`` if the stream had not finished (the client left).
+    """
+
+    def __init__(
+        self, response: httpx.Response, chunks: AsyncGenerator[bytes, None], first: bytes, *,
+        stage: str, instance: str,
+    ) -> None:
+        self.response = response
+        self._chunks = chunks
+        self._first = first
+        self._stage = stage
+        self._instance = instance
+        self._finished = False
+        self._closed = False
+        self.on_error: Callable[[UpstreamError], None] | None = None
+        self.on_abandon: Callable[[], None] | None = None
+
+    async def relay(self) -> AsyncIterator[bytes]:
+        try:
+            if self._first:
+                yield self._first
+            try:
+                with map_httpx_errors(self._stage, self._instance):
+                    async for chunk in self._chunks:
+                        yield chunk
+                self._finished = True
+            except UpstreamError as error:
+                self._finished = True
+                if self.on_error is not None:
+                    self.on_error(error)
+                yield sse_error_event(error)
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with trio.CancelScope(shield=True):
+            await self._chunks.aclose()
+            await self.response.aclose()
+        if not self._finished and self.on_abandon is not None:
+            self.on_abandon()
 
 
 async def open_stream(
@@ -106,30 +180,42 @@ async def open_stream(
     headers: Mapping[str, str],
     deadline: float,
     idle_timeout: float,
-) -> httpx.Response:
-    """POST and return as soon as the response headers arrived, with the body still unread.
+) -> StreamRelay:
+    """POST and return once the response headers *and* the first body bytes have arrived.
 
-    ``deadline`` bounds the time to the headers; afterwards httpx's read timeout
-    (``idle_timeout``) bounds each gap between chunks. The caller owns the returned response and
+    ``deadline`` bounds the time to the first body bytes; afterwards httpx's read timeout
+    (``idle_timeout``) bounds each gap between chunks. The caller owns the returned relay and
     must ``aclose()`` it. A non-2xx answer is read, closed, and raised as ``UpstreamStatusError``.
     """
     request = client.build_request(
         "POST", instance.url + path, content=_encode_json(body), headers=headers,
-        timeout=httpx.Timeout(client.timeout.connect, read=idle_timeout,
-                              write=client.timeout.write, pool=client.timeout.pool),
+        timeout=_timeout(client, read=idle_timeout),
     )
     with map_httpx_errors(stage, instance.url, deadline):
         response = await client.send(request, stream=True)
-        if not response.is_success:
-            try:
-                content = await response.aread()
-            finally:
-                await response.aclose()
-            raise UpstreamStatusError(
-                stage=stage, instance=instance.url, upstream_status=response.status_code,
-                upstream_body=content,
-            )
-    return response
+        try:
+            chunks, first = await _first_bytes(response, stage, instance.url)
+        except BaseException:
+            await aclose_shielded(response)
+            raise
+    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url)
+
+
+async def _first_bytes(
+    response: httpx.Response, stage: str, instance: str
+) -> tuple[AsyncGenerator[bytes, None], bytes]:
+    if not response.is_success:
+        raise UpstreamStatusError(
+            stage=stage, instance=instance, upstream_status=response.status_code,
+            upstream_body=await response.aread(),
+        )
+    chunks = response.aiter_raw()
+    try:
+        return chunks, await anext(chunks, b"")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await chunks.aclose()
+        raise
 
 
 async def get(
@@ -159,39 +245,6 @@ async def aclose_shielded(response: httpx.Response) -> None:
 def sse_error_event(error: UpstreamError) -> bytes:
     """The frame that ends a stream which broke after its first byte (no silent truncation)."""
     return b"data: " + orjson.dumps(error.payload()) + b"\n\n"
-
-
-async def relay_stream(
-    response: httpx.Response,
-    *,
-    stage: str,
-    instance: str,
-    on_error: Callable[[UpstreamError], None] | None = None,
-    on_abandon: Callable[[], None] | None = None,
-) -> AsyncIterator[bytes]:
-    """Yield the upstream bytes exactly as received (no re-chunking, no decoding).
-
-    If the upstream breaks or goes silent past its idle timeout after bytes were sent, the stream
-    ends with an SSE error event instead of a silent truncation (``on_error`` is told). If the
-    consumer stops early (the client went away), ``on_abandon`` is told. The response is closed
-    in every case, which makes vLLM abort the generation.
-    """
-    finished = False
-    try:
-        try:
-            with map_httpx_errors(stage, instance):
-                async for chunk in response.aiter_raw():
-                    yield chunk
-            finished = True
-        except UpstreamError as error:
-            finished = True
-            if on_error is not None:
-                on_error(error)
-            yield sse_error_event(error)
-    finally:
-        if not finished and on_abandon is not None:
-            on_abandon()
-        await aclose_shielded(response)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,9 +301,11 @@ async def run_encoder_fanout(
             )
             return replace(call, instance=slot[0])
 
-        async def pick_next(tried: set[str]) -> tuple[Instance, int | None] | None:
+        async def pick_next(tried: set[tuple[Instance, int | None]]) -> (
+                tuple[Instance, int | None] | None):
+            urls = {inst.url for inst, _ in tried}
             try:
-                (instance,) = await cursor.assign(1, lambda e: e.url not in tried and (
+                (instance,) = await cursor.assign(1, lambda e: e.url not in urls and (
                     usable is None or usable(e)))
             except LookupError:
                 return None

@@ -163,3 +163,61 @@ async def test_unreachable_prefill_fails_over(client: httpx.AsyncClient) -> None
             assert r.status_code == 200 and len(c.prefills[0].requests()) == 1
             assert c2.proxy.counters.retries == {"prefill": 1}
             assert c2.proxy.registry.state("prefill", dead.url).errors == 1
+
+
+async def test_decode_break_before_its_first_byte_is_retried(client: httpx.AsyncClient) -> None:
+    # vLLM sends 200 headers at once; a decode that dies before generating anything must still
+    # fail over, not reach the client as 200 + an error event.
+    async with run_cluster(prefills=1, decodes=2) as c:
+        c.decodes[0].behaviour.break_after = 0
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        assert "error" not in r.text
+        assert len(c.decodes[1].requests()) == 1 and c.proxy.counters.retries == {"decode": 1}
+
+
+async def test_single_decode_with_dp_retries_on_another_rank(client: httpx.AsyncClient) -> None:
+    async with run_cluster(prefills=1, decodes=1, decode_dp=2) as c:
+        c.decodes[0].behaviour.fail_status, c.decodes[0].behaviour.fail_count = 500, 1
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200
+        assert [x.rank for x in c.decodes[0].requests()] == [0, 1]
+
+
+async def test_long_prefill_outlives_the_stream_idle_timeout(client: httpx.AsyncClient) -> None:
+    # The idle timeout bounds gaps between stream chunks, not a prefill or a non-stream answer.
+    async with run_cluster(prefills=1, decodes=1, stream_idle_timeout=0.2) as c:
+        c.prefills[0].behaviour.latency = 0.5
+        c.decodes[0].behaviour.latency = 0.5
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200 and c.proxy.counters.retries == {}
+
+
+async def test_full_upstream_pool_is_a_503_that_blames_nobody(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1, max_connections=1, connect_timeout=0.3,
+                           health_interval=3600) as c:
+        c.decodes[0].behaviour.chunk_delay = 3600  # one stream holds the only connection
+        first_byte = trio.Event()
+
+        async def hold() -> None:
+            async with client.stream("POST", c.proxy_url + CHAT,
+                                     json=chat_body(stream=True)) as r:
+                async for _ in r.aiter_raw():
+                    first_byte.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await first_byte.wait()
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            assert r.status_code == 503 and r.json()["error"]["type"] == "proxy_overloaded"
+            state = c.proxy.registry.state("decode", c.decodes[0].url)
+            assert state.live and state.errors == 0 and c.proxy.counters.retries == {}
+            nursery.cancel_scope.cancel()
+
+
+async def test_non_ascii_request_id_is_replaced(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={"x-request-id": "caf\u00e9".encode("latin-1")})
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] != "café" and r.headers["x-request-id"].isascii()

@@ -77,6 +77,8 @@ def test_items_are_found_in_order_and_tagged_without_mutating_the_client_body() 
     assert decode["kv_transfer_params"] is handle and decode["stream"] is True
     assert decode["stream_options"] == {"include_usage": True}
     assert "kv_transfer_params" not in build_decode_body(tagged, None)
+    stale = {**tagged, "kv_transfer_params": {"remote_engine_id": "old"}}
+    assert "kv_transfer_params" not in build_decode_body(stale, None)
 
     assert request.body == before  # nothing above touched the client's body
 
