@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import orjson
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -53,16 +54,23 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    app.asgi_app = ProxyASGI(app.asgi_app)  # type: ignore[method-assign]
+    asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout)
+    app.asgi_app = asgi  # type: ignore[method-assign]
+    app.extensions["epd_trio.asgi"] = asgi
     proxy = Proxy(settings, counters)
     app.extensions["epd_trio.proxy"] = proxy
+
+    watchdog: list[trio.CancelScope] = []
 
     @app.before_serving
     async def _open() -> None:
         await proxy.start(app.nursery)
+        watchdog.append(await app.nursery.start(asgi.watch_stalled_sends))
 
     @app.after_serving
     async def _close() -> None:
+        for scope in watchdog:
+            scope.cancel()
         await proxy.aclose()
 
     async def forward(kind: Kind) -> Response:

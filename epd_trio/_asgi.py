@@ -15,10 +15,19 @@ Two problems live at this layer, below the routes:
    idle timer, so idle keep-alive connections stay open forever. Shielding the final body send
    (``more_body`` false) from cancellation lets it finish. Hypercorn's socket writes are shielded
    already, so this adds no new way to block.
+
+3. **A client that stops reading.** Those shielded socket writes have no timeout, so a client
+   that keeps its connection open but reads nothing would hold its request, and the vLLM
+   generation behind it, forever. Every body send is registered while it runs; a watchdog task
+   (``watch_stalled_sends``, owned by the app's lifespan nursery) closes the resources of a
+   request whose send has been stuck for ``write_timeout`` seconds, which releases the upstream
+   stream (vLLM aborts it). The client connection itself is cut by the kernel when the server
+   socket has ``TCP_USER_TIMEOUT`` set, as ``epd-trio serve`` and the in-process server do.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import AsyncExitStack
 from contextvars import ContextVar
 from typing import Any
@@ -27,6 +36,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 
 ASGIApp = Any
+log = logging.getLogger("epd_trio")
 
 _resources: ContextVar[AsyncExitStack] = ContextVar("epd_trio_request_resources")
 
@@ -37,10 +47,34 @@ def request_resources() -> AsyncExitStack:
 
 
 class ProxyASGI:
-    """Wraps an ASGI app (installed as ``quart_app.asgi_app``) with the two fixes above."""
+    """Wraps an ASGI app (installed as ``quart_app.asgi_app``) with the fixes above."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, write_timeout: float = 60.0) -> None:
         self.app = app
+        self.write_timeout = write_timeout
+        #: Body sends in progress: key -> (started at, the request's resources).
+        self._sending: dict[object, tuple[float, AsyncExitStack]] = {}
+        #: Requests whose resources were released because their client stopped reading.
+        self.stalled = 0
+
+    async def watch_stalled_sends(
+        self, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Release the resources of requests whose body send is stuck.
+
+        Reports the cancel scope that stops it (the app cancels it at shutdown).
+        """
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            while True:
+                await trio.sleep(self.write_timeout / 4)
+                limit = trio.current_time() - self.write_timeout
+                for key, (since, resources) in list(self._sending.items()):
+                    if since <= limit and self._sending.pop(key, None) is not None:
+                        self.stalled += 1
+                        log.warning("client stopped reading for %g s: releasing its upstream "
+                                    "request", self.write_timeout)
+                        await resources.aclose()
 
     async def __call__(
         self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: ASGISendCallable
@@ -49,16 +83,24 @@ class ProxyASGI:
             await self.app(scope, receive, send)
             return
 
-        async def send_final_shielded(message: ASGISendEvent) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
+        async def send_watched(message: ASGISendEvent) -> None:
+            if message["type"] != "http.response.body":
                 await send(message)
+                return
+            key = object()
+            self._sending[key] = (trio.current_time(), resources)
+            try:
+                if message.get("more_body", False):
+                    await send(message)
+                else:
+                    with trio.CancelScope(shield=True):
+                        await send(message)
+            finally:
+                self._sending.pop(key, None)
 
         async with AsyncExitStack() as resources:
             token = _resources.set(resources)
             try:
-                await self.app(scope, receive, send_final_shielded)
+                await self.app(scope, receive, send_watched)
             finally:
                 _resources.reset(token)

@@ -50,6 +50,9 @@ class Settings:
     decode_timeout: float = 600.0
     #: Seconds of silence allowed between two chunks of a decode stream.
     stream_idle_timeout: float = 300.0
+    #: Seconds a client may leave sent data unread before its request is released and (with
+    #: ``epd-trio serve``) its connection cut: a stalled client must not pin a vLLM generation.
+    client_write_timeout: float = 60.0
     #: Upper bound on pooled upstream connections (all instances together).
     max_connections: int = 2048
     #: Largest client body accepted, in bytes (base64 media makes bodies big).
@@ -129,6 +132,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefill_timeout": _seconds,
     "decode_timeout": _seconds,
     "stream_idle_timeout": _seconds,
+    "client_write_timeout": _seconds,
     "max_connections": _positive_int,
     "max_body_bytes": _positive_int,
     "max_attempts": _positive_int,

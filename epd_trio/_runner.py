@@ -35,7 +35,7 @@ from hypercorn.utils import wrap_app
 from ._app import create_app
 from ._config import Settings
 from ._counters import CursorCounters
-from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
+from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.
 WATCHDOG_MARGIN = 4.0
@@ -130,10 +130,9 @@ def _worker_main(
 def serve(settings: Settings, options: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status."""
     config = hypercorn_config(options)
-    sockets = config.create_sockets()
+    # Listening before any worker runs: early connections wait in the backlog, not refused.
+    sockets = listening_sockets(config, settings.client_write_timeout)
     for sock in sockets.insecure_sockets:
-        # Listening before any worker runs: early connections wait in the backlog, not refused.
-        sock.listen(config.backlog)
         host, port = sock.getsockname()[:2]
         _say(f"proxy ({settings.layout}, {options.workers} worker"
              f"{'s' if options.workers != 1 else ''}) listening on http://{host}:{port}")

@@ -7,12 +7,14 @@ nursery and learns the bound port from ``task_status`` (bind to port 0, no races
 
 from __future__ import annotations
 
+import socket
 from functools import partial
 from typing import Any
 
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
 
 #: Hypercorn's own default listen backlog is 100: a burst of simultaneous connections beyond it
 #: gets refused or reset. The kernel caps the value at net.core.somaxconn.
@@ -38,11 +40,29 @@ def quiet_config(
     return config
 
 
+def listening_sockets(config: Config, client_write_timeout: float | None = None) -> Sockets:
+    """Bind and listen on ``config.bind``; with ``client_write_timeout``, set TCP_USER_TIMEOUT.
+
+    TCP_USER_TIMEOUT (inherited by every accepted connection) makes the kernel abort a
+    connection whose sent data stays unacknowledged, or whose receive window stays closed, for
+    that long: the only way to unblock Hypercorn's shielded, timeout-less socket writes to a
+    client that stopped reading. A client that reads, however slowly, keeps it alive.
+    """
+    sockets = config.create_sockets()
+    for sock in sockets.insecure_sockets:
+        if client_write_timeout is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT,
+                            int(client_write_timeout * 1000))
+        sock.listen(config.backlog)
+    return sockets
+
+
 async def serve_app(
     app: Any,
     config: Config,
     shutdown: trio.Event | None = None,
     *,
+    client_write_timeout: float | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app``; reports the base URL (``http://host:port``) once bound.
@@ -52,6 +72,9 @@ async def serve_app(
     client); without an event it serves until cancelled.
     """
     trigger = shutdown.wait if shutdown is not None else None
+    sockets = listening_sockets(config, client_write_timeout)
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=trigger))
+        binds = await nursery.start(partial(
+            worker_serve, wrap_app(app, config.wsgi_max_body_size, None), config,
+            sockets=sockets, shutdown_trigger=trigger))
         task_status.started(binds[0])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import trio
@@ -82,9 +83,9 @@ async def run_cluster(
         # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown
         # hook) before the fakes are cancelled.
         async with trio.open_nursery() as proxy_nursery:
-            url = await proxy_nursery.start(
-                serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive), stop
-            )
+            url = await proxy_nursery.start(partial(
+                serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive), stop,
+                client_write_timeout=config.client_write_timeout))
             try:
                 yield Cluster(e, p, d, config, url, app.extensions["epd_trio.proxy"])
             finally:
