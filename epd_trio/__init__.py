@@ -19,6 +19,7 @@ from ._errors import UpstreamStatusError as UpstreamStatusError
 from ._errors import UpstreamTimeout as UpstreamTimeout
 from ._errors import UpstreamTransportError as UpstreamTransportError
 from ._fanout import fan_out as fan_out
+from ._http import UpstreamClient as UpstreamClient
 from ._proxy import Proxy as Proxy
 from ._rewrite import build_encoder_body as build_encoder_body
 from ._rewrite import build_prefill_body as build_prefill_body
@@ -46,6 +47,7 @@ __all__ = [
     "ProxyError",
     "Settings",
     "SlotCursor",
+    "UpstreamClient",
     "UpstreamError",
     "UpstreamStatusError",
     "UpstreamTimeout",

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import httpx
 import trio
 
 from ._errors import UpstreamError
 from ._fanout import fan_out
 from ._health import InstanceState, Registry
+from ._http import httpx
 from ._upstream import get
 
 

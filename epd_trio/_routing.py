@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 T = TypeVar("T")
 
@@ -31,6 +32,10 @@ class Instance:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
             raise ValueError(f"instance URL must start with http:// or https://: {self.url!r}")
+        parts = urlsplit(self.url)
+        if not parts.hostname or parts.query or parts.fragment or "#" in self.url:
+            raise ValueError(f"instance URL must be a plain base URL (host, port, optional path; "
+                             f"no query or '#', except a '#dp=N' suffix): {self.url!r}")
         if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
             raise ValueError(f"dp_size must be an integer >= 1: {self.dp_size!r}")
         # One spelling per server: trailing slashes would make "the same URL" two instances.

@@ -15,7 +15,6 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-import httpx
 import orjson
 import trio
 
@@ -29,6 +28,7 @@ from ._errors import (
 )
 from ._failover import NO_FAILOVER, Failover, with_failover
 from ._fanout import fan_out
+from ._http import httpx
 from ._rewrite import build_encoder_body, upstream_headers
 from ._routing import Instance, group_by_target
 
@@ -256,8 +256,12 @@ class EncoderCall:
     item_indices: tuple[int, ...]
 
 
+#: The pooled client to use for one instance.
+ClientFor = Callable[[Instance], httpx.AsyncClient]
+
+
 async def run_encoder_fanout(
-    client: httpx.AsyncClient,
+    client: httpx.AsyncClient | ClientFor,
     cursor: EncoderCursor,
     *,
     body: Mapping[str, Any],
@@ -283,6 +287,7 @@ async def run_encoder_fanout(
     """
     if not items:
         return []
+    client_for: ClientFor = client if callable(client) else (lambda _: client)
     assigned = await cursor.assign(len(items), usable)
     planned = [
         EncoderCall(k, instance, tuple(indices))
@@ -296,7 +301,8 @@ async def run_encoder_fanout(
 
         async def attempt(slot: tuple[Instance, int | None]) -> EncoderCall:
             await post_json(
-                client, stage="encode", instance=slot[0], path=CHAT_PATH, body=encoder_body,
+                client_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
+                body=encoder_body,
                 headers=headers, deadline=deadline, detail=detail,
             )
             return replace(call, instance=slot[0])

@@ -123,7 +123,8 @@ def test_parse_instance(spec: str, url: str, dp: int) -> None:
     assert parse_instance(spec) == Instance(url, dp)
 
 
-@pytest.mark.parametrize("spec", ["a:1", "http://a:1#dp=0", "http://a:1#dp=x", "http://a#dp=-1"])
+@pytest.mark.parametrize("spec", ["a:1", "http://a:1#dp=0", "http://a:1#dp=x", "http://a#dp=-1",
+                                  "http://a:1#dp", "http://a:1?x=1", "http://:1", "http://"])
 def test_parse_instance_rejects(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_instance(spec)

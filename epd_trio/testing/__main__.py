@@ -1,4 +1,12 @@
-"""Run one fake vLLM server: ``python -m epd_trio.testing --role decode --port 8200 --dp 2``."""
+"""Run fake vLLM servers.
+
+    python -m epd_trio.testing --role decode --port 8200 --dp 2     one server
+    python -m epd_trio.testing --cluster 3,2x2,2x2                  encoders, prefills x DP, decodes x DP
+
+``--cluster`` starts a whole fake EPD cluster in this process on free ports and prints one
+``EPD_ENCODE_URLS=...`` / ``EPD_PREFILL_URLS=...`` / ``EPD_DECODE_URLS=...`` line per role
+(``#dp=N`` included), then ``ready``. Every server answers ``GET /fake/stats``.
+"""
 
 from __future__ import annotations
 
@@ -9,16 +17,49 @@ from collections.abc import Sequence
 
 import trio
 
-from .fake_vllm import ROLES, Behaviour, FakeVLLM
+from .fake_vllm import ROLES, Behaviour, FakeVLLM, Role
+
+
+def parse_cluster(spec: str) -> list[tuple[Role, int, int]]:
+    """``"3,2x2,2x2"`` -> [("encode", 3, 1), ("prefill", 2, 2), ("decode", 2, 2)].
+
+    A prefill count of 0 makes the decodes ``prefill_decode`` instances (the E+PD / PD layouts).
+    """
+    parts = spec.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError("expected ENCODERS,PREFILLSxDP,DECODESxDP")
+    out: list[tuple[int, int]] = []
+    for part in parts:
+        count, _, dp = part.partition("x")
+        if not count.isdigit() or (dp and not dp.isdigit()) or (dp and int(dp) < 1):
+            raise argparse.ArgumentTypeError(f"bad cluster part {part!r}")
+        out.append((int(count), int(dp or 1)))
+    (e, _), (p, p_dp), (d, d_dp) = out
+    if d < 1:
+        raise argparse.ArgumentTypeError("a cluster needs at least one decode")
+    decode_role: Role = "decode" if p else "prefill_decode"
+    return [("encode", e, 1), ("prefill", p, p_dp), (decode_role, d, d_dp)]
 
 
 async def _run(args: argparse.Namespace) -> None:
-    fake = FakeVLLM(role=args.role, dp_size=args.dp, model=args.model,
-                    behaviour=Behaviour(latency=args.latency, chunk_delay=args.chunk_delay,
-                                        tokens=args.tokens))
+    behaviour = Behaviour(latency=args.latency, chunk_delay=args.chunk_delay, tokens=args.tokens)
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(fake.serve, args.host, args.port)
-        print(f"fake vLLM {args.role} (DP{args.dp}, model {args.model!r}) on {url}", flush=True)
+        if args.cluster:
+            for role, count, dp in args.cluster:
+                urls = []
+                for _ in range(count):
+                    fake = FakeVLLM(role=role, dp_size=dp, model=args.model, behaviour=behaviour)
+                    url = await nursery.start(fake.serve, args.host)
+                    urls.append(f"{url}#dp={dp}" if dp > 1 else url)
+                name = {"encode": "ENCODE", "prefill": "PREFILL"}.get(role, "DECODE")
+                print(f"EPD_{name}_URLS={','.join(urls)}", flush=True)
+            print("ready", flush=True)
+        else:
+            fake = FakeVLLM(role=args.role, dp_size=args.dp, model=args.model,
+                            behaviour=behaviour)
+            url = await nursery.start(fake.serve, args.host, args.port)
+            print(f"fake vLLM {args.role} (DP{args.dp}, model {args.model!r}) on {url}",
+                  flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 break
@@ -26,8 +67,11 @@ async def _run(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m epd_trio.testing", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m epd_trio.testing", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--role", choices=ROLES, default="decode")
+    parser.add_argument("--cluster", type=parse_cluster, metavar="E,PxDP,DxDP",
+                        help="a whole fake cluster instead of one server")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 = any free port (printed)")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel size (rank check)")

@@ -110,6 +110,17 @@ class FakeVLLM:
         """Recorded requests whose path starts with ``path`` (default: the OpenAI API ones)."""
         return [r for r in self.received if path is None or r.path.startswith(path)]
 
+    def stats(self) -> dict[str, Any]:
+        """What this server received, in numbers (served as ``GET /fake/stats`` for the bench)."""
+        api = self.requests()
+        ranks: dict[str, int] = {}
+        for r in api:
+            key = "none" if r.rank is None else str(r.rank)
+            ranks[key] = ranks.get(key, 0) + 1
+        items = sum(len(_media_parts(r.body)) for r in api if isinstance(r.body, dict))
+        return {"role": self.role, "dp_size": self.dp_size, "requests": len(api),
+                "items": items, "ranks": ranks, "disconnects": self.disconnects}
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
@@ -227,6 +238,9 @@ class FakeVLLM:
         b = self.behaviour
         if record.path == "/health":
             await respond(200 if b.healthy else 503, b"")
+            return
+        if record.path == "/fake/stats":
+            await respond(200, orjson.dumps(self.stats()))
             return
         if record.path == "/v1/models" and record.method == "GET":
             await respond(200, orjson.dumps({"object": "list", "data": [{
