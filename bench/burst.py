@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -168,6 +169,7 @@ async def burst(args: argparse.Namespace, url: str, label: str) -> dict[str, Any
     progress = Progress(total=args.requests)
     make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
     t0 = trio.current_time()
+    cpu0 = _self_cpu()
     async with trio.open_nursery() as nursery:
         if not args.quiet and sys.stderr.isatty():
             nursery.start_soon(show_progress, progress, label)
@@ -177,9 +179,16 @@ async def burst(args: argparse.Namespace, url: str, label: str) -> dict[str, Any
                                  request_timeout=args.timeout, progress=progress)
         nursery.cancel_scope.cancel()
     wall = trio.current_time() - t0
+    generator_ms = (_self_cpu() - cpu0) * 1000 / max(len(results), 1)
     if not args.quiet and sys.stderr.isatty():
         print(file=sys.stderr)
-    return summarize(results, wall) | {"_results": results}
+    return summarize(results, wall) | {"_results": results,
+                                       "load_generator_cpu_ms_per_request": generator_ms}
+
+
+def _self_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def show_progress(progress: Progress, label: str) -> None:
@@ -214,6 +223,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 urls[role] = [u.split("#")[0] for u in value.split(",") if u]
             cmd = [sys.executable, "-m", "epd_trio", "serve", "--port", "0",
                    "--workers", str(args.workers)]
+            if args.max_connections:
+                cmd += ["--max-connections", str(args.max_connections)]
             for role in ("encode", "prefill", "decode"):
                 value = settings.get(f"EPD_{role.upper()}_URLS", "")
                 if value:
@@ -300,6 +311,8 @@ def render(report: dict[str, Any]) -> str:
             d = r[key]
             lines.append(f"  {title:<8} ms  p50 {_ms(d['p50'])}  p90 {_ms(d['p90'])}  "
                          f"p99 {_ms(d['p99'])}  max {_ms(d['max'])}")
+        lines.append(f"  load generator CPU: {r['load_generator_cpu_ms_per_request']:.2f} ms "
+                     "per request")
         if "cpu_ms_per_request" in r:
             lines.append(f"  proxy CPU: {r['cpu_ms_per_request']:.2f} ms per request "
                          f"({r['cpu_seconds']:.2f} s in all)")
@@ -356,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster", default="3,2x2,2x2", metavar="E,PxDP,DxDP",
                    help="fake cluster layout when no --target (default 3,2x2,2x2)")
     p.add_argument("--workers", type=int, default=1, help="proxy worker processes")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="the proxy's --max-connections (default: its own default)")
     p.add_argument("--compare-direct", action="store_true",
                    help="also send the same load straight to a decode instance")
     p.add_argument("--direct", help="the decode URL for --compare-direct with --target")

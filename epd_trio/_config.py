@@ -53,8 +53,10 @@ class Settings:
     #: Seconds a client may leave sent data unread before its request is released and (with
     #: ``epd-trio serve``) its connection cut: a stalled client must not pin a vLLM generation.
     client_write_timeout: float = 60.0
-    #: Upper bound on pooled upstream connections to each instance.
-    max_connections: int = 1024
+    #: Upstream requests in flight per (instance, DP rank) slot; more wait in the proxy's queue.
+    #: Size it like vLLM's ``--max-num-seqs``: more connections than the engine batches only
+    #: cost the proxy CPU (README "Performance").
+    max_connections: int = 256
     #: Largest client body accepted, in bytes (base64 media makes bodies big).
     max_body_bytes: int = 64 * 1024 * 1024
     #: Attempts per encoder sub-request and per prefill call (each on a different instance).

@@ -31,7 +31,7 @@ from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
 from ._failover import Failover, Slot, is_retryable, with_failover
 from ._health import Registry
-from ._http import httpx
+from ._http import ShardedTransport, httpx
 from ._prober import run_prober
 from ._rewrite import (
     Kind,
@@ -80,16 +80,21 @@ def new_request_id(client_value: str | None) -> str:
     return value if keep else uuid.uuid4().hex
 
 
-def make_client(settings: Settings) -> httpx.AsyncClient:
+def make_client(settings: Settings, limit: int) -> httpx.AsyncClient:
     """A pooled upstream client: finite timeouts everywhere, no environment proxies.
 
-    The proxy keeps one per upstream instance: the pool's cost of matching a request to a
-    connection grows with the connections it holds, so several small pools are much cheaper
-    under load than one big one (measured: see README "Performance").
+    The proxy keeps one per upstream instance, admitting at most ``limit`` requests at once
+    over small sharded pools (``ShardedTransport``: a pool's per-request cost grows with the
+    connections it holds).
 
     ``trust_env=False`` because an ``HTTP_PROXY`` meant for outbound traffic must never reroute
     the proxy's calls to its own backends.
     """
+    def make_pool(size: int) -> httpx.AsyncBaseTransport:
+        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size,
+                              keepalive_expiry=30.0)
+        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
+
     return httpx.AsyncClient(
         timeout=httpx.Timeout(
             connect=settings.connect_timeout,
@@ -97,11 +102,7 @@ def make_client(settings: Settings) -> httpx.AsyncClient:
             write=settings.connect_timeout + 60.0,
             pool=settings.connect_timeout,
         ),
-        limits=httpx.Limits(
-            max_connections=settings.max_connections,
-            max_keepalive_connections=settings.max_connections,
-            keepalive_expiry=30.0,
-        ),
+        transport=ShardedTransport(make_pool, limit),
         trust_env=False,
     )
 
@@ -142,7 +143,8 @@ class Proxy:
         if client is None:
             if not self._open:
                 raise RuntimeError("Proxy.client used outside start()/aclose()")
-            client = self._clients[instance.url] = make_client(self.settings)
+            client = self._clients[instance.url] = make_client(
+                self.settings, self.settings.max_connections * instance.dp_size)
         return client
 
     async def start(self, nursery: trio.Nursery | None = None) -> None:

@@ -193,26 +193,39 @@ async def test_long_prefill_outlives_the_stream_idle_timeout(client: httpx.Async
         assert r.status_code == 200 and c.proxy.counters.retries == {}
 
 
-async def test_full_upstream_pool_is_a_503_that_blames_nobody(client: httpx.AsyncClient) -> None:
-    async with run_cluster(decodes=1, max_connections=1, connect_timeout=0.3,
-                           health_interval=3600) as c:
-        c.decodes[0].behaviour.chunk_delay = 3600  # one stream holds the only connection
-        first_byte = trio.Event()
+async def test_a_full_instance_queues_requests_in_the_proxy(client: httpx.AsyncClient) -> None:
+    # EPD_MAX_CONNECTIONS caps requests in flight per slot; the next ones wait their turn in
+    # the proxy (bounded by their stage deadline), not fail, and nothing is blamed on the instance.
+    async with run_cluster(decodes=1, max_connections=1, health_interval=3600) as c:
+        decode = c.decodes[0]
+        decode.behaviour.chunk_delay = 3600  # one stream holds the only place
+        first_byte, second = trio.Event(), []
 
-        async def hold() -> None:
-            async with client.stream("POST", c.proxy_url + CHAT,
-                                     json=chat_body(stream=True)) as r:
-                async for _ in r.aiter_raw():
-                    first_byte.set()
+        async def hold(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                async with client.stream("POST", c.proxy_url + CHAT,
+                                         json=chat_body(stream=True)) as r:
+                    async for _ in r.aiter_raw():
+                        first_byte.set()
+
+        async def queued() -> None:
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            second.append(r.status_code)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(hold)
+            holder = await nursery.start(hold)
             await first_byte.wait()
-            r = await client.post(c.proxy_url + CHAT, json=chat_body())
-            assert r.status_code == 503 and r.json()["error"]["type"] == "proxy_overloaded"
-            state = c.proxy.registry.state("decode", c.decodes[0].url)
-            assert state.live and state.errors == 0 and c.proxy.counters.retries == {}
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(queued)
+            limiter = c.proxy.client(c.settings.decode_urls[0])._transport.limiter
+            with trio.fail_after(10):
+                while limiter.statistics().tasks_waiting != 1:
+                    await trio.testing.wait_all_tasks_blocked(cushion=0.001)
+            assert len(decode.requests()) == 1  # the second request waits in the proxy
+            holder.cancel()  # the first stream ends: its place goes to the queued request
+        assert second == [200] and len(decode.requests()) == 2
+        state = c.proxy.registry.state("decode", decode.url)
+        assert state.live and state.errors == 0 and c.proxy.counters.retries == {}
 
 
 async def test_non_ascii_request_id_is_replaced(client: httpx.AsyncClient) -> None:
