@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import signal
@@ -41,7 +42,7 @@ def percentile(sorted_values: list[float], q: float) -> float | None:
     """Nearest-rank percentile of an ascending list (None when empty)."""
     if not sorted_values:
         return None
-    rank = max(1, min(len(sorted_values), round(q / 100 * len(sorted_values) + 0.5)))
+    rank = max(1, min(len(sorted_values), math.ceil(q / 100 * len(sorted_values))))
     return sorted_values[rank - 1]
 
 
