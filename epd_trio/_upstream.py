@@ -9,6 +9,9 @@ every upstream connection of its request (vLLM sees the disconnect and aborts th
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import struct
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -163,11 +166,29 @@ class StreamRelay:
         if self._closed:
             return
         self._closed = True
+        if not self._finished:
+            _reset_on_close(self.response)
         with trio.CancelScope(shield=True):
             await self._chunks.aclose()
             await self.response.aclose()
         if not self._finished and self.on_abandon is not None:
             self.on_abandon()
+
+
+def _reset_on_close(response: httpx.Response) -> None:
+    """Make closing this response's connection send a TCP reset instead of a FIN.
+
+    Why: a FIN only half-closes the connection, and vLLM's server notices it only when a later
+    write fails, so an abandoned generation ran on for up to hundreds of tokens (measured on real
+    vLLM: 11 to 480 of 480 tokens through the proxy, 1 to 3 when the client itself reset). With
+    ``SO_LINGER`` 0 the close is an immediate reset, which vLLM sees at once and aborts on.
+    Best effort: without a reachable socket the close is a normal one.
+    """
+    stream = response.extensions.get("network_stream")
+    sock = stream.get_extra_info("socket") if stream is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 async def open_stream(
