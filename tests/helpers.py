@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import hashlib
 from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+import trio
 
 
 def image(n: int) -> dict[str, Any]:
@@ -22,3 +26,14 @@ def chat_body(*items: dict[str, Any], text: str = "describe", **extra: Any) -> d
         "max_tokens": 5,
         **extra,
     }
+
+
+async def open_stuck_stream(url: str) -> trio.SocketStream:
+    """Ask ``url`` for a huge chat stream over a raw socket, and (the caller) never read it."""
+    parts = urlsplit(url)
+    stuck = await trio.open_tcp_stream(parts.hostname, parts.port)
+    body = orjson.dumps({**chat_body(), "stream": True, "max_tokens": 10**6})
+    await stuck.send_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+        b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    return stuck

@@ -7,17 +7,15 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from urllib.parse import urlsplit
 
 import httpx
-import orjson
 import pytest
 import trio
 
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_url
 
-from helpers import chat_body, image
+from helpers import chat_body, image, open_stuck_stream
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
@@ -68,24 +66,17 @@ async def test_shutdown_is_bounded_when_a_client_stops_reading(
     await _start(nursery, decode)
     graceful = 1.0
     async with serving("--decode", decode.url, "--workers", workers,
-                       "--graceful-timeout", str(graceful)) as (process, url):
-        parts = urlsplit(url)
-        stuck = await trio.open_tcp_stream(parts.hostname, parts.port)
-        async with stuck:
-            body = orjson.dumps({**chat_body(), "stream": True, "max_tokens": 10**6})
-            await stuck.send_all(
-                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-            # Never read: the stream is far larger than the socket buffers (~0.5 MB here).
-            with trio.fail_after(30):
-                await decode.wait_until(lambda: len(decode.requests()) == 1
-                                        and len(decode.requests()[0].sent) > 200_000)
-            started = trio.current_time()
-            process.send_signal(signal.SIGTERM)
-            with trio.fail_after(graceful + 5):
-                await process.wait()
-            print(f"\nworkers={workers}: exited {trio.current_time() - started:.1f} s after "
-                  f"SIGTERM with a client that stopped reading (graceful {graceful:g} s)")
+                       "--graceful-timeout", str(graceful)) as (process, url), await open_stuck_stream(url):
+        # Never read: the stream is far larger than the socket buffers (~0.5 MB here).
+        with trio.fail_after(30):
+            await decode.wait_until(lambda: len(decode.requests()) == 1
+                                    and len(decode.requests()[0].sent) > 200_000)
+        started = trio.current_time()
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(graceful + 5):
+            await process.wait()
+        print(f"\nworkers={workers}: exited {trio.current_time() - started:.1f} s after "
+              f"SIGTERM with a client that stopped reading (graceful {graceful:g} s)")
 
 
 async def test_workers_share_the_encoder_cursor(nursery: trio.Nursery) -> None:
