@@ -23,8 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from multiprocessing.connection import wait
-from multiprocessing.synchronize import Event as EventType
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import trio
@@ -39,6 +38,8 @@ from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.
 WATCHDOG_MARGIN = 4.0
+#: Exit status of a process whose shutdown had to be forced (in-flight work was cut).
+FORCED_EXIT = 3
 DEFAULT_GRACEFUL_TIMEOUT = 10.0
 
 
@@ -77,7 +78,7 @@ def _arm_watchdog(limit: float, who: str) -> None:
     def expire() -> None:
         _say(f"{who}: shutdown still not finished after {limit:g} s "
              "(a client stopped reading?); exiting")
-        os._exit(0)
+        os._exit(FORCED_EXIT)
 
     timer = threading.Timer(limit, expire)
     timer.daemon = True
@@ -106,21 +107,34 @@ def _worker_main(
     counters: CursorCounters,
     config: Config,
     sockets: Sockets,
-    shutdown_event: EventType,
+    lifeline: Connection,
     index: int,
 ) -> None:
-    """One worker process: serve until the parent sets ``shutdown_event``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
+    """One worker process: serve until the parent closes ``lifeline`` (or dies), or SIGTERM.
+
+    The lifeline is the read end of a pipe whose write end only the parent holds: end of file
+    means "stop", and comes by itself when the parent is killed, so no worker outlives it.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides
 
     async def main() -> None:
         stop = trio.Event()
 
         async def watch_parent() -> None:
-            await trio.to_thread.run_sync(shutdown_event.wait, abandon_on_cancel=True)
+            async with trio.lowlevel.FdStream(os.dup(lifeline.fileno())) as stream:
+                while await stream.receive_some():
+                    pass
             stop.set()
+
+        async def watch_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                async for _ in signals:
+                    stop.set()
+                    return
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_parent)
+            nursery.start_soon(watch_signals)
             await _serve(settings, counters, config, sockets, stop, f"worker {index}")
             nursery.cancel_scope.cancel()
 
@@ -166,40 +180,41 @@ def _serve_workers(
     settings: Settings, options: ServeOptions, config: Config, sockets: Sockets
 ) -> int:
     ctx = multiprocessing.get_context("spawn")
-    shutdown_event = ctx.Event()
     counters = CursorCounters.shared(ctx)
-    stopping = threading.Event()
+    signalled: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
-        if not stopping.is_set():
-            _say(f"{signal.Signals(signum).name}: shutting down "
-                 f"(graceful timeout {config.graceful_timeout:g} s)")
-        stopping.set()
-        shutdown_event.set()
+        signalled.append(signum)  # only a flag: the loop below does the work
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    processes = [
-        ctx.Process(
+    processes, lifelines = [], []
+    for index in range(options.workers):
+        read_end, write_end = ctx.Pipe(duplex=False)
+        process = ctx.Process(
             target=_worker_main,
             kwargs={"settings": settings, "counters": counters, "config": config,
-                    "sockets": sockets, "shutdown_event": shutdown_event, "index": index},
+                    "sockets": sockets, "lifeline": read_end, "index": index},
             name=f"epd-trio-worker-{index}",
         )
-        for index in range(options.workers)
-    ]
-    for process in processes:
         process.start()
+        read_end.close()  # the worker has its own copy; the write end stays only here
+        processes.append(process)
+        lifelines.append(write_end)
     status = 0
     # Wait for a signal, or for any worker to die on its own (then stop the others too).
-    while not stopping.is_set():
-        finished = wait([p.sentinel for p in processes], timeout=0.2)
-        if finished and not stopping.is_set():
-            status = 1
-            dead = [p.name for p in processes if p.exitcode is not None]
+    while not signalled:
+        ready = wait([p.sentinel for p in processes], timeout=0.2)
+        if ready and not signalled:
+            dead = [p.name for p in processes if p.sentinel in ready]
             _say(f"{', '.join(dead)} exited on its own; stopping")
-            shutdown_event.set()
+            status = 1
             break
+    if signalled:
+        _say(f"{signal.Signals(signalled[0]).name}: shutting down "
+             f"(graceful timeout {config.graceful_timeout:g} s)")
+    for lifeline in lifelines:
+        lifeline.close()  # end of file on every worker's lifeline: stop
     # Each worker bounds itself (watchdog); this is the backstop for a worker that cannot.
     deadline = time.monotonic() + config.graceful_timeout + WATCHDOG_MARGIN + 1.0
     for process in processes:
@@ -208,7 +223,9 @@ def _serve_workers(
         if process.is_alive():
             process.kill()
             process.join()
+            status = status or FORCED_EXIT
+        elif process.exitcode and not status:
+            status = process.exitcode
     for sock in sockets.insecure_sockets:
         sock.close()
     return status
-

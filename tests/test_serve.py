@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -103,3 +104,62 @@ async def test_workers_share_the_encoder_cursor(nursery: trio.Nursery) -> None:
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(15):
             await process.wait()
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The spawned worker processes of ``pid`` (its children running spawn_main)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if ppid == pid and b"spawn_main" in cmdline:
+                children.append(int(entry))
+    return children
+
+
+async def _wait_gone(pids: list[int]) -> None:
+    """Wait (event-driven: a pidfd turns readable) until every process has exited."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+
+
+async def test_a_dead_worker_stops_the_others(nursery: trio.Nursery) -> None:
+    decode = FakeVLLM("prefill_decode")
+    await _start(nursery, decode)
+    async with serving("--decode", decode.url, "--workers", "2",
+                       "--graceful-timeout", "1") as (process, url):
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            assert (await client.get(url + "/health")).status_code == 200
+        workers = _workers_of(process.pid)
+        assert len(workers) == 2
+        os.kill(workers[0], signal.SIGKILL)
+        with trio.fail_after(15):
+            assert await process.wait() != 0  # a worker died: not a clean exit
+            await _wait_gone(workers)
+
+
+async def test_workers_do_not_outlive_a_killed_parent(nursery: trio.Nursery) -> None:
+    decode = FakeVLLM("prefill_decode")
+    await _start(nursery, decode)
+    async with serving("--decode", decode.url, "--workers", "2") as (process, url):
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            assert (await client.get(url + "/health")).status_code == 200
+        workers = _workers_of(process.pid)
+        assert len(workers) == 2
+        process.kill()
+        await process.wait()
+        with trio.fail_after(20):  # their lifeline pipe reached end of file
+            await _wait_gone(workers)
