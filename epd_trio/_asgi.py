@@ -74,7 +74,10 @@ class ProxyASGI:
                         self.stalled += 1
                         log.warning("client stopped reading for %g s: releasing its upstream "
                                     "request", self.write_timeout)
-                        await resources.aclose()
+                        try:
+                            await resources.aclose()
+                        except Exception:  # one request's cleanup must not stop the watchdog
+                            log.exception("releasing a stalled request failed")
 
     async def __call__(
         self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: ASGISendCallable

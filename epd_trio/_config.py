@@ -53,6 +53,8 @@ class Settings:
     #: Seconds a client may leave sent data unread before its request is released and (with
     #: ``epd-trio serve``) its connection cut: a stalled client must not pin a vLLM generation.
     client_write_timeout: float = 60.0
+    #: Seconds a request may wait in the proxy for a free upstream place before it gets a 503.
+    queue_timeout: float = 30.0
     #: Upstream requests in flight per (instance, DP rank) slot; more wait in the proxy's queue.
     #: Size it like vLLM's ``--max-num-seqs``: more connections than the engine batches only
     #: cost the proxy CPU (README "Performance").
@@ -135,6 +137,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "decode_timeout": _seconds,
     "stream_idle_timeout": _seconds,
     "client_write_timeout": _seconds,
+    "queue_timeout": _seconds,
     "max_connections": _positive_int,
     "max_body_bytes": _positive_int,
     "max_attempts": _positive_int,

@@ -19,6 +19,7 @@ response is closed, so a long stream keeps its own. Measured: see README "Perfor
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable
 
 import httpx2 as httpx
@@ -73,9 +74,10 @@ class ShardedTransport(httpx.AsyncBaseTransport):
 
     def __init__(
         self, make_pool: Callable[[int], httpx.AsyncBaseTransport], limit: int,
-        shard_size: int = SHARD_SIZE,
+        shard_size: int = SHARD_SIZE, queue_timeout: float | None = None,
     ) -> None:
         self._make_pool = make_pool
+        self._queue_timeout = queue_timeout
         self._shard_size = shard_size
         self._shards: list[httpx.AsyncBaseTransport] = []
         self._in_use: list[int] = []
@@ -90,9 +92,19 @@ class ShardedTransport(httpx.AsyncBaseTransport):
         return len(self._shards) - 1
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Wait for a place (at most ``queue_timeout``: then ``httpx.PoolTimeout``), send."""
         borrower = object()
-        await self.limiter.acquire_on_behalf_of(borrower)
-        index = self._place()
+        with trio.move_on_after(self._queue_timeout or math.inf) as waited:
+            await self.limiter.acquire_on_behalf_of(borrower)
+        if waited.cancelled_caught:
+            raise httpx.PoolTimeout(
+                f"no free place among {self.limiter.total_tokens:g} in "
+                f"{self._queue_timeout:g} s", request=request)
+        try:
+            index = self._place()
+        except BaseException:
+            self.limiter.release_on_behalf_of(borrower)
+            raise
         self._in_use[index] += 1
         release = _Release(self.limiter, borrower, self._in_use, index)
         try:

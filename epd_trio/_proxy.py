@@ -102,7 +102,7 @@ def make_client(settings: Settings, limit: int) -> httpx.AsyncClient:
             write=settings.connect_timeout + 60.0,
             pool=settings.connect_timeout,
         ),
-        transport=ShardedTransport(make_pool, limit),
+        transport=ShardedTransport(make_pool, limit, queue_timeout=settings.queue_timeout),
         trust_env=False,
     )
 

@@ -53,8 +53,8 @@ def map_httpx_errors(
             yield
     except httpx.PoolTimeout:
         raise ProxyOverloaded(
-            f"{stage} stage: no free upstream connection within the pool timeout "
-            "(EPD_MAX_CONNECTIONS connections all busy)"
+            f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place freed "
+            "within EPD_QUEUE_TIMEOUT"
         ) from None
     except trio.TooSlowError:
         raise UpstreamTimeout(
@@ -133,13 +133,14 @@ class StreamRelay:
 
     def __init__(
         self, response: httpx.Response, chunks: AsyncGenerator[bytes, None], first: bytes, *,
-        stage: str, instance: str,
+        stage: str, instance: str, idle_timeout: float,
     ) -> None:
         self.response = response
         self._chunks = chunks
         self._first = first
         self._stage = stage
         self._instance = instance
+        self._idle_timeout = idle_timeout
         self._finished = False
         self._closed = False
         self.on_error: Callable[[UpstreamError], None] | None = None
@@ -147,13 +148,23 @@ class StreamRelay:
 
     async def relay(self) -> AsyncIterator[bytes]:
         try:
-            if self._first:
-                yield self._first
+            yield self._first
             try:
-                with map_httpx_errors(self._stage, self._instance):
-                    async for chunk in self._chunks:
-                        yield chunk
-                self._finished = True
+                while not self._closed:
+                    with map_httpx_errors(self._stage, self._instance), \
+                            trio.move_on_after(self._idle_timeout) as idle:
+                        chunk = await anext(self._chunks, None)
+                    if idle.cancelled_caught:
+                        raise UpstreamTimeout(f"no data for {self._idle_timeout:g} s",
+                                              stage=self._stage, instance=self._instance)
+                    if chunk is None:
+                        self._finished = True
+                        return
+                    yield chunk
+                # Closed under us while the client was not reading (the stalled-send watchdog
+                # released the upstream): the answer is incomplete, and must say so.
+                raise UpstreamError("the stream was released: the client did not read it in "  # noqa: TRY301
+                                    "time", stage=self._stage, instance=self._instance)
             except UpstreamError as error:
                 self._finished = True
                 if self.on_error is not None:
@@ -208,9 +219,11 @@ async def open_stream(
     (``idle_timeout``) bounds each gap between chunks. The caller owns the returned relay and
     must ``aclose()`` it. A non-2xx answer is read, closed, and raised as ``UpstreamStatusError``.
     """
+    # httpx's read timeout must not end the wait for the first bytes before ``deadline`` does;
+    # the gaps after them are bounded by the relay itself (``idle_timeout``).
     request = client.build_request(
         "POST", instance.url + path, content=_encode_json(body), headers=headers,
-        timeout=_timeout(client, read=idle_timeout),
+        timeout=_timeout(client, read=max(deadline, idle_timeout)),
     )
     with map_httpx_errors(stage, instance.url, deadline):
         response = await client.send(request, stream=True)
@@ -219,7 +232,8 @@ async def open_stream(
         except BaseException:
             await aclose_shielded(response)
             raise
-    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url)
+    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url,
+                       idle_timeout=idle_timeout)
 
 
 async def _first_bytes(
@@ -232,11 +246,15 @@ async def _first_bytes(
         )
     chunks = response.aiter_raw()
     try:
-        return chunks, await anext(chunks, b"")
+        first = await anext(chunks, None)
+        if not first:  # a 200 that ended without a byte: nothing was generated
+            raise UpstreamTransportError("the stream ended before any data", stage=stage,  # noqa: TRY301
+                                         instance=instance)
     except BaseException:
         with trio.CancelScope(shield=True):
             await chunks.aclose()
         raise
+    return chunks, first
 
 
 async def get(

@@ -234,3 +234,27 @@ async def test_non_ascii_request_id_is_replaced(client: httpx.AsyncClient) -> No
                               headers={"x-request-id": "caf\u00e9".encode("latin-1")})
         assert r.status_code == 200
         assert r.headers["x-request-id"] != "café" and r.headers["x-request-id"].isascii()
+
+
+async def test_a_queue_wait_past_its_limit_is_a_503_that_blames_nobody(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(decodes=1, max_connections=1, queue_timeout=0.2,
+                           health_interval=3600) as c:
+        c.decodes[0].behaviour.chunk_delay = 3600  # one stream holds the only place
+        first_byte = trio.Event()
+
+        async def hold() -> None:
+            async with client.stream("POST", c.proxy_url + CHAT,
+                                     json=chat_body(stream=True)) as r:
+                async for _ in r.aiter_raw():
+                    first_byte.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hold)
+            await first_byte.wait()
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            assert r.status_code == 503 and r.json()["error"]["type"] == "proxy_overloaded"
+            state = c.proxy.registry.state("decode", c.decodes[0].url)
+            assert state.live and state.errors == 0 and c.proxy.counters.retries == {}
+            nursery.cancel_scope.cancel()
