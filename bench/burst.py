@@ -304,8 +304,9 @@ def render(report: dict[str, Any]) -> str:
         r = report.get(name)
         if not r:
             continue
-        lines.append(f"\n[{name}] ok {r['ok']}/{r['requests']} ({100 * r['ok'] / r['requests']:.1f} %)"
-                     f", {r['throughput_rps']:.0f} req/s over {r['wall_seconds']:.2f} s")
+        share = 100 * r["ok"] / r["requests"] if r["requests"] else 0.0
+        lines.append(f"\n[{name}] ok {r['ok']}/{r['requests']} ({share:.1f} %)"
+                     f", {r['throughput_rps'] or 0:.0f} req/s over {r['wall_seconds']:.2f} s")
         for kind, n in sorted(r["failures"].items()):
             lines.append(f"  failed: {kind}: {n}")
         for key, title in (("latency_seconds", "latency"), ("ttfb_seconds", "ttfb")):
@@ -317,7 +318,7 @@ def render(report: dict[str, Any]) -> str:
         if "cpu_ms_per_request" in r:
             lines.append(f"  proxy CPU: {r['cpu_ms_per_request']:.2f} ms per request "
                          f"({r['cpu_seconds']:.2f} s in all)")
-    if "ratio" in report:
+    if "ratio" in report and None not in report["ratio"].values():
         q = report["ratio"]
         lines.append(f"\n[proxy / direct] latency p50 x{q['latency_p50']:.2f}, p99 "
                      f"x{q['latency_p99']:.2f}, throughput x{q['throughput']:.2f}, added p50 "

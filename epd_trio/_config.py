@@ -46,9 +46,9 @@ class Settings:
     encode_timeout: float = 300.0
     #: Seconds for a prefill call (long prompts on a loaded instance take minutes).
     prefill_timeout: float = 600.0
-    #: Seconds until decode's response headers (a non-stream decode: until its whole body).
+    #: Seconds until decode's first body bytes (a non-stream decode: until its whole body).
     decode_timeout: float = 600.0
-    #: Seconds of silence allowed between two chunks of a decode stream.
+    #: Seconds of silence allowed between two reads of a decode stream (the first included).
     stream_idle_timeout: float = 300.0
     #: Seconds a client may leave sent data unread before its request is released and (with
     #: ``epd-trio serve``) its connection cut: a stalled client must not pin a vLLM generation.
