@@ -95,16 +95,18 @@ async def _check(cluster: Cluster, count: int) -> bool:
 
 
 async def _demo(args: argparse.Namespace) -> int:
-    async with run_cluster(encoders=3, prefills=2, prefill_dp=2, decodes=2, decode_dp=2,
-                           host=args.host, proxy_port=args.port) as cluster:
-        print(_describe(cluster), flush=True)
-        if args.check:
-            ok = await _check(cluster, args.check)
-            print("demo check: " + ("all requests succeeded" if ok else "FAILED"))
-            return 0 if ok else 1
-        print("\nTry a multimodal streaming request:\n\n" + _curl(cluster.proxy_url)
-              + "\n\nCtrl-C stops the demo.", flush=True)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    # The receiver stays open until the cluster has stopped, so a second Ctrl-C during the
+    # (short) graceful shutdown is absorbed instead of turning into a traceback.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with run_cluster(encoders=3, prefills=2, prefill_dp=2, decodes=2, decode_dp=2,
+                               host=args.host, proxy_port=args.port) as cluster:
+            print(_describe(cluster), flush=True)
+            if args.check:
+                ok = await _check(cluster, args.check)
+                print("demo check: " + ("all requests succeeded" if ok else "FAILED"))
+                return 0 if ok else 1
+            print("\nTry a multimodal streaming request:\n\n" + _curl(cluster.proxy_url)
+                  + "\n\nCtrl-C stops the demo.", flush=True)
             async for _ in signals:
                 break
     print("epd_trio demo: stopped")
