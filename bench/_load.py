@@ -56,6 +56,9 @@ def classify(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+_SSE_ERROR = b'data: {"error"'
+
+
 async def _exchange(conn: _Conn, target: str, host: str, body: bytes, stream: bool,
                     t0: float) -> tuple[int, float | None, int, bool]:
     """Send one request and read the whole answer: (status, ttfb, size, sse error seen)."""
@@ -65,6 +68,7 @@ async def _exchange(conn: _Conn, target: str, host: str, body: bytes, stream: bo
     data += conn.h11.send(h11.Data(data=body)) + conn.h11.send(h11.EndOfMessage())
     await conn.stream.send_all(data)
     status, ttfb, size, sse_error = 0, None, 0, False
+    tail = b""  # the end of the previous piece: an error event may straddle two reads
     while True:
         event = conn.h11.next_event()
         if event is h11.NEED_DATA:
@@ -78,8 +82,10 @@ async def _exchange(conn: _Conn, target: str, host: str, body: bytes, stream: bo
             if ttfb is None:
                 ttfb = trio.current_time() - t0
             size += len(event.data)
-            if stream and b'data: {"error"' in event.data:
-                sse_error = True
+            if stream and not sse_error:
+                window = tail + bytes(event.data)
+                sse_error = _SSE_ERROR in window
+                tail = window[-len(_SSE_ERROR):]
         elif isinstance(event, h11.EndOfMessage):
             return status, ttfb, size, sse_error
         elif isinstance(event, h11.ConnectionClosed):
