@@ -30,7 +30,7 @@ from ._counters import CursorCounters
 from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
 from ._failover import Failover, Slot, is_retryable, with_failover
-from ._health import Registry
+from ._health import InstanceState, Registry
 from ._http import ShardedTransport, httpx
 from ._prober import run_prober
 from ._rewrite import (
@@ -188,15 +188,19 @@ class Proxy:
         try:
             yield
         except UpstreamError as error:
-            if is_retryable(error):  # a 4xx is the client's fault, not the instance's
-                state.errors += 1
-            if error.instance_failure:
-                self.registry.failed(state)
+            self._count_failure(state, error)
             raise
         else:
             self.registry.succeeded(state)
         finally:
             state.in_flight -= 1
+
+    def _count_failure(self, state: InstanceState, error: UpstreamError) -> None:
+        """An upstream failure at ``state``'s instance: its error count, and its health."""
+        if is_retryable(error):  # a 4xx is the client's fault, not the instance's
+            state.errors += 1
+        if error.instance_failure:
+            self.registry.failed(state)
 
     def _retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
         self.counters.retries[stage] += 1
@@ -320,18 +324,13 @@ class Proxy:
         state = self.registry.state("decode", instance.url)
         state.in_flight += 1
 
-        def stream_failed(error: UpstreamError) -> None:
-            state.errors += 1
-            if error.instance_failure:
-                self.registry.failed(state)
-
         def stream_abandoned() -> None:
             self.counters.client_cancels["decode"] += 1
 
         def stream_closed() -> None:
             state.in_flight -= 1
 
-        relay.on_error = stream_failed
+        relay.on_error = partial(self._count_failure, state)
         relay.on_abandon = stream_abandoned
         resources.callback(stream_closed)
         resources.push_async_callback(relay.aclose)

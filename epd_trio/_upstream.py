@@ -108,12 +108,18 @@ async def post_json(
             instance.url + path, content=_encode_json(body), headers=headers,
             timeout=_timeout(client, read=deadline),
         )
-    if not response.is_success:
-        raise UpstreamStatusError(
-            stage=stage, instance=instance.url, upstream_status=response.status_code,
-            upstream_body=response.content, detail=detail,
-        )
+    _raise_for_status(response, stage, instance.url, response.content, detail)
     return response
+
+
+def _raise_for_status(
+    response: httpx.Response, stage: str, instance: str, body: bytes, detail: str = ""
+) -> None:
+    """A non-2xx answer becomes ``UpstreamStatusError`` (the one place that builds it)."""
+    if not response.is_success:
+        raise UpstreamStatusError(stage=stage, instance=instance,
+                                  upstream_status=response.status_code, upstream_body=body,
+                                  detail=detail)
 
 
 class StreamRelay:
@@ -236,10 +242,7 @@ async def _first_bytes(
     response: httpx.Response, stage: str, instance: str
 ) -> tuple[AsyncGenerator[bytes, None], bytes]:
     if not response.is_success:
-        raise UpstreamStatusError(
-            stage=stage, instance=instance, upstream_status=response.status_code,
-            upstream_body=await response.aread(),
-        )
+        _raise_for_status(response, stage, instance, await response.aread())
     chunks = response.aiter_raw()
     try:
         first = await anext(chunks, None)
@@ -259,11 +262,7 @@ async def get(
     """GET a small resource (``/health``, ``/v1/models``); non-2xx raises ``UpstreamStatusError``."""
     with map_httpx_errors(stage, instance.url, deadline):
         response = await client.get(instance.url + path)
-    if not response.is_success:
-        raise UpstreamStatusError(
-            stage=stage, instance=instance.url, upstream_status=response.status_code,
-            upstream_body=response.content,
-        )
+    _raise_for_status(response, stage, instance.url, response.content)
     return response
 
 
