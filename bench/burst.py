@@ -33,6 +33,7 @@ import trio
 
 from bench._load import Progress, Result, run_load
 from epd_trio.testing.media import png_data_url
+from epd_trio.testing.process import read_until, read_url
 
 CHAT = "/v1/chat/completions"
 
@@ -106,17 +107,6 @@ def process_tree_cpu(pid: int) -> float:
                 tree.add(child)
                 grew = True
     return sum(times.get(p, 0.0) for p in tree)
-
-
-async def read_lines_until(stream: trio.abc.ReceiveStream, done: bytes, limit: float = 60) -> list[str]:
-    buf = b""
-    with trio.fail_after(limit):
-        while done not in buf:
-            chunk = await stream.receive_some()
-            if not chunk:
-                raise RuntimeError(f"process exited early:\n{buf.decode()}")
-            buf += chunk
-    return buf.decode().splitlines()
 
 
 async def stop(process: trio.Process) -> None:
@@ -216,7 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                  "--tokens", str(args.max_tokens)], stdout=subprocess.PIPE)
             processes.append(fakes)
             assert fakes.stdout is not None
-            env_lines = [line for line in await read_lines_until(fakes.stdout, b"ready")
+            _, output = await read_until(fakes.stdout, rb"\bready\b", limit=60)
+            env_lines = [line for line in output.decode().splitlines()
                          if line.startswith("EPD_")]
             settings = dict(line.split("=", 1) for line in env_lines)
             for role in ("encode", "prefill", "decode"):
@@ -233,7 +224,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             proxy = await trio.lowlevel.open_process(cmd, stderr=subprocess.PIPE)
             processes.append(proxy)
             assert proxy.stderr is not None
-            from epd_trio.testing.process import read_url
             url = await read_url(proxy.stderr, rb"listening on (http://\S+)")
             proxy_pid = proxy.pid
             # Drain the proxy's stderr so it never blocks on a full pipe.

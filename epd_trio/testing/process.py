@@ -7,8 +7,10 @@ import re
 import trio
 
 
-async def read_url(stream: trio.abc.ReceiveStream, pattern: bytes, *, limit: float = 30.0) -> str:
-    """Read a server's output until ``pattern`` (one group: the URL) matches; return the URL.
+async def read_until(
+    stream: trio.abc.ReceiveStream, pattern: bytes, *, limit: float = 30.0
+) -> tuple[re.Match[bytes], bytes]:
+    """Read a process's output until ``pattern`` matches; the match and everything read.
 
     Raises ``RuntimeError`` with the output so far if the stream ends first (the process died),
     and ``trio.TooSlowError`` after ``limit`` seconds.
@@ -18,6 +20,13 @@ async def read_url(stream: trio.abc.ReceiveStream, pattern: bytes, *, limit: flo
         while not (match := re.search(pattern, seen)):
             chunk = await stream.receive_some()
             if not chunk:
-                raise RuntimeError(f"process exited before printing its URL:\n{seen.decode()}")
+                raise RuntimeError(f"process exited before printing {pattern!r}:\n"
+                                   f"{seen.decode()}")
             seen += chunk
+    return match, seen
+
+
+async def read_url(stream: trio.abc.ReceiveStream, pattern: bytes, *, limit: float = 30.0) -> str:
+    """Read a server's output until ``pattern`` (one group: the URL) matches; return the URL."""
+    match, _ = await read_until(stream, pattern, limit=limit)
     return match.group(1).decode()
