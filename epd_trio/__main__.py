@@ -20,6 +20,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import trio
 
 from ._config import (
@@ -30,7 +31,6 @@ from ._config import (
     flag_name,
     load_settings,
 )
-from ._http import httpx
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster

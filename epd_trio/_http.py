@@ -1,124 +1,325 @@
-"""The upstream HTTP client: which library (one import), and the per-instance concurrency cap.
+"""The upstream HTTP client: httpcore2 connections (httpx2's transport core) in a lean per-instance pool.
 
-httpx 0.28's connection pool assigns queued requests to connections in O(n^2) (encode/httpx#3215,
-encode/httpcore PR #1035, both open): measured here it was the proxy's largest CPU cost under
-concurrency. ``httpx2`` is the maintained fork with those fixes merged and the same API; switching
-back is the one import below.
+Why not ``httpx.AsyncClient``: measured on the proxy's hot path (README "Performance"), the
+client layers above the connection were most of the proxy's CPU per request. httpx 0.28's pool
+assigns queued requests in O(n^2) (encode/httpx#3215); its maintained fork ``httpx2`` fixed that,
+but its pool still re-checks every connection it holds (a ``poll`` syscall per idle one) each
+time a request starts or ends, and every request also pays for URL/header models, auth, redirect
+and cookie handling, and five nested body generators per chunk. Here each instance gets an
+``UpstreamPool``: a stack of idle ``httpcore2`` HTTP/1.1 connections (last in, first out, so the
+warm ones are reused), a ``trio.CapacityLimiter`` that admits at most ``limit`` requests (the
+rest wait in its FIFO queue, at most ``queue_timeout``), and a network backend without a cancel
+scope per read or write unless the call asked for a timeout. Parsing, chunked encoding and
+keep-alive stay httpcore's and h11's.
 
-Even so, httpcore's pool re-checks every connection it holds (closed? expired? the latter a
-``poll`` syscall per idle connection) each time a request is added or removed: O(connections) per
-request. With the hundreds of concurrent streams a vLLM instance serves, that was the proxy's
-largest cost (measured: 5.2 ms of CPU per request with 256 connections to each instance, 2.7 ms
-with 64). ``ShardedTransport`` keeps that scan short without capping concurrency: each instance
-gets up to ``limit`` connections split into pools of at most ``SHARD_SIZE``; a
-``trio.CapacityLimiter`` admits at most ``limit`` requests (the rest wait in its FIFO queue, O(1)
-each) and each admitted request goes to the first pool with a free place (first fit, so load
-concentrates on few pools and their connections stay warm). A place is given back when the
-response is closed, so a long stream keeps its own. Measured: see README "Performance".
+Timeouts: connect (per new connection), the queue wait, and an optional per-read timeout (the
+stream idle gap) live here; the whole-call deadline is the caller's (``_upstream``).
+
+Idle connections are dropped after ``keepalive_expiry`` (default 4 s): vLLM's server closes idle
+keep-alive connections after 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and a request written to a
+connection the server is closing fails without having been read. A connection whose peer already
+closed it is detected when taken from the stack (httpcore's ``has_expired``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+import ssl
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any
 
-import httpx2 as httpx
+import httpcore2 as httpcore
 import trio
 
-#: The client class to pass to the library functions (``run_encoder_fanout``): errors are mapped
-#: from this library's exceptions, so a client from another copy of httpx would not be.
-UpstreamClient = httpx.AsyncClient
+from ._routing import Instance
+
+#: The exceptions ``_upstream.map_upstream_errors`` translates (this library's).
+PoolTimeout = httpcore.PoolTimeout
+TimeoutException = httpcore.TimeoutException
+ConnectTimeout = httpcore.ConnectTimeout
+TransportError = (httpcore.NetworkError, httpcore.ProtocolError)
+
+#: Seconds an idle connection is kept: below vLLM's (uvicorn's) 5 s keep-alive.
+KEEPALIVE_EXPIRY = 4.0
+
+_READ_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
-class _ReleasingStream(httpx.AsyncByteStream):
-    """A response body that gives its limiter slot back when closed."""
+class _LeanStream(httpcore.AsyncNetworkStream):
+    """A trio socket stream for httpcore with no cancel scope when no timeout is asked for."""
 
-    def __init__(self, inner: httpx.AsyncByteStream, release: _Release) -> None:
-        self._inner = inner
-        self._release = release
+    __slots__ = ("_stream",)
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._inner:
-            yield chunk
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+
+    # The ``timeout`` parameters are httpcore's network-stream interface.
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        try:
+            if timeout is None:
+                return await self._stream.receive_some(max_bytes)
+            with trio.fail_after(timeout):
+                return await self._stream.receive_some(max_bytes)
+        except trio.TooSlowError:
+            raise httpcore.ReadTimeout(f"no data for {timeout:g} s") from None
+        except _READ_ERRORS as exc:
+            raise httpcore.ReadError(str(exc) or type(exc).__name__) from exc
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if not buffer:
+            return
+        try:
+            if timeout is None:
+                await self._stream.send_all(buffer)
+                return
+            with trio.fail_after(timeout):
+                await self._stream.send_all(buffer)
+        except trio.TooSlowError:
+            raise httpcore.WriteTimeout(f"could not write for {timeout:g} s") from None
+        except _READ_ERRORS as exc:
+            raise httpcore.WriteError(str(exc) or type(exc).__name__) from exc
 
     async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
+                        timeout: float | None = None,  # noqa: ASYNC109
+                        ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("the lean backend is for http:// instances only")
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "socket":
+            return self._stream.socket
+        if info == "is_readable":
+            return self._stream.socket.is_readable()
+        return None
+
+
+class _LeanBackend(httpcore.AsyncNetworkBackend):
+    """Plain-TCP connects for ``_LeanStream`` (https:// instances use httpcore's own backend)."""
+
+    async def connect_tcp(
+        self, host: str, port: int, timeout: float | None = None,  # noqa: ASYNC109
+        local_address: str | None = None, socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
         try:
-            await self._inner.aclose()
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                stream = await trio.open_tcp_stream(host, port, local_address=local_address)
+        except trio.TooSlowError:
+            raise httpcore.ConnectTimeout(f"no connection within {timeout:g} s") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc) or type(exc).__name__) from exc
+        return _LeanStream(stream)
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
+
+
+_LEAN = _LeanBackend()
+
+
+class UpstreamResponse:
+    """A response whose body is still to be read; ``aclose()`` gives its connection back."""
+
+    __slots__ = ("_closed", "_conn", "_pool", "_release", "_response", "headers", "status")
+
+    def __init__(self, pool: UpstreamPool, conn: httpcore.AsyncHTTPConnection,
+                 response: httpcore.Response, release: _Release) -> None:
+        self.status: int = response.status
+        #: Raw header pairs as received (names in the server's casing).
+        self.headers: list[tuple[bytes, bytes]] = response.headers
+        self._response = response
+        self._pool = pool
+        self._conn = conn
+        self._release = release
+        self._closed = False
+
+    @property
+    def is_success(self) -> bool:
+        return 200 <= self.status < 300
+
+    def header(self, name: str, default: str | None = None) -> str | None:
+        """One header's value (case-insensitive name), decoded as latin-1 like HTTP says."""
+        key = name.lower().encode("ascii")
+        for raw_name, value in self.headers:
+            if raw_name.lower() == key:
+                return value.decode("latin-1")
+        return default
+
+    def aiter_raw(self) -> AsyncGenerator[bytes, None]:
+        """The body bytes exactly as they arrive (chunked framing removed, nothing decoded)."""
+        return self._response.stream.__aiter__()  # type: ignore[union-attr,return-value]
+
+    async def aread(self) -> bytes:
+        """The whole body; the connection goes back to the pool."""
+        try:
+            return b"".join([chunk async for chunk in self.aiter_raw()])
+        finally:
+            await self.aclose()
+
+    @property
+    def socket(self) -> Any:
+        """The connection's socket (for socket options), or None."""
+        stream = self._response.extensions.get("network_stream")
+        return stream.get_extra_info("socket") if stream is not None else None
+
+    async def aclose(self) -> None:
+        """Close the body (idempotent); a connection left reusable returns to the idle stack."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._response.stream.aclose()  # type: ignore[union-attr]
         finally:
             self._release()
+            self._pool._check_in(self._conn)
 
 
 class _Release:
-    """Gives one request's place back (once): its pool's count and the limiter's token."""
+    """Gives one request's limiter token back, once."""
 
-    def __init__(self, limiter: trio.CapacityLimiter, borrower: object, in_use: list[int],
-                 index: int) -> None:
+    __slots__ = ("_borrower", "_limiter")
+
+    def __init__(self, limiter: trio.CapacityLimiter, borrower: object) -> None:
         self._limiter = limiter
         self._borrower: object | None = borrower
-        self._in_use = in_use
-        self._index = index
 
     def __call__(self) -> None:
         if self._borrower is not None:
-            self._in_use[self._index] -= 1
             self._limiter.release_on_behalf_of(self._borrower)
             self._borrower = None
 
 
-#: Connections per pool: short enough that the pool's per-request scan stays cheap.
-SHARD_SIZE = 32
+class UpstreamPool:
+    """Connections to one upstream instance (base URL), at most ``limit`` requests at once."""
 
-
-class ShardedTransport(httpx.AsyncBaseTransport):
-    """Up to ``limit`` requests in flight to one instance, over pools of ``shard_size``."""
-
-    def __init__(
-        self, make_pool: Callable[[int], httpx.AsyncBaseTransport], limit: int,
-        shard_size: int = SHARD_SIZE, queue_timeout: float | None = None,
-    ) -> None:
-        self._make_pool = make_pool
+    def __init__(self, url: str, *, limit: int = 256, connect_timeout: float = 10.0,
+                 queue_timeout: float | None = None,
+                 keepalive_expiry: float = KEEPALIVE_EXPIRY) -> None:
+        parsed = httpcore.URL(url)
+        self.url = url
+        self._origin = parsed.origin
+        self._prefix = parsed.target.rstrip(b"/")
+        port = parsed.port
+        host = parsed.host
+        self._host_header = host if port is None else host + b":" + str(port).encode()
+        self._backend = _LEAN if parsed.scheme == b"http" else None
+        self._connect_timeout = connect_timeout
         self._queue_timeout = queue_timeout
-        self._shard_size = shard_size
-        self._shards: list[httpx.AsyncBaseTransport] = []
-        self._in_use: list[int] = []
+        self._keepalive_expiry = keepalive_expiry
+        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        self._urls: dict[bytes, httpcore.URL] = {}
+        self._closed = False
         self.limiter = trio.CapacityLimiter(limit)
 
-    def _place(self) -> int:
-        for index, used in enumerate(self._in_use):
-            if used < self._shard_size:
-                return index
-        self._shards.append(self._make_pool(self._shard_size))
-        self._in_use.append(0)
-        return len(self._shards) - 1
+    def _url(self, path: bytes) -> httpcore.URL:
+        url = self._urls.get(path)
+        if url is None:
+            origin = self._origin
+            url = self._urls[path] = httpcore.URL(scheme=origin.scheme, host=origin.host,
+                                                  port=origin.port, target=self._prefix + path)
+        return url
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Wait for a place (at most ``queue_timeout``: then ``httpx.PoolTimeout``), send."""
+    async def _check_out(self) -> httpcore.AsyncHTTPConnection:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.is_idle() and not conn.has_expired():
+                return conn
+            with trio.CancelScope(shield=True):
+                await conn.aclose()
+        return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=self._keepalive_expiry,
+                                            network_backend=self._backend)
+
+    def _check_in(self, conn: httpcore.AsyncHTTPConnection) -> None:
+        if conn.is_idle() and not self._closed:
+            self._idle.append(conn)
+
+    async def request(
+        self, method: bytes, path: bytes, *, headers: Mapping[str, str] = {},
+        content: bytes = b"", read_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send a request; return once the response headers are in (the body is still to read).
+
+        ``read_timeout`` bounds each wait for data (None: only the caller's deadline does).
+        Raises ``PoolTimeout`` when no place frees within ``queue_timeout``.
+        """
+        if self._closed:
+            raise httpcore.ConnectError(f"the pool for {self.url} is closed")
         borrower = object()
         with trio.move_on_after(self._queue_timeout or math.inf) as waited:
             await self.limiter.acquire_on_behalf_of(borrower)
         if waited.cancelled_caught:
-            raise httpx.PoolTimeout(
-                f"no free place among {self.limiter.total_tokens:g} in "
-                f"{self._queue_timeout:g} s", request=request)
+            raise PoolTimeout(f"no free place among {self.limiter.total_tokens:g} in "
+                              f"{self._queue_timeout:g} s")
+        release = _Release(self.limiter, borrower)
+        conn: httpcore.AsyncHTTPConnection | None = None
         try:
-            index = self._place()
-        except BaseException:
-            self.limiter.release_on_behalf_of(borrower)
-            raise
-        self._in_use[index] += 1
-        release = _Release(self.limiter, borrower, self._in_use, index)
-        try:
-            response = await self._shards[index].handle_async_request(request)
+            conn = await self._check_out()
+            request_headers = [(b"host", self._host_header),
+                               (b"content-length", str(len(content)).encode())]
+            request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+            timeouts = {"connect": self._connect_timeout}
+            if read_timeout is not None:
+                timeouts["read"] = read_timeout
+            response = await conn.handle_async_request(httpcore.Request(
+                method, self._url(path), headers=request_headers, content=content,
+                extensions={"timeout": timeouts}))
         except BaseException:
             release()
+            if conn is not None and not conn.is_closed():
+                with trio.CancelScope(shield=True):
+                    await conn.aclose()
             raise
-        assert isinstance(response.stream, httpx.AsyncByteStream)
-        response.stream = _ReleasingStream(response.stream, release)
-        return response
+        return UpstreamResponse(self, conn, response, release)
 
     async def aclose(self) -> None:
-        for shard in self._shards:
-            await shard.aclose()
+        """Close the idle connections; busy ones close when their response does."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        with trio.CancelScope(shield=True):
+            for conn in idle:
+                await conn.aclose()
 
 
-__all__ = ["SHARD_SIZE", "ShardedTransport", "UpstreamClient", "httpx"]
+class UpstreamClient:
+    """One ``UpstreamPool`` per upstream instance, made on first use; an async context manager.
+
+    ``max_connections`` is per DP rank: an instance serving ``dp_size`` ranks admits
+    ``max_connections * dp_size`` requests at once.
+    """
+
+    def __init__(self, *, max_connections: int = 256, connect_timeout: float = 10.0,
+                 queue_timeout: float | None = 30.0,
+                 keepalive_expiry: float = KEEPALIVE_EXPIRY) -> None:
+        self._max_connections = max_connections
+        self._connect_timeout = connect_timeout
+        self._queue_timeout = queue_timeout
+        self._keepalive_expiry = keepalive_expiry
+        self._pools: dict[str, UpstreamPool] = {}
+        self._closed = False
+
+    def pool(self, instance: Instance) -> UpstreamPool:
+        pool = self._pools.get(instance.url)
+        if pool is None:
+            if self._closed:
+                raise RuntimeError("UpstreamClient used after aclose()")
+            pool = self._pools[instance.url] = UpstreamPool(
+                instance.url, limit=self._max_connections * instance.dp_size,
+                connect_timeout=self._connect_timeout, queue_timeout=self._queue_timeout,
+                keepalive_expiry=self._keepalive_expiry)
+        return pool
+
+    async def aclose(self) -> None:
+        self._closed = True
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+    async def __aenter__(self) -> UpstreamClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["KEEPALIVE_EXPIRY", "UpstreamClient", "UpstreamPool", "UpstreamResponse"]

@@ -14,16 +14,16 @@ import trio
 from ._errors import UpstreamError
 from ._fanout import fan_out
 from ._health import InstanceState, Registry
-from ._http import httpx
+from ._http import UpstreamClient
 from ._upstream import get
 
 
-async def probe_once(client: httpx.AsyncClient, registry: Registry, probe_timeout: float) -> None:
+async def probe_once(client: UpstreamClient, registry: Registry, probe_timeout: float) -> None:
     """One probe of every instance (returns when all have answered or timed out)."""
 
     async def probe(state: InstanceState) -> None:
         try:
-            await get(client, state.role, state.instance, "/health", probe_timeout)
+            await get(client.pool(state.instance), state.role, state.instance, "/health", probe_timeout)
         except UpstreamError:
             registry.failed(state)
         else:
@@ -33,7 +33,7 @@ async def probe_once(client: httpx.AsyncClient, registry: Registry, probe_timeou
 
 
 async def run_prober(
-    client: httpx.AsyncClient,
+    client: UpstreamClient,
     registry: Registry,
     *,
     interval: float,

@@ -1,7 +1,7 @@
 """The E -> P -> D pipeline for one client request (PROTOCOL.md), independent of the web framework.
 
 ``Proxy`` owns the routing state (one encoder cursor, a prefill and a decode slot cursor), the
-health ``Registry`` and the pooled httpx client; it takes the raw client body and returns a
+health ``Registry`` and the upstream connection pools; it takes the raw client body and returns a
 ``Reply`` for the web layer to send. Stages run in order; each is skipped when the layout has no
 such role (no encoders, or a request without media: no encode stage; no prefill instances:
 decode does the whole request).
@@ -31,7 +31,7 @@ from ._cursors import EncoderCursor, SlotCursor
 from ._errors import UpstreamError
 from ._failover import Failover, Slot, is_retryable, with_failover
 from ._health import InstanceState, Registry
-from ._http import ShardedTransport, httpx
+from ._http import UpstreamClient, UpstreamPool
 from ._prober import run_prober
 from ._rewrite import (
     Kind,
@@ -43,7 +43,7 @@ from ._rewrite import (
     with_item_uuids,
 )
 from ._routing import Instance
-from ._upstream import CHAT_PATH, get, open_stream, post_json, run_encoder_fanout
+from ._upstream import CHAT_PATH, Answer, get, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
 
@@ -75,43 +75,23 @@ class Counters:
 def new_request_id(client_value: str | None) -> str:
     """Keep the client's ``x-request-id`` (it ties our legs to their logs), else a fresh one."""
     value = (client_value or "").strip()
-    # ASCII only: it goes into upstream headers, and an id httpx cannot encode must not be a 500.
+    # ASCII only: it goes into upstream headers, and an id that cannot be encoded must not be a 500.
     keep = value and len(value) <= 256 and value.isascii() and value.isprintable()
     return value if keep else uuid.uuid4().hex
 
 
-def make_client(settings: Settings, limit: int) -> httpx.AsyncClient:
-    """A pooled upstream client: finite timeouts everywhere, no environment proxies.
-
-    The proxy keeps one per upstream instance, admitting at most ``limit`` requests at once
-    over small sharded pools (``ShardedTransport``: a pool's per-request cost grows with the
-    connections it holds).
-
-    ``trust_env=False`` because an ``HTTP_PROXY`` meant for outbound traffic must never reroute
-    the proxy's calls to its own backends.
-    """
-    def make_pool(size: int) -> httpx.AsyncBaseTransport:
-        limits = httpx.Limits(max_connections=size, max_keepalive_connections=size,
-                              keepalive_expiry=30.0)
-        return httpx.AsyncHTTPTransport(limits=limits, trust_env=False)
-
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.connect_timeout,
-            read=settings.stream_idle_timeout,
-            write=settings.connect_timeout + 60.0,
-            pool=settings.connect_timeout,
-        ),
-        transport=ShardedTransport(make_pool, limit, queue_timeout=settings.queue_timeout),
-        trust_env=False,
-    )
+def make_client(settings: Settings) -> UpstreamClient:
+    """The upstream pools: per instance at most ``max_connections`` requests per DP rank."""
+    return UpstreamClient(max_connections=settings.max_connections,
+                          connect_timeout=settings.connect_timeout,
+                          queue_timeout=settings.queue_timeout)
 
 
 class Proxy:
     """Routing state, health and upstream calls for one proxy process.
 
-    ``start(nursery)`` opens the upstream client and starts the health prober in ``nursery``;
-    ``aclose()`` stops the prober, then closes the client. Everything per request happens in
+    ``start(nursery)`` opens the upstream pools and starts the health prober in ``nursery``;
+    ``aclose()`` stops the prober, then closes the pools. Everything per request happens in
     ``handle``.
     """
 
@@ -132,34 +112,29 @@ class Proxy:
                                   on_retry=self._retried)
         self._decode_failover = Failover(max_attempts=1 + settings.decode_retries,
                                          on_retry=self._retried)
-        self._clients: dict[str, httpx.AsyncClient] = {}
-        self._open = False
-        self._probe_client: httpx.AsyncClient | None = None
+        self._upstream: UpstreamClient | None = None
+        self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
 
-    def client(self, instance: Instance) -> httpx.AsyncClient:
-        """The pooled client for ``instance`` (one pool per instance, see ``make_client``)."""
-        client = self._clients.get(instance.url)
-        if client is None:
-            if not self._open:
-                raise RuntimeError("Proxy.client used outside start()/aclose()")
-            client = self._clients[instance.url] = make_client(
-                self.settings, self.settings.max_connections * instance.dp_size)
-        return client
+    def client(self, instance: Instance) -> UpstreamPool:
+        """The connection pool for ``instance`` (one per instance, see ``make_client``)."""
+        if self._upstream is None:
+            raise RuntimeError("Proxy.client used outside start()/aclose()")
+        return self._upstream.pool(instance)
 
     async def start(self, nursery: trio.Nursery | None = None) -> None:
-        """Open the upstream client; with a ``nursery``, also start the health prober in it."""
-        self._open = True
+        """Open the upstream pools; with a ``nursery``, also start the health prober in it."""
+        self._upstream = make_client(self.settings)
         if nursery is not None:
-            # Probes get their own small pool: a pool full of long streams must not delay
+            # Probes get their own small pools: a pool full of long streams must not delay
             # them into timeouts that would evict healthy instances.
-            self._probe_client = httpx.AsyncClient(
-                timeout=self.settings.health_timeout, trust_env=False,
-                limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+            self._probe_client = UpstreamClient(
+                max_connections=4, connect_timeout=self.settings.health_timeout,
+                queue_timeout=self.settings.health_timeout)
             self._prober = await nursery.start(self._run_prober, self._probe_client)
 
     async def _run_prober(
-        self, client: httpx.AsyncClient, task_status: trio.TaskStatus[trio.CancelScope]
+        self, client: UpstreamClient, task_status: trio.TaskStatus[trio.CancelScope]
     ) -> None:
         with trio.CancelScope() as scope:
             task_status.started(scope)
@@ -170,13 +145,11 @@ class Proxy:
         if self._prober is not None:
             self._prober.cancel()
             self._prober = None
-        self._open = False
         with trio.CancelScope(shield=True):
-            for client in [*self._clients.values(), self._probe_client]:
+            for client in (self._upstream, self._probe_client):
                 if client is not None:
                     await client.aclose()
-        self._clients.clear()
-        self._probe_client = None
+        self._upstream = self._probe_client = None
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @contextmanager
@@ -282,7 +255,7 @@ class Proxy:
         """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
         prefill_body = build_prefill_body(body)
 
-        async def attempt(slot: Slot) -> httpx.Response:
+        async def attempt(slot: Slot) -> Answer:
             instance, rank = slot
             return await post_json(
                 self.client(instance), stage="prefill", instance=instance, path=path, body=prefill_body,
@@ -311,8 +284,7 @@ class Proxy:
                     self.client(instance), stage="decode", instance=instance, path=path, body=body,
                     headers=headers, deadline=self.settings.decode_timeout,
                 )
-                content_type = response.headers.get("content-type", "application/json")
-                return Reply(response.status_code, {"content-type": content_type},
+                return Reply(response.status, {"content-type": response.content_type},
                              body=response.content)
             relay = await open_stream(
                 self.client(instance), stage="decode", instance=instance, path=path, body=body,
@@ -335,7 +307,7 @@ class Proxy:
         resources.callback(stream_closed)
         resources.push_async_callback(relay.aclose)
         return Reply(
-            relay.response.status_code,
+            relay.response.status,
             {"content-type": "text/event-stream", "cache-control": "no-cache"},
             stream=relay.relay(),
         )
@@ -353,8 +325,7 @@ class Proxy:
             except UpstreamError as error:
                 last_error = error
                 continue
-            content_type = response.headers.get("content-type", "application/json")
-            return Reply(response.status_code, {"content-type": content_type},
+            return Reply(response.status, {"content-type": response.content_type},
                          body=response.content)
         assert last_error is not None
         raise last_error

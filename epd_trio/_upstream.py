@@ -1,10 +1,11 @@
 """Everything that talks to vLLM over HTTP: one call per leg, and the encoder fan-out.
 
-Rules: httpx exceptions are translated to the proxy's ``UpstreamError`` tree in exactly one place
-(``map_httpx_errors``), so callers handle one family; every call has a finite deadline (the
-settings' stage timeouts, enforced with a trio deadline around the whole call, plus httpx's own
-connect/read timeouts); cancellation is never caught here, so a client that goes away closes
-every upstream connection of its request (vLLM sees the disconnect and aborts the work).
+Rules: the HTTP library's exceptions are translated to the proxy's ``UpstreamError`` tree in
+exactly one place (``map_upstream_errors``), so callers handle one family; every call has a
+finite deadline (the settings' stage timeouts, enforced with a trio deadline around the whole
+call; for streams, a per-read idle timeout after the first bytes); cancellation is never caught
+here, so a client that goes away closes every upstream connection of its request (vLLM sees the
+disconnect and aborts the work).
 """
 
 from __future__ import annotations
@@ -31,7 +32,15 @@ from ._errors import (
 )
 from ._failover import NO_FAILOVER, Failover, with_failover
 from ._fanout import fan_out
-from ._http import httpx
+from ._http import (
+    ConnectTimeout,
+    PoolTimeout,
+    TimeoutException,
+    TransportError,
+    UpstreamClient,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from ._rewrite import build_encoder_body, upstream_headers
 from ._routing import Instance, group_by_target
 
@@ -39,7 +48,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 @contextmanager
-def map_httpx_errors(
+def map_upstream_errors(
     stage: str, instance: str, deadline: float | None = None, detail: str = ""
 ) -> Iterator[None]:
     """Run a block against ``instance``; turn transport errors and deadlines into ``UpstreamError``.
@@ -51,7 +60,7 @@ def map_httpx_errors(
     try:
         with trio.fail_after(deadline) if deadline is not None else _no_deadline():
             yield
-    except httpx.PoolTimeout:
+    except PoolTimeout:
         raise ProxyOverloaded(
             f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place freed "
             "within EPD_QUEUE_TIMEOUT"
@@ -60,12 +69,12 @@ def map_httpx_errors(
         raise UpstreamTimeout(
             f"{detail}no answer within {deadline:g} s", stage=stage, instance=instance
         ) from None
-    except httpx.TimeoutException as exc:
+    except TimeoutException as exc:
         raise UpstreamTimeout(
             f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage, instance=instance,
-            connect=isinstance(exc, httpx.ConnectTimeout),
+            connect=isinstance(exc, ConnectTimeout),
         ) from exc
-    except httpx.TransportError as exc:
+    except TransportError as exc:
         raise UpstreamTransportError(
             f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
             stage=stage, instance=instance,
@@ -77,18 +86,21 @@ def _no_deadline() -> Iterator[None]:
     yield
 
 
-def _timeout(client: httpx.AsyncClient, *, read: float) -> httpx.Timeout:
-    """The client's connect/write/pool timeouts with this call's own read timeout."""
-    base = client.timeout
-    return httpx.Timeout(base.connect, read=read, write=base.write, pool=base.pool)
-
-
 def _encode_json(body: Mapping[str, Any]) -> bytes:
     return orjson.dumps(body)
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A whole (successful) upstream answer."""
+
+    status: int
+    content_type: str
+    content: bytes
+
+
 async def post_json(
-    client: httpx.AsyncClient,
+    pool: UpstreamPool,
     *,
     stage: str,
     instance: Instance,
@@ -97,28 +109,31 @@ async def post_json(
     headers: Mapping[str, str],
     deadline: float,
     detail: str = "",
-) -> httpx.Response:
+) -> Answer:
     """POST a JSON body and read the whole answer; a non-2xx answer raises ``UpstreamStatusError``.
 
-    ``deadline`` bounds the whole call; httpx's per-read timeout is set to the same value so a
-    long prefill or a long non-stream generation is not cut short by the stream idle timeout.
+    ``deadline`` bounds the whole call (one trio deadline, no per-read timeout needed), so a long
+    prefill or a long non-stream generation is not cut short by the stream idle timeout.
     """
-    with map_httpx_errors(stage, instance.url, deadline, detail):
-        response = await client.post(
-            instance.url + path, content=_encode_json(body), headers=headers,
-            timeout=_timeout(client, read=deadline),
-        )
-    _raise_for_status(response, stage, instance.url, response.content, detail)
-    return response
+    with map_upstream_errors(stage, instance.url, deadline, detail):
+        response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
+                                      content=_encode_json(body))
+        try:
+            content = await response.aread()
+        finally:
+            await aclose_shielded(response)
+    _raise_for_status(response, stage, instance.url, content, detail)
+    return Answer(response.status, response.header("content-type", "application/json") or "",
+                  content)
 
 
 def _raise_for_status(
-    response: httpx.Response, stage: str, instance: str, body: bytes, detail: str = ""
+    response: UpstreamResponse, stage: str, instance: str, body: bytes, detail: str = ""
 ) -> None:
     """A non-2xx answer becomes ``UpstreamStatusError`` (the one place that builds it)."""
     if not response.is_success:
         raise UpstreamStatusError(stage=stage, instance=instance,
-                                  upstream_status=response.status_code, upstream_body=body,
+                                  upstream_status=response.status, upstream_body=body,
                                   detail=detail)
 
 
@@ -138,7 +153,7 @@ class StreamRelay:
     """
 
     def __init__(
-        self, response: httpx.Response, chunks: AsyncGenerator[bytes, None], first: bytes, *,
+        self, response: UpstreamResponse, chunks: AsyncGenerator[bytes, None], first: bytes, *,
         stage: str, instance: str,
     ) -> None:
         self.response = response
@@ -155,7 +170,7 @@ class StreamRelay:
         try:
             yield self._first
             try:
-                with map_httpx_errors(self._stage, self._instance):
+                with map_upstream_errors(self._stage, self._instance):
                     async for chunk in self._chunks:
                         if self._closed:
                             break
@@ -189,7 +204,7 @@ class StreamRelay:
             self.on_abandon()
 
 
-def _reset_on_close(response: httpx.Response) -> None:
+def _reset_on_close(response: UpstreamResponse) -> None:
     """Make closing this response's connection send a TCP reset instead of a FIN.
 
     Why: a FIN only half-closes the connection, and vLLM's server notices it only when a later
@@ -198,15 +213,14 @@ def _reset_on_close(response: httpx.Response) -> None:
     ``SO_LINGER`` 0 the close is an immediate reset, which vLLM sees at once and aborts on.
     Best effort: without a reachable socket the close is a normal one.
     """
-    stream = response.extensions.get("network_stream")
-    sock = stream.get_extra_info("socket") if stream is not None else None
+    sock = response.socket
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 async def open_stream(
-    client: httpx.AsyncClient,
+    pool: UpstreamPool,
     *,
     stage: str,
     instance: Instance,
@@ -218,18 +232,13 @@ async def open_stream(
 ) -> StreamRelay:
     """POST and return once the response headers *and* the first body bytes have arrived.
 
-    ``deadline`` bounds the time to the first body bytes; afterwards httpx's read timeout
+    ``deadline`` bounds the time to the first body bytes; afterwards the per-read timeout
     (``idle_timeout``) bounds each gap between chunks. The caller owns the returned relay and
     must ``aclose()`` it. A non-2xx answer is read, closed, and raised as ``UpstreamStatusError``.
     """
-    # httpx's per-read timeout bounds every gap, the wait for the first bytes included; the
-    # trio deadline bounds the whole wait for them (a cancel scope per chunk cost 25 us each).
-    request = client.build_request(
-        "POST", instance.url + path, content=_encode_json(body), headers=headers,
-        timeout=_timeout(client, read=idle_timeout),
-    )
-    with map_httpx_errors(stage, instance.url, deadline):
-        response = await client.send(request, stream=True)
+    with map_upstream_errors(stage, instance.url, deadline):
+        response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
+                                      content=_encode_json(body), read_timeout=idle_timeout)
         try:
             chunks, first = await _first_bytes(response, stage, instance.url)
         except BaseException:
@@ -239,7 +248,7 @@ async def open_stream(
 
 
 async def _first_bytes(
-    response: httpx.Response, stage: str, instance: str
+    response: UpstreamResponse, stage: str, instance: str
 ) -> tuple[AsyncGenerator[bytes, None], bytes]:
     if not response.is_success:
         _raise_for_status(response, stage, instance, await response.aread())
@@ -256,17 +265,21 @@ async def _first_bytes(
     return chunks, first
 
 
-async def get(
-    client: httpx.AsyncClient, stage: str, instance: Instance, path: str, deadline: float
-) -> httpx.Response:
+async def get(pool: UpstreamPool, stage: str, instance: Instance, path: str,
+              deadline: float) -> Answer:
     """GET a small resource (``/health``, ``/v1/models``); non-2xx raises ``UpstreamStatusError``."""
-    with map_httpx_errors(stage, instance.url, deadline):
-        response = await client.get(instance.url + path)
-    _raise_for_status(response, stage, instance.url, response.content)
-    return response
+    with map_upstream_errors(stage, instance.url, deadline):
+        response = await pool.request(b"GET", path.encode("ascii"))
+        try:
+            content = await response.aread()
+        finally:
+            await aclose_shielded(response)
+    _raise_for_status(response, stage, instance.url, content)
+    return Answer(response.status, response.header("content-type", "application/json") or "",
+                  content)
 
 
-async def aclose_shielded(response: httpx.Response) -> None:
+async def aclose_shielded(response: UpstreamResponse) -> None:
     """Close an upstream response even while the caller is being cancelled.
 
     Closing is what tells vLLM the request is gone (it aborts on disconnect), so it must not be
@@ -290,12 +303,12 @@ class EncoderCall:
     item_indices: tuple[int, ...]
 
 
-#: The pooled client to use for one instance.
-ClientFor = Callable[[Instance], httpx.AsyncClient]
+#: The connection pool to use for one instance.
+PoolFor = Callable[[Instance], UpstreamPool]
 
 
 async def run_encoder_fanout(
-    client: httpx.AsyncClient | ClientFor,
+    client: UpstreamClient | PoolFor,
     cursor: EncoderCursor,
     *,
     body: Mapping[str, Any],
@@ -321,7 +334,7 @@ async def run_encoder_fanout(
     """
     if not items:
         return []
-    client_for: ClientFor = client if callable(client) else (lambda _: client)
+    pool_for: PoolFor = client.pool if isinstance(client, UpstreamClient) else client
     assigned = await cursor.assign(len(items), usable)
     planned = [
         EncoderCall(k, instance, tuple(indices))
@@ -335,7 +348,7 @@ async def run_encoder_fanout(
 
         async def attempt(slot: tuple[Instance, int | None]) -> EncoderCall:
             await post_json(
-                client_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
+                pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
                 body=encoder_body,
                 headers=headers, deadline=deadline, detail=detail,
             )

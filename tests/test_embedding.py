@@ -25,7 +25,7 @@ async def test_run_encoder_fanout_directly(nursery: trio.Nursery) -> None:
     cursor = EncoderCursor([Instance(f.url) for f in fakes])
     raw = orjson.dumps(chat_body(image(1), image(2), image(3), mm_processor_kwargs={"x": 1}))
     body, items = with_item_uuids(parse_request(raw, "chat"))
-    async with UpstreamClient(trust_env=False) as client:
+    async with UpstreamClient() as client:
         calls = await run_encoder_fanout(client, cursor, body=body, items=items,
                                          request_id="lib", max_batch=1)
         assert [(c.index, c.instance.url, c.item_indices) for c in calls] == [

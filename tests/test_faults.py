@@ -217,7 +217,7 @@ async def test_a_full_instance_queues_requests_in_the_proxy(client: httpx.AsyncC
             holder = await nursery.start(hold)
             await first_byte.wait()
             nursery.start_soon(queued)
-            limiter = c.proxy.client(c.settings.decode_urls[0])._transport.limiter
+            limiter = c.proxy.client(c.settings.decode_urls[0]).limiter
             with trio.fail_after(10):
                 while limiter.statistics().tasks_waiting != 1:
                     await trio.testing.wait_all_tasks_blocked(cushion=0.001)
