@@ -16,12 +16,12 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ._asgi import ProxyASGI, request_resources
+from ._asgi import ProxyASGI
 from ._config import Settings
 from ._counters import CursorCounters
+from ._endpoints import CompletionEndpoints
 from ._errors import ProxyError, error_payload
-from ._proxy import Proxy, Reply, new_request_id
-from ._rewrite import Kind
+from ._proxy import Proxy, Reply
 
 log = logging.getLogger("epd_trio")
 
@@ -54,11 +54,12 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout)
-    app.asgi_app = asgi  # type: ignore[method-assign]
-    app.extensions["epd_trio.asgi"] = asgi
     proxy = Proxy(settings, counters)
     app.extensions["epd_trio.proxy"] = proxy
+    asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
+                     endpoints=CompletionEndpoints(proxy, settings.max_body_bytes))
+    app.asgi_app = asgi  # type: ignore[method-assign]
+    app.extensions["epd_trio.asgi"] = asgi
 
     watchdog: list[trio.CancelScope] = []
 
@@ -73,25 +74,7 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
             scope.cancel()
         await proxy.aclose()
 
-    async def forward(kind: Kind) -> Response:
-        request_id = new_request_id(request.headers.get("x-request-id"))
-        raw = await request.get_data(cache=False)
-        try:
-            reply = await proxy.handle(
-                kind, raw, request_id=request_id, resources=request_resources(),
-            )
-        except ProxyError as exc:
-            return Response(exc.body(), status=exc.status, content_type="application/json",
-                            headers={"x-request-id": request_id})
-        return _send(reply)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await forward("chat")
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await forward("completions")
+    # POST /v1/chat/completions and /v1/completions: ``CompletionEndpoints``, below Quart.
 
     @app.get("/v1/models")
     async def models() -> Response:

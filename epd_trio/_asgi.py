@@ -2,12 +2,12 @@
 
 Two problems live at this layer, below the routes:
 
-1. **Who closes an open upstream stream?** A route returns a ``Response`` whose body generator
-   owns the decode stream; if the client disconnects after the route returned but before the body
-   is iterated, the generator never runs its ``finally`` and the upstream connection would stay
-   checked out of the pool. Each HTTP request therefore gets an ``AsyncExitStack`` here, closed
-   when the ASGI call returns (response sent, or request cancelled); routes register anything
-   that must outlive them on it (``request_resources()``).
+1. **Who closes an open upstream stream?** The pipeline returns a reply whose body generator
+   owns the decode stream; if the client disconnects before that body is iterated, the generator
+   never runs its ``finally`` and the upstream connection would stay checked out. Each HTTP
+   request therefore gets an ``AsyncExitStack`` here, closed when the ASGI call returns (response
+   sent, or request cancelled); the hot-path endpoints (``_endpoints``, served from here, below
+   Quart) register anything that must outlive the pipeline call on it.
 
 2. **Keep-alive idle timeout never fires (quart-trio on Hypercorn's trio worker).** Hypercorn
    reports the disconnect while the app's final body ``send()`` is still running; quart-trio then
@@ -29,28 +29,24 @@ from __future__ import annotations
 
 import logging
 from contextlib import AsyncExitStack
-from contextvars import ContextVar
 from typing import Any
 
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 
+from ._endpoints import KINDS, CompletionEndpoints
+
 ASGIApp = Any
 log = logging.getLogger("epd_trio")
-
-_resources: ContextVar[AsyncExitStack] = ContextVar("epd_trio_request_resources")
-
-
-def request_resources() -> AsyncExitStack:
-    """The current request's resource owner (only valid inside a request wrapped by ``ProxyASGI``)."""
-    return _resources.get()
-
 
 class ProxyASGI:
     """Wraps an ASGI app (installed as ``quart_app.asgi_app``) with the fixes above."""
 
-    def __init__(self, app: ASGIApp, write_timeout: float = 60.0) -> None:
+    def __init__(self, app: ASGIApp, write_timeout: float = 60.0,
+                 endpoints: CompletionEndpoints | None = None) -> None:
         self.app = app
+        #: The hot-path routes served below the framework (``_endpoints.KINDS``), if any.
+        self.endpoints = endpoints
         self.write_timeout = write_timeout
         #: Body sends in progress: key -> (started at, the request's resources).
         self._sending: dict[object, tuple[float, AsyncExitStack]] = {}
@@ -102,8 +98,7 @@ class ProxyASGI:
                 self._sending.pop(key, None)
 
         async with AsyncExitStack() as resources:
-            token = _resources.set(resources)
-            try:
-                await self.app(scope, receive, send_watched)
-            finally:
-                _resources.reset(token)
+            if self.endpoints is not None and scope["path"] in KINDS:
+                await self.endpoints(scope, receive, send_watched, resources)
+                return
+            await self.app(scope, receive, send_watched)

@@ -30,17 +30,24 @@ def error_payload(
     return {"error": {"message": message, "type": type, "param": None, "code": code, **extra}}
 
 
+def json_error(message: str, *, type: str, code: int) -> bytes:
+    """``error_payload`` as the bytes of a response body."""
+    return orjson.dumps(error_payload(message, type=type, code=code))
+
+
 class ProxyError(Exception):
     """Base: something the client must be told, with a status and an OpenAI error type."""
 
     status: int = 500
     type: str = "internal_error"
 
-    def __init__(self, message: str, *, status: int | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
+        if type is not None:
+            self.type = type
 
     def payload(self) -> dict[str, Any]:
         return error_payload(self.message, type=self.type, code=self.status)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import httpx
 import orjson
@@ -278,4 +279,11 @@ async def test_client_body_errors_are_openai_json(client: httpx.AsyncClient) -> 
             assert r.status_code == status, (path, r.text)
             error = r.json()["error"]
             assert set(error) >= {"message", "type", "code"} and error["code"] == status
+
+        async def chunked_upload() -> AsyncIterator[bytes]:  # no content-length: counted as read
+            for _ in range(3):
+                yield b"x" * 4_000
+
+        r = await client.post(c.proxy_url + CHAT, content=chunked_upload())
+        assert r.status_code == 413 and "10000 bytes" in r.json()["error"]["message"]
         assert c.decodes[0].requests() == []

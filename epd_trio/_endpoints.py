@@ -1,0 +1,144 @@
+"""``POST /v1/chat/completions`` and ``/v1/completions`` as plain ASGI: the proxy's hot path.
+
+Why below Quart: these two routes are nearly all the traffic, and they need nothing Quart
+offers (no form parsing, sessions, templates or hooks): the body is read as bytes, handed to
+``Proxy.handle`` and the ``Reply`` is sent as it is. Going through Quart's request and response
+objects, its contexts and its per-chunk body wrapper cost measurable CPU per request and per
+relayed chunk (README "Performance"). Every other route (models, health, admin) stays a Quart
+route, where convenience matters more than microseconds.
+
+The contract is Quart's for the client: an OpenAI-style JSON error for every failure (413 over
+the body limit, 405 for another method), and a client that disconnects cancels the request:
+like quart-trio, a task waits for ``http.disconnect`` and cancels the request's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
+
+from ._errors import ProxyError, json_error
+from ._proxy import Proxy, Reply, new_request_id
+from ._rewrite import Kind
+
+log = logging.getLogger("epd_trio")
+
+#: The paths served here, and the request kind each one is.
+KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+Send = Callable[[ASGISendEvent], Awaitable[None]]
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body was complete: there is no one to answer."""
+
+
+class CompletionEndpoints:
+    """Serves ``KINDS`` for one ``Proxy``; ``ProxyASGI`` routes those paths here."""
+
+    def __init__(self, proxy: Proxy, max_body_bytes: int) -> None:
+        self._proxy = proxy
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
+                       resources: AsyncExitStack) -> None:
+        if scope["method"] != "POST":
+            await _send_json(send, 405, json_error(
+                f"method {scope['method']} is not allowed here; use POST",
+                type="invalid_request_error", code=405), [(b"allow", b"POST")])
+            return
+        headers = scope["headers"]
+        try:
+            raw = await self._read_body(headers, receive)
+        except _ClientGone:
+            return
+        except ProxyError as exc:
+            await _send_json(send, exc.status, exc.body())
+            return
+        request_id = new_request_id(_header(headers, b"x-request-id"))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self._respond(KINDS[scope["path"]], raw, request_id, send, resources)
+            nursery.cancel_scope.cancel()
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]],
+                         receive: ASGIReceiveCallable) -> bytes:
+        limit = self._max_body_bytes
+        declared = _header(headers, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _respond(self, kind: Kind, raw: bytes, request_id: str, send: Send,
+                       resources: AsyncExitStack) -> None:
+        try:
+            reply = await self._proxy.handle(kind, raw, request_id=request_id,
+                                             resources=resources)
+        except ProxyError as exc:
+            await _send_json(send, exc.status, exc.body(),
+                             [(b"x-request-id", request_id.encode())])
+            return
+        except Exception:
+            log.exception("unexpected error while handling POST %s request %s", kind, request_id)
+            await _send_json(send, 500, json_error("internal proxy error", type="internal_error",
+                                                   code=500))
+            return
+        await _send_reply(send, reply)
+
+
+async def _send_reply(send: Send, reply: Reply) -> None:
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": [(k.encode("latin-1"), v.encode("latin-1"))
+                            for k, v in reply.headers.items()]})
+    if reply.stream is None:
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    stream = reply.stream
+    try:
+        async for chunk in stream:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _send_json(send: Send, status: int, body: bytes,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(f"request body is larger than the limit of {limit} bytes", status=413,
+                      type="invalid_request_error")
