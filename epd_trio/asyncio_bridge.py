@@ -18,7 +18,11 @@ to start there with a ``RuntimeError`` saying so. (Trio's own guest mode,
 Side effect of importing this module: importing ``trio_asyncio`` replaces asyncio's event-loop
 policy functions process-wide; afterwards a plain ``asyncio.run()`` gets trio-asyncio's
 "compatibility mode" loop, which its authors support only for test suites. That is why this
-module is not imported by ``epd_trio`` itself and needs the ``epd-trio[asyncio]`` extra.
+module is not imported by ``epd_trio`` itself and needs the ``epd-trio[asyncio]`` extra. Import it
+before anything has imported anyio's asyncio backend (anyio's pytest plugin does, at start-up):
+that module binds asyncio's original ``get_running_loop``, so anyio-based asyncio libraries
+(httpx's async client, the openai SDK) would find no loop on trio-asyncio's; a ``RuntimeWarning``
+says so at import.
 
 Cancellation. Cancelling the asyncio task that awaits a bridged call (``task.cancel()``,
 ``asyncio.timeout``, a client that went away) cancels the Trio task running it; the fan-out's
@@ -35,7 +39,9 @@ exception.
 from __future__ import annotations
 
 import asyncio
+import sys
 import uuid
+import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -57,6 +63,21 @@ from ._upstream import EncoderCall, run_encoder_fanout
 
 T = TypeVar("T")
 P = ParamSpec("P")
+
+
+def _check_anyio_binding() -> None:
+    """Warn when anyio's asyncio backend holds asyncio's unpatched ``get_running_loop``."""
+    backend = sys.modules.get("anyio._backends._asyncio")
+    if getattr(backend, "get_running_loop", asyncio.get_running_loop) is not (
+            asyncio.get_running_loop):
+        warnings.warn(
+            "anyio's asyncio backend was imported before trio-asyncio: anyio-based asyncio "
+            "libraries (httpx, openai) will not find trio-asyncio's loop; import "
+            "epd_trio.asyncio_bridge earlier (and run pytest with -p no:anyio)",
+            RuntimeWarning, stacklevel=3)
+
+
+_check_anyio_binding()
 
 
 def run(main: Callable[P, Coroutine[Any, Any, T]], *args: P.args, **kwargs: P.kwargs) -> T:

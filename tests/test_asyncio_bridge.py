@@ -185,3 +185,14 @@ async def test_an_asyncio_program_started_with_run(nursery: trio.Nursery) -> Non
     assert [(line["decode"], line["rank"]) for line in lines] == [
         ("http://d0:8000", 0), ("http://d0:8000", 1), ("http://d0:8000", 0)]
     assert encoded_uuids(encoders[0]) == [url_uuid(image(0)), url_uuid(image(2))]
+
+
+async def test_importing_after_anyio_asyncio_backend_warns() -> None:
+    script = ("import warnings, anyio._backends._asyncio\n"
+              "with warnings.catch_warnings(record=True) as seen:\n"
+              "    warnings.simplefilter('always')\n"
+              "    import epd_trio.asyncio_bridge\n"
+              "print([str(w.message) for w in seen if w.category is RuntimeWarning])\n")
+    with trio.fail_after(30):
+        done = await trio.run_process([sys.executable, "-c", script], capture_stdout=True)
+    assert b"anyio's asyncio backend was imported before trio-asyncio" in done.stdout

@@ -286,14 +286,12 @@ class FakeVLLM:
             {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
              "stop_reason": None, "prompt_logprobs": None}
         )
-        prompt_tokens = _prompt_len(body, chat)
         await respond(200, orjson.dumps({
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", self.model),
             "choices": [choice],
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(words),
-                      "total_tokens": prompt_tokens + len(words)},
+            "usage": _usage(_prompt_len(body, chat), len(words)),
             "prompt_logprobs": None,
             "kv_transfer_params": kv,
         }))
@@ -370,7 +368,14 @@ class FakeVLLM:
             else:
                 choice = {"index": 0, "text": piece or "", "logprobs": None,
                           "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = None
             return b"data: " + orjson.dumps({**base, "choices": [choice]}) + b"\n\n"
+
+        # Like vLLM (and the OpenAI API): with stream_options.include_usage the last chunk
+        # before [DONE] has no choices and carries the usage.
+        options = body.get("stream_options")
+        usage = isinstance(options, dict) and options.get("include_usage") is True
 
         def frames() -> Iterator[bytes]:  # lazily: a test may ask for millions of tokens
             if chat:
@@ -378,9 +383,12 @@ class FakeVLLM:
             for i, word in enumerate(words):
                 yield frame(("" if i == 0 else " ") + word, None)
             yield frame(None, "length")
+            if usage:
+                yield b"data: " + orjson.dumps({**base, "choices": [], "usage": _usage(
+                    _prompt_len(body, chat), len(words))}) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
-        count = len(words) + 2 + chat
+        count = len(words) + 2 + chat + usage
         await respond(200, b"", "text/event-stream", more=True)
         for i, data in enumerate(frames()):
             if b.break_after is not None and i >= b.break_after:
@@ -409,6 +417,11 @@ async def _lifespan(receive: Any, send: Any) -> None:
 def _error(message: str, kind: str, status: int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None,
                                    "code": status}})
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _int_or_none(value: str | None) -> int | None:
