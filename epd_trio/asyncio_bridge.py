@@ -85,9 +85,26 @@ def run(main: Callable[P, Coroutine[Any, Any, T]], *args: P.args, **kwargs: P.kw
 
     Use it where the program would call ``asyncio.run(main())``: it starts Trio, opens a
     trio-asyncio loop on it, runs ``main`` as asyncio code, and closes both when ``main``
-    returns (its result is returned; its exception propagates).
+    returns. Like ``asyncio.run``, it returns ``main``'s result or raises its exception as is
+    (not wrapped in the ``ExceptionGroup`` of the nurseries it passed through).
     """
-    return trio_asyncio.run(partial(trio_asyncio.aio_as_trio(main), *args, **kwargs))
+    try:
+        return trio_asyncio.run(partial(trio_asyncio.aio_as_trio(main), *args, **kwargs))
+    except BaseExceptionGroup as group:
+        sole = _sole_exception(group)
+        if sole is None:
+            raise
+        raise sole from None
+
+
+def _sole_exception(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception inside nested single-member groups; ``None`` if there are several."""
+    while len(group.exceptions) == 1:
+        (inner,) = group.exceptions
+        if not isinstance(inner, BaseExceptionGroup):
+            return inner
+        group = inner
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +163,7 @@ class AsyncioBridge:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every upstream connection (idempotent); the bridge cannot be used afterwards."""
+        """Close every upstream connection (idempotent); calls then fail until re-entered."""
         if self._loop is not None:
             await self._call(self._close_clients)
             self._loop = None

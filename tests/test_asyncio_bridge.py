@@ -21,7 +21,7 @@ import trio
 import trio_asyncio
 
 from epd_trio import BadRequest, Instance, Settings, UpstreamStatusError
-from epd_trio.asyncio_bridge import AsyncioBridge, Encoded
+from epd_trio.asyncio_bridge import AsyncioBridge, Encoded, run
 from epd_trio.testing import FakeVLLM
 
 from helpers import chat_body, image, url_uuid
@@ -167,6 +167,21 @@ async def test_a_loop_trio_asyncio_does_not_drive_is_refused() -> None:
 
     with pytest.raises(RuntimeError, match=r"needs trio-asyncio's loop.*asyncio_bridge\.run"):
         await trio.to_thread.run_sync(in_thread)
+
+
+def test_run_returns_and_raises_like_asyncio_run() -> None:
+    async def add(x: int, *, y: int) -> int:
+        await asyncio.sleep(0)
+        assert isinstance(asyncio.get_running_loop(), trio_asyncio.TrioEventLoop)
+        return x + y
+
+    async def fail() -> None:
+        await asyncio.sleep(0)
+        raise KeyError("boom")
+
+    assert run(add, 1, y=2) == 3
+    with pytest.raises(KeyError, match="boom"):  # the exception itself, not a group
+        run(fail)
 
 
 async def test_an_asyncio_program_started_with_run(nursery: trio.Nursery) -> None:
