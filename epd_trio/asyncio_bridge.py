@@ -55,7 +55,7 @@ import trio_asyncio
 from ._config import Settings
 from ._cursors import EncoderCursor, SlotCursor
 from ._failover import Failover
-from ._http import UpstreamClient
+from ._http import UpstreamClient, UpstreamPool
 from ._proxy import make_client
 from ._rewrite import parse_request, with_item_uuids
 from ._routing import Instance
@@ -128,8 +128,8 @@ class AsyncioBridge:
 
     Built from ``Settings`` (so ``load_settings()`` configures it from the same ``EPD_*``
     variables as the proxy): the encoder cursor and the prefill and decode slot cursors are the
-    proxy's own classes, each persisting across calls; upstream clients are the proxy's pooled
-    per-instance clients (``EPD_MAX_CONNECTIONS``, ``EPD_QUEUE_TIMEOUT``); encoder sub-requests
+    proxy's own classes, each persisting across calls; upstream connections come from the
+    proxy's per-instance pools (``EPD_MAX_CONNECTIONS``, ``EPD_QUEUE_TIMEOUT``); encoder sub-requests
     fail over like the proxy's (``EPD_MAX_ATTEMPTS``) within ``EPD_ENCODE_TIMEOUT`` per attempt.
     There is no background health probing here: a dead encoder costs each request that lands on
     it one failed attempt.
@@ -144,7 +144,7 @@ class AsyncioBridge:
         self._prefills = SlotCursor(settings.prefill_urls)
         self._decodes = SlotCursor(settings.decode_urls)
         self._failover = Failover(max_attempts=settings.max_attempts)
-        self._clients: dict[str, UpstreamClient] = {}
+        self._client: UpstreamClient | None = None
         self._loop: trio_asyncio.TrioEventLoop | None = None
 
     async def __aenter__(self) -> AsyncioBridge:
@@ -165,7 +165,7 @@ class AsyncioBridge:
     async def aclose(self) -> None:
         """Close every upstream connection (idempotent); calls then fail until re-entered."""
         if self._loop is not None:
-            await self._call(self._close_clients)
+            await self._call(self._close_client)
             self._loop = None
 
     # -- bridged calls ---------------------------------------------------------------------------
@@ -188,7 +188,7 @@ class AsyncioBridge:
         calls: list[EncoderCall] = []
         if items and self._encoders.encoders:
             calls = await self._call(partial(
-                run_encoder_fanout, self._client, self._encoders, body=tagged, items=items,
+                run_encoder_fanout, self._pool, self._encoders, body=tagged, items=items,
                 request_id=request_id, max_batch=self.settings.encoder_max_batch,
                 deadline=self.settings.encode_timeout, authorization=authorization,
                 failover=self._failover,
@@ -228,19 +228,17 @@ class AsyncioBridge:
             raise RuntimeError("use the bridge inside 'async with AsyncioBridge(settings)'")
         return await trio_asyncio.trio_as_aio(fn, loop=self._loop)(*args)
 
-    def _client(self, instance: Instance) -> UpstreamClient:
-        # Created on first use, inside a Trio task: its connection pool belongs to Trio.
-        client = self._clients.get(instance.url)
-        if client is None:
-            client = self._clients[instance.url] = make_client(
-                self.settings, self.settings.max_connections * instance.dp_size)
-        return client
+    def _pool(self, instance: Instance) -> UpstreamPool:
+        # Pools are made on first use, inside a Trio task: their connections belong to Trio.
+        if self._client is None:
+            self._client = make_client(self.settings)
+        return self._client.pool(instance)
 
-    async def _close_clients(self) -> None:
-        with trio.CancelScope(shield=True):
-            for client in self._clients.values():
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with trio.CancelScope(shield=True):
                 await client.aclose()
-        self._clients.clear()
 
 
 __all__ = ["AsyncioBridge", "Encoded", "run"]
