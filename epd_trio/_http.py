@@ -44,6 +44,9 @@ KEEPALIVE_EXPIRY = 4.0
 
 _READ_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
+#: What sending on a connection the server has just closed looks like, before any response byte.
+_STALE_ERRORS = (httpcore.RemoteProtocolError, httpcore.ReadError, httpcore.WriteError)
+
 
 class _LeanStream(httpcore.AsyncNetworkStream):
     """A trio socket stream for httpcore with no cancel scope when no timeout is asked for."""
@@ -172,7 +175,7 @@ class UpstreamResponse:
             await self._response.stream.aclose()  # type: ignore[union-attr]
         finally:
             self._release()
-            self._pool._check_in(self._conn)
+            await self._pool._check_in(self._conn)
 
 
 class _Release:
@@ -220,19 +223,28 @@ class UpstreamPool:
                                                   port=origin.port, target=self._prefix + path)
         return url
 
-    async def _check_out(self) -> httpcore.AsyncHTTPConnection:
+    async def _check_out(self) -> tuple[httpcore.AsyncHTTPConnection, bool]:
+        """A connection to send on, and whether it was reused (True) or is a new one."""
         while self._idle:
             conn = self._idle.pop()
             if conn.is_idle() and not conn.has_expired():
-                return conn
+                return conn, True
             with trio.CancelScope(shield=True):
                 await conn.aclose()
+        return self._new_connection(), False
+
+    def _new_connection(self) -> httpcore.AsyncHTTPConnection:
         return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=self._keepalive_expiry,
                                             network_backend=self._backend)
 
-    def _check_in(self, conn: httpcore.AsyncHTTPConnection) -> None:
-        if conn.is_idle() and not self._closed:
+    async def _check_in(self, conn: httpcore.AsyncHTTPConnection) -> None:
+        if not conn.is_idle():
+            return  # httpcore closed it (body not fully read, or the server asked to close)
+        if not self._closed:
             self._idle.append(conn)
+            return
+        with trio.CancelScope(shield=True):  # the pool was closed while this request ran
+            await conn.aclose()
 
     async def request(
         self, method: bytes, path: bytes, *, headers: Mapping[str, str] = {},
@@ -252,18 +264,30 @@ class UpstreamPool:
             raise PoolTimeout(f"no free place among {self.limiter.total_tokens:g} in "
                               f"{self._queue_timeout:g} s")
         release = _Release(self.limiter, borrower)
+        request_headers = [(b"host", self._host_header),
+                           (b"content-length", str(len(content)).encode())]
+        request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        timeouts = {"connect": self._connect_timeout}
+        if read_timeout is not None:
+            timeouts["read"] = read_timeout
+        url = self._url(path)
         conn: httpcore.AsyncHTTPConnection | None = None
         try:
-            conn = await self._check_out()
-            request_headers = [(b"host", self._host_header),
-                               (b"content-length", str(len(content)).encode())]
-            request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-            timeouts = {"connect": self._connect_timeout}
-            if read_timeout is not None:
-                timeouts["read"] = read_timeout
-            response = await conn.handle_async_request(httpcore.Request(
-                method, self._url(path), headers=request_headers, content=content,
-                extensions={"timeout": timeouts}))
+            conn, reused = await self._check_out()
+            try:
+                response = await conn.handle_async_request(httpcore.Request(
+                    method, url, headers=request_headers, content=content,
+                    extensions={"timeout": timeouts}))
+            except _STALE_ERRORS:
+                if not reused:
+                    raise
+                # The server closed this idle connection as we sent on it (its keep-alive
+                # timeout raced our reuse; it never read the request): once more on a new one,
+                # as Go's net/http does for a reused connection.
+                conn = self._new_connection()
+                response = await conn.handle_async_request(httpcore.Request(
+                    method, url, headers=request_headers, content=content,
+                    extensions={"timeout": timeouts}))
         except BaseException:
             release()
             if conn is not None and not conn.is_closed():
