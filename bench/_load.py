@@ -8,6 +8,7 @@ answer is complete; ``concurrency == requests`` opens every connection at once (
 
 from __future__ import annotations
 
+import errno
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ def classify(exc: BaseException) -> str:
         return "connection reset"
     if isinstance(exc, OSError) and "refused" in str(exc):
         return "connection refused"
+    if isinstance(exc, OSError) and exc.errno is not None:  # say which: EMFILE, EADDRNOTAVAIL...
+        return f"{type(exc).__name__} {errno.errorcode.get(exc.errno, exc.errno)}"
     return type(exc).__name__
 
 
