@@ -24,8 +24,8 @@ import httpx
 import trio
 
 from ._config import (
+    FLAG_FIELDS,
     SETTING_DEFAULTS,
-    SETTING_FIELDS,
     ConfigError,
     env_name,
     flag_name,
@@ -117,7 +117,9 @@ def _add_serve(commands: Any) -> None:
     serve = commands.add_parser(
         "serve", help="run the proxy (Hypercorn trio worker)",
         description="Run the proxy. Every setting can also come from its EPD_* environment "
-                    "variable or the --config TOML file; a flag wins.")
+                    "variable or the --config TOML file; a flag wins. Keys (EPD_ADMIN_KEY, "
+                    "EPD_API_KEYS, EPD_UPSTREAM_API_KEY) have no flag: set them in the "
+                    "environment or the config file, so they stay out of ps listings.")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
     serve.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
@@ -131,7 +133,7 @@ def _add_serve(commands: Any) -> None:
                             f"this + {WATCHDOG_MARGIN + 1:g} s)")
     serve.add_argument("--access-log", action="store_true", help="log every request (off)")
     serve.add_argument("--config", metavar="FILE", help="TOML file of settings (EPD_CONFIG)")
-    for field in SETTING_FIELDS:
+    for field in FLAG_FIELDS:
         env = env_name(field)
         if field.endswith("_urls"):
             serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
@@ -144,7 +146,7 @@ def _add_serve(commands: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    flags = {field: getattr(args, field) for field in SETTING_FIELDS}
+    flags = {field: getattr(args, field) for field in FLAG_FIELDS}
     try:
         settings = load_settings(flags=flags, config_path=args.config)
     except ConfigError as exc:

@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ._asgi import ProxyASGI
+from ._auth import AdminKey, ClientKeys
 from ._config import Settings
 from ._counters import CursorCounters
 from ._endpoints import CompletionEndpoints
@@ -31,6 +32,11 @@ _OPENAI_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "inv
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(payload), status=status, headers=headers,
                     content_type="application/json")
+
+
+def _error(exc: ProxyError) -> Response:
+    return Response(exc.body(), status=exc.status, content_type="application/json",
+                    headers=exc.headers)
 
 
 def _send(reply: Reply) -> Response:
@@ -56,8 +62,10 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
     )
     proxy = Proxy(settings, counters)
     app.extensions["epd_trio.proxy"] = proxy
+    client_keys = ClientKeys(settings.api_keys)
+    admin_key = AdminKey(settings.admin_key)
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
-                     endpoints=CompletionEndpoints(proxy, settings.max_body_bytes))
+                     endpoints=CompletionEndpoints(proxy, settings.max_body_bytes, client_keys))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
 
@@ -78,6 +86,7 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
 
     @app.get("/v1/models")
     async def models() -> Response:
+        client_keys.check(request.headers.get("authorization"))
         return _send(await proxy.models())
 
     @app.get("/health")
@@ -87,12 +96,50 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = proxy.registry.ready()
+        ok = proxy.ready()
         return _json(200 if ok else 503, {"ready": ok, "roles": proxy.registry.report()})
+
+    # -- admin routes: X-API-Key (README "Operations") -----------------------------------------
+    @app.post("/instances")
+    async def register_instance() -> Response:
+        admin_key.check(request.headers.get("x-api-key"), required=True)
+        created = proxy.register(await request.get_data(cache=False))
+        return _json(200, {"registered": created})
+
+    @app.delete("/instances")
+    async def unregister_instance() -> Response:
+        admin_key.check(request.headers.get("x-api-key"), required=True)
+        url = request.args.get("url")
+        if url is None:  # vLLM's registrar sends its registration body instead
+            raw = await request.get_data(cache=False)
+            try:
+                body = orjson.loads(raw) if raw.strip() else {}
+            except orjson.JSONDecodeError:
+                body = {}
+            url = body.get("url") if isinstance(body, dict) else None
+        return _json(200, {"removed": proxy.unregister(url)})
+
+    @app.get("/instances")
+    async def list_instances() -> Response:
+        admin_key.check(request.headers.get("x-api-key"), required=True)
+        return _json(200, proxy.instances())
+
+    async def profile(action: str) -> Response:
+        admin_key.check(request.headers.get("x-api-key"), required=False)
+        report = await proxy.profile(action, await request.get_data(cache=False))
+        return _json(report.status, report.body)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return await profile("start_profile")
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await profile("stop_profile")
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:
-        return Response(exc.body(), status=exc.status, content_type="application/json")
+        return _error(exc)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:

@@ -12,7 +12,7 @@ import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._routing import Instance, parse_instance
@@ -36,7 +36,8 @@ class Settings:
     encode_urls: tuple[Instance, ...] = ()
     #: Prefill instances (empty: decode does the whole request, the E+PD / PD layouts).
     prefill_urls: tuple[Instance, ...] = ()
-    #: Decode (or combined prefill-decode) instances. Required.
+    #: Decode (or combined prefill-decode) instances. Required unless instances may register
+    #: themselves (``admin_key`` set): then the proxy may start with none.
     decode_urls: tuple[Instance, ...] = ()
     #: Max media items per encoder sub-request (0 = no cap, 1 = one item per sub-request).
     encoder_max_batch: int = 0
@@ -71,14 +72,33 @@ class Settings:
     health_timeout: float = 2.0
     #: Consecutive failures (probes or live transport errors) that take an instance out.
     health_threshold: int = 3
+    #: Seconds a registered instance that is out of rotation and has stopped registering is
+    #: kept before it is forgotten (vLLM re-registers every 30 s: this is 10 missed rounds).
+    instance_ttl: float = 300.0
+    #: Seconds a ``/start_profile`` or ``/stop_profile`` call to one instance may take (stopping
+    #: writes the traces out: minutes on a big model).
+    profile_timeout: float = 1800.0
+    #: The ``X-API-Key`` of the admin routes (``/instances``, profiling). None: registration is
+    #: off (403) and profiling is open.
+    admin_key: str | None = field(default=None, repr=False)
+    #: Keys clients must send as ``Authorization: Bearer <key>`` on the OpenAI routes (empty: no
+    #: client authentication).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: The key sent upstream as ``Authorization: Bearer <key>`` on every call to vLLM (its
+    #: ``--api-key``), probes and profiling included.
+    upstream_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.decode_urls:
-            raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL)")
+        if not self.decode_urls and not self.admin_key:
+            raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
+                              f"unless instances register themselves ({env_name('admin_key')})")
 
     @property
     def layout(self) -> str:
-        """The EPD layout name used in logs and ``/health``: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``."""
+        """The configured EPD layout: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``, or ``none`` (no static
+        decode instance: everything registers)."""
+        if not self.decode_urls:
+            return "none"
         serving = "P+D" if self.prefill_urls else "PD"
         return f"E+{serving}" if self.encode_urls else serving
 
@@ -116,6 +136,26 @@ def _positive_int(raw: Any) -> int:
     return value
 
 
+def _secret(raw: Any) -> str:
+    """A key: printable ASCII without spaces (it travels in an HTTP header)."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError("expected a non-empty key")
+    value = raw.strip()
+    if not (value.isascii() and value.isprintable()) or any(c.isspace() for c in value):
+        raise ValueError("a key must be printable ASCII without spaces")
+    return value
+
+
+def _secrets(raw: Any) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list | tuple) else [raw]
+    if not all(isinstance(item, str) for item in items):
+        raise ValueError("expected keys (a comma-separated string or a list of strings)")
+    keys = tuple(_secret(part) for item in items for part in item.split(",") if part.strip())
+    if not keys:
+        raise ValueError("expected at least one key")
+    return keys
+
+
 def _seconds(raw: Any) -> float:
     try:
         value = float(raw) if not isinstance(raw, bool) else math.nan
@@ -145,6 +185,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "health_interval": _seconds,
     "health_timeout": _seconds,
     "health_threshold": _positive_int,
+    "instance_ttl": _seconds,
+    "profile_timeout": _seconds,
+    "admin_key": _secret,
+    "api_keys": _secrets,
+    "upstream_api_key": _secret,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 
@@ -157,6 +202,10 @@ def flag_name(field: str) -> str:
 
 
 SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
+#: Keys: set through the environment or the config file only. A command-line flag would put
+#: them in every ``ps`` listing and shell history.
+SECRET_FIELDS = frozenset({"admin_key", "api_keys", "upstream_api_key"})
+FLAG_FIELDS: tuple[str, ...] = tuple(f for f in SETTING_FIELDS if f not in SECRET_FIELDS)
 SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 
 
@@ -189,7 +238,7 @@ def settings_from(
     except ConfigError as exc:
         if flags is not None and exc.variable == env_name("decode_urls"):
             raise ConfigError(f"{flag_name('decode_urls')} / {exc.variable}",
-                              "is required (at least one decode URL)") from None
+                              str(exc).split(": ", 1)[1]) from None
         raise
 
 

@@ -7,14 +7,16 @@ skewed. One counter in shared memory, advanced under one cross-process lock, giv
 the next position of a single global sequence: the distribution is exactly round-robin whatever
 the accept pattern. The critical section is an add on one machine word (microseconds, never a
 blocking wait in practice), so taking a ``multiprocessing`` lock inside the event loop is fine.
+The shared implementation lives with the shared roster, in ``_roster_store.py``.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 from multiprocessing.context import BaseContext
-from multiprocessing.sharedctypes import Synchronized
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._roster_store import RosterStore
 
 
 class Counter(Protocol):
@@ -35,29 +37,19 @@ class LocalCounter:
         return old
 
 
-class SharedCounter:
-    """A counter in shared memory, created by the parent before the workers are spawned."""
-
-    def __init__(self, context: BaseContext | None = None) -> None:
-        # A 64-bit signed value: wraps only after 9.2e18 requests. The lock must come from the
-        # same multiprocessing context as the worker processes (spawn).
-        ctx = context or multiprocessing.get_context("spawn")
-        self._value: Synchronized[int] = ctx.Value("q", 0)
-
-    def fetch_add(self, n: int) -> int:
-        with self._value.get_lock():
-            old = self._value.value
-            self._value.value = old + n
-        return old
-
-
 class CursorCounters:
-    """The three routing counters of a proxy (encoder items, prefill slots, decode slots)."""
+    """The three routing counters of a proxy (encoder items, prefill slots, decode slots).
+
+    ``roster`` is set when the counters are shared by worker processes: the instance roster
+    then lives beside them in the same shared memory (``_roster_store.SharedRoutingState``),
+    so that a registration reaching one worker reaches all.
+    """
 
     def __init__(self, encode: Counter, prefill: Counter, decode: Counter) -> None:
         self.encode = encode
         self.prefill = prefill
         self.decode = decode
+        self.roster: RosterStore | None = None
 
     @classmethod
     def local(cls) -> CursorCounters:
@@ -65,5 +57,7 @@ class CursorCounters:
 
     @classmethod
     def shared(cls, context: BaseContext | None = None) -> CursorCounters:
-        """Counters that survive being passed to worker processes of ``context`` (spawn)."""
-        return cls(SharedCounter(context), SharedCounter(context), SharedCounter(context))
+        """Counters (and roster) that survive being passed to worker processes of ``context``."""
+        from ._roster_store import SharedRoutingState  # it builds on this module
+
+        return SharedRoutingState(context).counters()

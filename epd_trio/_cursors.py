@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Sequence
 import trio
 
 from ._counters import Counter, LocalCounter
-from ._routing import Instance, dp_slots, encoder_rr_assignment
+from ._routing import Epoch, Instance, dp_slots, encoder_rr_assignment, rebase_epoch, slot_keys
 
 #: Which instances may be chosen right now (live, not already tried by this request...).
 Usable = Callable[[Instance], bool]
@@ -25,6 +25,9 @@ class EncoderCursor:
     ``assign`` reads and advances the cursor under a ``trio.Lock`` in one step, before any
     sub-request is sent, so concurrent requests get disjoint, consecutive encoder ranges (300
     concurrent single-image requests over 3 encoders give exactly 100 items each).
+
+    The encoder list may change (``update``: instances registering or leaving); the rotation
+    then continues where it stood instead of restarting at encoder 0 (``rebase_position``).
     """
 
     def __init__(
@@ -32,7 +35,9 @@ class EncoderCursor:
     ) -> None:
         self._encoders = tuple(encoders)
         self._counter = counter if counter is not None else LocalCounter(start)
-        self._start = start
+        self._next = start
+        self._epoch: Epoch = (0, 0)
+        self._generation = 0
         self._lock = trio.Lock()
 
     @property
@@ -41,8 +46,22 @@ class EncoderCursor:
 
     @property
     def position(self) -> int:
-        """Where the next request starts (modulo the number of usable encoders)."""
-        return self._start % len(self._encoders) if self._encoders else 0
+        """Where the next request starts (an index into ``encoders``)."""
+        k0, i0 = self._epoch
+        return (i0 + self._next - k0) % len(self._encoders) if self._encoders else 0
+
+    def update(self, encoders: Sequence[Instance], epoch: Epoch | None = None) -> None:
+        """Change the encoder list; the rotation continues where it stood.
+
+        ``epoch`` is where it continues (the proxy passes the one its roster computed, so that
+        every worker process agrees); by default it is computed here from the counter.
+        """
+        encoders = tuple(encoders)
+        if epoch is None:
+            epoch = rebase_epoch(self._epoch, slot_keys(self._encoders, dp=False),
+                                 slot_keys(encoders, dp=False), self._counter.fetch_add(0))
+        self._encoders, self._epoch = encoders, epoch
+        self._generation += 1
 
     async def assign(self, count: int, usable: Usable | None = None) -> list[Instance]:
         """The encoder for each of ``count`` items of one request, among the ``usable`` ones.
@@ -50,14 +69,26 @@ class EncoderCursor:
         Raises ``LookupError`` when no encoder is usable. Skipping an encoder keeps the others
         in their order; the cursor is a position in the usable list, so it stays fair.
         """
-        candidates = [e for e in self._encoders if usable is None or usable(e)]
-        if not candidates:
-            raise LookupError("no usable encoder")
         async with self._lock:
+            candidates = _usable(self._encoders, usable)
+            if not candidates:
+                raise LookupError("no usable encoder")
+            generation = self._generation
+            # Taking the counter is also where a worker process notices that another one
+            # changed the instance list (the shared counter syncs it): re-read it then.
             start = self._counter.fetch_add(count)
-            self._start = start + count
-        assigned, _ = encoder_rr_assignment(candidates, start, count)
+            if generation != self._generation:
+                candidates = _usable(self._encoders, usable)
+                if not candidates:
+                    raise LookupError("no usable encoder")
+            k0, i0 = self._epoch
+            self._next = start + count
+        assigned, _ = encoder_rr_assignment(candidates, i0 + start - k0, count)
         return assigned
+
+
+def _usable(instances: Sequence[Instance], usable: Usable | None) -> Sequence[Instance]:
+    return instances if usable is None else [e for e in instances if usable(e)]
 
 
 class SlotCursor:
@@ -65,12 +96,15 @@ class SlotCursor:
 
     Request ``k`` (from 1) gets ``slots[(k - 1) % len(slots)]``; see ``dp_slots`` for the order.
     Advancing is synchronous (no checkpoint between read and write), so it is atomic under trio.
+    When the instance list changes (``update``), the rotation continues where it stood.
     """
 
     def __init__(self, instances: Sequence[Instance], counter: Counter | None = None) -> None:
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
         self._counter = counter if counter is not None else LocalCounter()
+        self._epoch: Epoch = (0, 0)
+        self._generation = 0
 
     @property
     def instances(self) -> tuple[Instance, ...]:
@@ -80,20 +114,45 @@ class SlotCursor:
     def slot_count(self) -> int:
         return len(self._slots)
 
+    def update(self, instances: Sequence[Instance], epoch: Epoch | None = None) -> None:
+        """Change the instance list; the rotation continues where it stood (see
+        ``EncoderCursor.update``)."""
+        instances = tuple(instances)
+        if epoch is None:
+            epoch = rebase_epoch(self._epoch, slot_keys(self._instances, dp=True),
+                                 slot_keys(instances, dp=True), self._counter.fetch_add(0))
+        self._instances, self._slots, self._epoch = instances, dp_slots(instances), epoch
+        self._generation += 1
+
+    def _candidates(
+        self, usable: Usable | None, exclude: Collection[tuple[Instance, int | None]]
+    ) -> list[tuple[int, int | None]]:
+        if usable is None and not exclude:
+            return self._slots
+        return [
+            (index, rank) for index, rank in self._slots
+            if (usable is None or usable(self._instances[index]))
+            and (self._instances[index], rank) not in exclude
+        ]
+
     def next(
         self, usable: Usable | None = None, exclude: Collection[tuple[Instance, int | None]] = ()
     ) -> tuple[Instance, int | None]:
         """The slot for the next request among the ``usable`` instances' slots, minus ``exclude``.
 
         Unusable instances' slots are left out and the rest keep their flat interleaved order
-        (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable.
+        (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable
+        (without advancing the counter).
         """
-        slots = self._slots if usable is None and not exclude else [
-            (index, rank) for index, rank in self._slots
-            if (usable is None or usable(self._instances[index]))
-            and (self._instances[index], rank) not in exclude
-        ]
+        slots = self._candidates(usable, exclude)
         if not slots:
             raise LookupError("no usable instance for this role")
-        index, rank = slots[self._counter.fetch_add(1) % len(slots)]
+        generation = self._generation
+        k = self._counter.fetch_add(1)  # may sync a changed instance list (see EncoderCursor)
+        if generation != self._generation:
+            slots = self._candidates(usable, exclude)
+            if not slots:
+                raise LookupError("no usable instance for this role")
+        k0, i0 = self._epoch
+        index, rank = slots[(i0 + k - k0) % len(slots)]
         return self._instances[index], rank

@@ -22,6 +22,7 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
+from ._auth import ClientKeys
 from ._errors import ProxyError, json_error
 from ._proxy import Proxy, Reply, new_request_id
 from ._rewrite import Kind
@@ -41,9 +42,12 @@ class _ClientGone(Exception):
 class CompletionEndpoints:
     """Serves ``KINDS`` for one ``Proxy``; ``ProxyASGI`` routes those paths here."""
 
-    def __init__(self, proxy: Proxy, max_body_bytes: int) -> None:
+    def __init__(self, proxy: Proxy, max_body_bytes: int,
+                 client_keys: ClientKeys | None = None) -> None:
         self._proxy = proxy
         self._max_body_bytes = max_body_bytes
+        self._client_keys = client_keys if client_keys is not None and client_keys.enabled \
+            else None
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                        resources: AsyncExitStack) -> None:
@@ -54,11 +58,15 @@ class CompletionEndpoints:
             return
         headers = scope["headers"]
         try:
+            if self._client_keys is not None:  # before reading the body: it may be 64 MB
+                self._client_keys.check(_header(headers, b"authorization"))
             raw = await self._read_body(headers, receive)
         except _ClientGone:
             return
         except ProxyError as exc:
-            await _send_json(send, exc.status, exc.body())
+            await _send_json(send, exc.status, exc.body(),
+                             [(k.encode("latin-1"), v.encode("latin-1"))
+                              for k, v in exc.headers.items()])
             return
         request_id = new_request_id(_header(headers, b"x-request-id"))
         async with trio.open_nursery() as nursery:

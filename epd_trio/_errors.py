@@ -2,6 +2,10 @@
 
     ProxyError                 status, OpenAI ``type``; rendered by one handler in the app
     +-- BadRequest             the client's input is wrong (4xx, never retried)
+    +-- Unauthorized           missing or wrong API key (401)
+    |   +-- AdminUnauthorized  missing or wrong ``X-API-Key`` on an admin route (401)
+    +-- AdminDisabled          an admin route while no admin key is configured (403)
+    +-- NoInstance             no instance of a needed role is configured or registered (503)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
@@ -20,7 +24,7 @@ import orjson
 
 
 def error_payload(
-    message: str, *, type: str, code: int, **extra: Any
+    message: str, *, type: str, code: int | str, **extra: Any
 ) -> dict[str, Any]:
     """The OpenAI error shape ``{"error": {"message", "type", "code", ...}}``.
 
@@ -40,6 +44,10 @@ class ProxyError(Exception):
 
     status: int = 500
     type: str = "internal_error"
+    #: The OpenAI ``code``; None: the HTTP status, as vLLM answers.
+    code: str | None = None
+    #: Extra response headers.
+    headers: dict[str, str] = {}  # noqa: RUF012 (never mutated)
 
     def __init__(self, message: str, *, status: int | None = None, type: str | None = None) -> None:
         super().__init__(message)
@@ -50,7 +58,8 @@ class ProxyError(Exception):
             self.type = type
 
     def payload(self) -> dict[str, Any]:
-        return error_payload(self.message, type=self.type, code=self.status)
+        return error_payload(self.message, type=self.type,
+                             code=self.status if self.code is None else self.code)
 
     def body(self) -> bytes:
         return orjson.dumps(self.payload())
@@ -61,6 +70,38 @@ class BadRequest(ProxyError):
 
     status = 400
     type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    """Missing or wrong key; shaped like OpenAI's own answer to a bad API key."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    headers = {"www-authenticate": "Bearer"}  # noqa: RUF012
+
+
+class AdminUnauthorized(Unauthorized):
+    """Missing or wrong ``X-API-Key`` on an admin route."""
+
+    code = "invalid_admin_key"
+    headers = {}  # noqa: RUF012
+
+
+class AdminDisabled(ProxyError):
+    """An admin route was called but no admin key is configured: the routes are off."""
+
+    status = 403
+    type = "permission_error"
+    code = "admin_disabled"
+
+
+class NoInstance(ProxyError):
+    """No instance serves a role the request needs (none configured, none registered yet)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "no_instance"
 
 
 class ProxyOverloaded(ProxyError):

@@ -1,7 +1,9 @@
 """Instance health and load bookkeeping (no I/O): who is live, who is busy, what failed.
 
-Every configured instance has one ``InstanceState``, owned by the proxy's ``Registry``. Routing
-reads ``live``; the background prober (``_prober.py``) and live requests write to it. An instance
+Every instance in the roster (``_roster.py``: configured or registered) has one
+``InstanceState``, owned by the proxy's ``Registry``. Routing reads ``live``; the background
+prober (``_prober.py``) and live requests write to it; ``set_members`` follows roster changes
+and keeps the state (health, counters) of the instances that stay. An instance
 leaves the rotation after ``threshold`` consecutive failures (failed probes, or transport failures
 of live requests: a refused connection is the fastest possible signal that a server died) and
 comes back after one success. Being pure data, the transitions are unit-tested without a clock.
@@ -9,7 +11,8 @@ comes back after one success. Being pure data, the transitions are unit-tested w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +40,8 @@ class InstanceState:
     errors: int = 0
     #: Times it left the rotation.
     evictions: int = 0
+    #: When it last left the rotation (the registry's clock), while it is out.
+    evicted_since: float | None = None
 
     @property
     def url(self) -> str:
@@ -70,29 +75,70 @@ class InstanceState:
 
 @dataclass
 class Registry:
-    """All instances by role, and the listeners told when one changes state."""
+    """All instances by role, and the listeners told when one changes state.
+
+    ``usable(role)`` predicates read the live set of the role when called, so a predicate made
+    before a health or membership change still answers for the registry as it is now.
+    """
 
     threshold: int = 3
     roles: dict[str, list[InstanceState]] = field(default_factory=dict)
     on_change: list[Callable[[InstanceState], None]] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+    _index: dict[tuple[str, str], InstanceState] = field(default_factory=dict, repr=False)
+    _live: dict[str, set[str]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_roles(
         cls, roles: dict[str, Iterable[Instance]], threshold: int = 3
     ) -> Registry:
         registry = cls(threshold=threshold)
-        for role, instances in roles.items():
-            registry.roles[role] = [InstanceState(inst, role) for inst in instances]
+        registry.set_members({role: list(instances) for role, instances in roles.items()})
         return registry
+
+    def set_members(self, roles: Mapping[str, Sequence[Instance]]) -> list[InstanceState]:
+        """Follow a roster change: keep the states of instances that stay, add new ones.
+
+        Returns the states of the instances that left (their in-flight requests finish; the
+        proxy retires their upstream clients).
+        """
+        gone = dict(self._index)
+        for role, instances in roles.items():
+            states = []
+            for inst in instances:
+                state = gone.pop((role, inst.url), None)
+                if state is None:
+                    state = InstanceState(inst, role)
+                state.instance = inst  # its dp_size may have changed
+                states.append(state)
+            self.roles[role] = states
+        self._index = {(s.role, s.url): s for states in self.roles.values() for s in states}
+        for role in self.roles:
+            self._refresh_live(role)
+        return list(gone.values())
+
+    def _refresh_live(self, role: str) -> None:
+        live = self._live.setdefault(role, set())  # updated in place: predicates hold it
+        live.clear()
+        live.update(s.url for s in self.roles.get(role, ()) if s.live)
 
     def states(self) -> list[InstanceState]:
         return [state for states in self.roles.values() for state in states]
 
     def state(self, role: str, url: str) -> InstanceState:
-        for state in self.roles.get(role, ()):
-            if state.url == url:
-                return state
-        raise KeyError(f"no {role} instance {url}")
+        state = self._index.get((role, url))
+        if state is None:
+            raise KeyError(f"no {role} instance {url}")
+        return state
+
+    def state_for(self, role: str, instance: Instance) -> InstanceState:
+        """The state of ``instance``, or a detached one if it has just left the roster (a request
+        that picked it before finishes there; its counts no longer matter)."""
+        state = self._index.get((role, instance.url))
+        return state if state is not None else InstanceState(instance, role)
+
+    def has(self, role: str) -> bool:
+        return bool(self.roles.get(role))
 
     def usable(self, role: str) -> Callable[[Instance], bool]:
         """A predicate for routing: may this instance of ``role`` get a request now?
@@ -101,30 +147,40 @@ class Registry:
         Envoy): probes can be wrong (a partitioned prober, a too-strict threshold), and trying
         an instance that may be down beats failing every request of the role for sure.
         """
-        live = {s.url for s in self.roles.get(role, ()) if s.live}
-        if not live:
-            return lambda inst: True
-        return lambda inst: inst.url in live
+        live = self._live.setdefault(role, set())
+        return lambda inst: not live or inst.url in live
 
     def succeeded(self, state: InstanceState) -> None:
         if state.record_success():
+            state.evicted_since = None
             self._changed(state)
 
     def failed(self, state: InstanceState) -> None:
         if state.record_failure(self.threshold):
+            state.evicted_since = self.clock()
             self._changed(state)
 
     def _changed(self, state: InstanceState) -> None:
+        if self._index.get((state.role, state.url)) is not state:
+            return  # it left the roster while a probe or request was under way
+        self._refresh_live(state.role)
         for listener in self.on_change:
             listener(state)
 
+    def evicted(self) -> dict[str, float]:
+        """The URLs out of rotation, and since when."""
+        return {s.url: s.evicted_since for s in self.states()
+                if not s.live and s.evicted_since is not None}
+
     def healthy(self) -> bool:
-        """Every configured role has at least one live instance."""
-        return all(any(s.live for s in states) for states in self.roles.values() if states)
+        """There is a decode-side instance, and every role has at least one live instance."""
+        return self.has("decode") and all(
+            any(s.live for s in states) for states in self.roles.values() if states)
 
     def ready(self) -> bool:
-        """Every configured role has an instance that answered a probe."""
-        return all(any(s.probed for s in states) for states in self.roles.values() if states)
+        """There is a decode-side instance, and every role has an instance that answered a probe."""
+        return self.has("decode") and all(
+            any(s.probed for s in states) for states in self.roles.values() if states)
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.states())

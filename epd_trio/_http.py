@@ -15,6 +15,11 @@ keep-alive stay httpcore's and h11's.
 Timeouts: connect (per new connection), the queue wait, and an optional per-read timeout (the
 stream idle gap) live here; the whole-call deadline is the caller's (``_upstream``).
 
+Instances come and go (self-registration): ``UpstreamClient.follow`` retires the pools of the
+instances that left, which keep serving the requests already routed there, and ``reap`` closes
+them once nothing is in flight on them. A closed pool closes each connection as its response
+ends, instead of keeping it.
+
 Idle connections are dropped after ``keepalive_expiry`` (default 4 s): vLLM's server closes idle
 keep-alive connections after 5 s (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), and a request written to a
 connection the server is closing fails without having been read. A connection whose peer already
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import math
 import ssl
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
 from typing import Any
 
 import httpcore2 as httpcore
@@ -198,8 +203,12 @@ class UpstreamPool:
 
     def __init__(self, url: str, *, limit: int = 256, connect_timeout: float = 10.0,
                  queue_timeout: float | None = None,
-                 keepalive_expiry: float = KEEPALIVE_EXPIRY) -> None:
+                 keepalive_expiry: float = KEEPALIVE_EXPIRY,
+                 headers: Mapping[str, str] | None = None) -> None:
         parsed = httpcore.URL(url)
+        #: Sent with every request (the upstream API key).
+        self._default_headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                                 for k, v in (headers or {}).items()]
         self.url = url
         self._origin = parsed.origin
         self._prefix = parsed.target.rstrip(b"/")
@@ -237,6 +246,10 @@ class UpstreamPool:
         return httpcore.AsyncHTTPConnection(self._origin, keepalive_expiry=self._keepalive_expiry,
                                             network_backend=self._backend)
 
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
     async def _check_in(self, conn: httpcore.AsyncHTTPConnection) -> None:
         if not conn.is_idle():
             return  # httpcore closed it (body not fully read, or the server asked to close)
@@ -266,6 +279,8 @@ class UpstreamPool:
         release = _Release(self.limiter, borrower)
         request_headers = [(b"host", self._host_header),
                            (b"content-length", str(len(content)).encode())]
+        if self._default_headers:
+            request_headers += self._default_headers
         request_headers += [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
         timeouts = {"connect": self._connect_timeout}
         if read_timeout is not None:
@@ -309,33 +324,70 @@ class UpstreamClient:
     """One ``UpstreamPool`` per upstream instance, made on first use; an async context manager.
 
     ``max_connections`` is per DP rank: an instance serving ``dp_size`` ranks admits
-    ``max_connections * dp_size`` requests at once.
+    ``max_connections * dp_size`` requests at once. ``headers`` go on every request.
+
+    The owner of the pools: ``follow`` tells it which instances exist (the proxy calls it at each
+    roster change); the pools of the others are retired, still usable by requests routed there
+    before, and closed by ``reap`` once idle; ``aclose`` closes all.
     """
 
     def __init__(self, *, max_connections: int = 256, connect_timeout: float = 10.0,
                  queue_timeout: float | None = 30.0,
-                 keepalive_expiry: float = KEEPALIVE_EXPIRY) -> None:
+                 keepalive_expiry: float = KEEPALIVE_EXPIRY,
+                 headers: Mapping[str, str] | None = None) -> None:
         self._max_connections = max_connections
         self._connect_timeout = connect_timeout
         self._queue_timeout = queue_timeout
         self._keepalive_expiry = keepalive_expiry
+        self._headers = dict(headers or {})
         self._pools: dict[str, UpstreamPool] = {}
+        self._retired: dict[str, UpstreamPool] = {}
+        #: The instances that exist (None: any; the client was never told).
+        self._present: Collection[str] | None = None
         self._closed = False
 
     def pool(self, instance: Instance) -> UpstreamPool:
         pool = self._pools.get(instance.url)
         if pool is None:
+            pool = self._retired.get(instance.url)  # it left; a request routed there before
+            if pool is not None:
+                return pool
             if self._closed:
                 raise RuntimeError("UpstreamClient used after aclose()")
-            pool = self._pools[instance.url] = UpstreamPool(
+            pool = UpstreamPool(
                 instance.url, limit=self._max_connections * instance.dp_size,
                 connect_timeout=self._connect_timeout, queue_timeout=self._queue_timeout,
-                keepalive_expiry=self._keepalive_expiry)
+                keepalive_expiry=self._keepalive_expiry, headers=self._headers)
+            gone = self._present is not None and instance.url not in self._present
+            (self._retired if gone else self._pools)[instance.url] = pool
         return pool
+
+    def follow(self, instances: Iterable[Instance]) -> None:
+        """The instances that exist now: retire the pools of the others, take back a returning
+        one's, resize a pool whose instance changed its ``dp_size``."""
+        present = {inst.url: inst for inst in instances}
+        for url in [url for url in self._pools if url not in present]:
+            self._retired[url] = self._pools.pop(url)
+        for url, inst in present.items():
+            pool = self._retired.pop(url, None)
+            if pool is not None and not pool.is_closed:
+                self._pools[url] = pool
+            pool = self._pools.get(url)
+            if pool is not None:
+                pool.limiter.total_tokens = self._max_connections * inst.dp_size
+        self._present = present
+
+    async def reap(self) -> int:
+        """Close the retired pools with no request in flight; how many were closed."""
+        idle = [url for url, pool in self._retired.items() if pool.limiter.borrowed_tokens == 0]
+        for url in idle:
+            await self._retired.pop(url).aclose()
+        return len(idle)
 
     async def aclose(self) -> None:
         self._closed = True
-        pools, self._pools = list(self._pools.values()), {}
+        pools = [*self._pools.values(), *self._retired.values()]
+        self._pools, self._retired = {}, {}
         for pool in pools:
             await pool.aclose()
 

@@ -15,9 +15,11 @@ nothing is retried once a byte reached the client, and a 4xx is never retried.
 from __future__ import annotations
 
 import logging
+import os
+import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,11 +30,12 @@ import trio
 from ._config import Settings
 from ._counters import CursorCounters
 from ._cursors import EncoderCursor, SlotCursor
-from ._errors import UpstreamError
+from ._errors import NoInstance, UpstreamError
 from ._failover import Failover, Slot, is_retryable, with_failover
 from ._health import InstanceState, Registry
 from ._http import UpstreamClient, UpstreamPool
 from ._prober import run_prober
+from ._profile import ProfileReport, run_profile
 from ._rewrite import (
     Kind,
     build_decode_body,
@@ -42,6 +45,19 @@ from ._rewrite import (
     upstream_headers,
     with_item_uuids,
 )
+from ._roster import (
+    ROUTING_ROLES,
+    Roster,
+    expired,
+    forget,
+    layout_name,
+    parse_instance_url,
+    parse_registration,
+    register,
+    static_roster,
+    unregister,
+)
+from ._roster_store import LocalRosterStore, RosterStore
 from ._routing import Instance
 from ._upstream import CHAT_PATH, Answer, get, open_stream, post_json, run_encoder_fanout
 
@@ -80,11 +96,19 @@ def new_request_id(client_value: str | None) -> str:
     return value if keep else uuid.uuid4().hex
 
 
+def upstream_auth_headers(settings: Settings) -> dict[str, str]:
+    """Headers every call to vLLM carries: its ``--api-key`` as a bearer token, when configured."""
+    key = settings.upstream_api_key
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 def make_client(settings: Settings) -> UpstreamClient:
-    """The upstream pools: per instance at most ``max_connections`` requests per DP rank."""
+    """The upstream pools: per instance at most ``max_connections`` requests per DP rank; every
+    request carries the upstream API key, if one is configured."""
     return UpstreamClient(max_connections=settings.max_connections,
                           connect_timeout=settings.connect_timeout,
-                          queue_timeout=settings.queue_timeout)
+                          queue_timeout=settings.queue_timeout,
+                          headers=upstream_auth_headers(settings))
 
 
 class Proxy:
@@ -93,20 +117,23 @@ class Proxy:
     ``start(nursery)`` opens the upstream pools and starts the health prober in ``nursery``;
     ``aclose()`` stops the prober, then closes the pools. Everything per request happens in
     ``handle``.
+
+    The instances come from a roster (``_roster.py``): the configured ones, plus those that
+    register themselves through ``register``. The roster lives in a ``RosterStore`` (this
+    process's, or the shared memory of ``epd-trio serve --workers N``); every new version is
+    applied here by ``_apply``: health states, cursors and upstream pools follow it. The pools
+    of an instance that left keep serving the requests already routed there; the prober's
+    housekeeping closes them once idle (``reap_clients``), ``aclose`` closes all.
     """
 
     def __init__(self, settings: Settings, counters: CursorCounters | None = None) -> None:
         self.settings = settings
         counters = counters if counters is not None else CursorCounters.local()
-        self.registry = Registry.from_roles(
-            {"encode": settings.encode_urls, "prefill": settings.prefill_urls,
-             "decode": settings.decode_urls},
-            threshold=settings.health_threshold,
-        )
+        self.registry = Registry(threshold=settings.health_threshold)
         self.registry.on_change.append(_log_health_change)
-        self.encoders = EncoderCursor(settings.encode_urls, counter=counters.encode)
-        self.prefills = SlotCursor(settings.prefill_urls, counter=counters.prefill)
-        self.decodes = SlotCursor(settings.decode_urls, counter=counters.decode)
+        self.encoders = EncoderCursor((), counter=counters.encode)
+        self.prefills = SlotCursor((), counter=counters.prefill)
+        self.decodes = SlotCursor((), counter=counters.decode)
         self.counters = Counters()
         self._failover = Failover(max_attempts=settings.max_attempts, track=self._track,
                                   on_retry=self._retried)
@@ -115,6 +142,93 @@ class Proxy:
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
+        self._roster_changed = trio.Event()
+        self.roster = Roster()
+        self._store: RosterStore = (counters.roster if counters.roster is not None
+                                    else LocalRosterStore(counters))
+        initial = static_roster(settings.encode_urls, settings.prefill_urls, settings.decode_urls)
+        self._apply(initial)
+        self._store.attach(initial, self._apply)
+
+    # -- the roster ------------------------------------------------------------------------------
+    def _apply(self, roster: Roster) -> None:
+        """Follow a new roster version: health states, cursors, pools (synchronous: it runs
+        inside a cursor's counter step when another worker changed the roster)."""
+        self.roster = roster
+        self.registry.set_members({role: roster.of(role) for role in ROUTING_ROLES})
+        self.encoders.update(roster.of("encode"), roster.epochs["encode"])
+        self.prefills.update(roster.of("prefill"), roster.epochs["prefill"])
+        self.decodes.update(roster.of("decode"), roster.epochs["decode"])
+        for client in (self._upstream, self._probe_client):
+            if client is not None:
+                client.follow(m.instance for m in roster.members)
+        self._roster_changed.set()
+        self._roster_changed = trio.Event()
+
+    async def wait_roster(self, predicate: Callable[[Roster], bool]) -> None:
+        """Wait until ``predicate(roster)`` holds (re-checked at each new roster version)."""
+        while True:
+            self._store.poll()
+            if predicate(self.roster):
+                return
+            await self._roster_changed.wait()
+
+    def register(self, raw_body: bytes) -> bool:
+        """``POST /instances``: add or refresh an instance; True when it was new.
+
+        Raises ``BadRequest`` (400) for a bad body or a prefill_decode / prefill+decode mix,
+        ``Conflict`` (409) for a known URL changing its role.
+        """
+        member = parse_registration(raw_body, time.monotonic())
+        created = self._store.update(lambda roster, counters: register(roster, member, counters))
+        if created:
+            log.warning("%s instance %s registered (dp_size %d)", member.kind, member.url,
+                        member.instance.dp_size)
+        return created
+
+    def unregister(self, url: object) -> bool:
+        """``DELETE /instances``: remove the instance at ``url``; True when it was there."""
+        target = parse_instance_url(url).url
+        removed = self._store.update(lambda roster, counters: unregister(roster, target, counters))
+        if removed:
+            log.warning("instance %s unregistered", target)
+        return removed
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Forget the registered instances that have been out of rotation and silent for
+        ``instance_ttl`` (judged on this worker's health view and the shared roster)."""
+        evicted = self.registry.evicted()
+        if not evicted:
+            return []
+        now = time.monotonic() if now is None else now
+        ttl = self.settings.instance_ttl
+
+        def change(roster: Roster, counters: Any) -> tuple[Roster, list[str]]:
+            urls = expired(roster, evicted, now, ttl)
+            return forget(roster, urls, counters), urls
+
+        urls = self._store.update(change)
+        for url in urls:
+            log.warning("instance %s forgotten: out of rotation and not registered for %g s",
+                        url, ttl)
+        return urls
+
+    def instances(self) -> dict[str, Any]:
+        """``GET /instances``: every instance by role, where it comes from, and its state."""
+        roster = self._store.current()
+        now = time.monotonic()
+        listing: dict[str, list[dict[str, Any]]] = {kind: [] for kind in (
+            "encode", "prefill", "decode", "prefill_decode")}
+        for member in roster.members:
+            entry = self.registry.state_for(member.role, member.instance).report()
+            entry.update(source="static" if member.static else "registered",
+                         ec_zmq_addrs=list(member.ec_zmq_addrs))
+            if not member.static:
+                entry["registered_seconds_ago"] = round(now - member.registered_at, 3)
+            listing[member.kind].append(entry)
+        # Health is each worker's own view (each probes on its own): say whose view this is.
+        return {"layout": layout_name(roster), "version": roster.version,
+                "worker_pid": os.getpid(), "instances": listing}
 
     def client(self, instance: Instance) -> UpstreamPool:
         """The connection pool for ``instance`` (one per instance, see ``make_client``)."""
@@ -122,15 +236,28 @@ class Proxy:
             raise RuntimeError("Proxy.client used outside start()/aclose()")
         return self._upstream.pool(instance)
 
+    async def reap_clients(self) -> int:
+        """Close the pools of instances that left, once nothing is in flight on them; returns
+        how many request pools were closed."""
+        closed = 0
+        if self._probe_client is not None:
+            await self._probe_client.reap()
+        if self._upstream is not None:
+            closed = await self._upstream.reap()
+        return closed
+
     async def start(self, nursery: trio.Nursery | None = None) -> None:
         """Open the upstream pools; with a ``nursery``, also start the health prober in it."""
         self._upstream = make_client(self.settings)
+        self._upstream.follow(m.instance for m in self.roster.members)
         if nursery is not None:
             # Probes get their own small pools: a pool full of long streams must not delay
             # them into timeouts that would evict healthy instances.
             self._probe_client = UpstreamClient(
                 max_connections=4, connect_timeout=self.settings.health_timeout,
-                queue_timeout=self.settings.health_timeout)
+                queue_timeout=self.settings.health_timeout,
+                headers=upstream_auth_headers(self.settings))
+            self._probe_client.follow(m.instance for m in self.roster.members)
             self._prober = await nursery.start(self._run_prober, self._probe_client)
 
     async def _run_prober(
@@ -139,7 +266,14 @@ class Proxy:
         with trio.CancelScope() as scope:
             task_status.started(scope)
             await run_prober(client, self.registry, interval=self.settings.health_interval,
-                             probe_timeout=self.settings.health_timeout)
+                             probe_timeout=self.settings.health_timeout,
+                             before_round=self._store.poll, after_round=self._housekeeping)
+
+    async def _housekeeping(self) -> None:
+        """After each probe round: forget the long-gone registered instances, close the pools
+        nobody uses any more."""
+        self.expire()
+        await self.reap_clients()
 
     async def aclose(self) -> None:
         if self._prober is not None:
@@ -155,7 +289,7 @@ class Proxy:
     @contextmanager
     def _track(self, stage: str, instance: Instance) -> Iterator[None]:
         """Count one upstream attempt: in flight while it runs, its outcome fed to health."""
-        state = self.registry.state(stage, instance.url)
+        state = self.registry.state_for(stage, instance)
         state.in_flight += 1
         state.sent += 1
         try:
@@ -214,16 +348,21 @@ class Proxy:
         """
         request = parse_request(raw_body, kind)
         body, items = with_item_uuids(request)
+        self._store.poll()  # one word read: did another worker change the roster?
+        registry = self.registry
+        if not registry.has("decode"):
+            raise NoInstance("no decode instance is configured or registered yet")
+        with_prefill = registry.has("prefill")
         stage = "encode"
         try:
-            if items and self.settings.encode_urls:
+            if items and registry.has("encode"):
                 await run_encoder_fanout(
                     self.client, self.encoders, body=body, items=items, request_id=request_id,
                     max_batch=self.settings.encoder_max_batch,
                     deadline=self.settings.encode_timeout, authorization=authorization,
                     usable=self.registry.usable("encode"), failover=self._failover,
                 )
-            stage = "prefill" if self.settings.prefill_urls else "decode"
+            stage = "prefill" if with_prefill else "decode"
             attempts = 0
 
             async def attempt(slot: Slot) -> Reply:
@@ -231,7 +370,7 @@ class Proxy:
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
                 decode_body: dict[str, Any] = body
-                if self.settings.prefill_urls:
+                if with_prefill:
                     stage = "prefill"
                     decode_body = await self._prefill(body, PATHS[kind], leg_id, authorization)
                 stage = "decode"
@@ -239,7 +378,8 @@ class Proxy:
                                           leg_id, authorization, resources)
 
             first = await self._next_slot(self.decodes, "decode", set())
-            assert first is not None  # decode_urls is never empty
+            if first is None:  # the last decode instance left while this request started
+                raise NoInstance("no decode instance is configured or registered")
             reply = await with_failover(
                 self._decode_failover, "decode", first, attempt,
                 partial(self._next_slot, self.decodes, "decode", any_slot=True))
@@ -264,7 +404,8 @@ class Proxy:
             )
 
         first = await self._next_slot(self.prefills, "prefill", set())
-        assert first is not None
+        if first is None:
+            raise NoInstance("no prefill instance is configured or registered")
         response = await with_failover(self._failover, "prefill", first, attempt,
                                        partial(self._next_slot, self.prefills, "prefill"))
         params = kv_transfer_params_of(response.content)
@@ -293,7 +434,7 @@ class Proxy:
             )
         # The first bytes are here: from now on the request belongs to this decode instance.
         # The stream stays in flight until the web layer closes the request's resources.
-        state = self.registry.state("decode", instance.url)
+        state = self.registry.state_for("decode", instance)
         state.in_flight += 1
 
         def stream_abandoned() -> None:
@@ -315,8 +456,11 @@ class Proxy:
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:
         """``GET /v1/models`` from the first live decode-side instance that answers."""
+        self._store.poll()
         usable = self.registry.usable("decode")
-        candidates = sorted(self.settings.decode_urls, key=lambda inst: not usable(inst))
+        candidates = sorted(self.roster.of("decode"), key=lambda inst: not usable(inst))
+        if not candidates:
+            raise NoInstance("no decode instance is configured or registered yet")
         last_error: UpstreamError | None = None
         for instance in candidates:
             try:
@@ -331,10 +475,23 @@ class Proxy:
         raise last_error
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """200-worthy when every configured role has a live instance; the per-instance report."""
+        """200-worthy when there is a decode-side instance and every role has a live one; the
+        per-instance report."""
+        self._store.poll()
         ok = self.registry.healthy()
-        return ok, {"status": "ok" if ok else "unavailable", "layout": self.settings.layout,
+        return ok, {"status": "ok" if ok else "unavailable", "layout": layout_name(self.roster),
                     "ready": self.registry.ready(), "roles": self.registry.report()}
+
+    def ready(self) -> bool:
+        self._store.poll()
+        return self.registry.ready()
+
+    async def profile(self, action: str, raw_body: bytes) -> ProfileReport:
+        """``POST /start_profile`` / ``/stop_profile`` on every instance of every role."""
+        self._store.poll()
+        targets = [(m.kind, m.instance) for m in self.roster.members]
+        return await run_profile(action, raw_body, targets, self.client,
+                                 deadline=self.settings.profile_timeout)
 
 
 def _log_health_change(state: Any) -> None:

@@ -8,12 +8,17 @@ checked by plain table-driven tests. The objects that *own* the counters live in
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+#: Where a rotation stands: ``(k0, i0)`` means counter value ``k0`` maps to slot index ``i0``, so
+#: counter value ``k`` maps to slot ``(i0 + k - k0) % len(slots)``. ``(0, 0)`` is plain modulo.
+Epoch = tuple[int, int]
 
 _DP_SUFFIX = re.compile(r"#dp=(?P<n>[^#]*)$")
 
@@ -131,3 +136,42 @@ def group_by_target(
             groups.append((target, group))
         group.append(index)
     return groups
+
+
+def slot_keys(instances: Sequence[Instance], dp: bool) -> list[tuple[str, int | None]]:
+    """The identity of each routing slot, by URL: what stays "the same slot" across a change.
+
+    ``dp=False`` (encoders): one slot per instance, in order. ``dp=True`` (prefill/decode): the
+    ``dp_slots`` order with each instance index replaced by its URL.
+    """
+    if not dp:
+        return [(inst.url, None) for inst in instances]
+    return [(instances[index].url, rank) for index, rank in dp_slots(instances)]
+
+
+def rebase_position(old: Sequence[K], new: Sequence[K], position: int) -> int:
+    """Where a round-robin over ``old``, about to serve ``old[position % len(old)]``, goes on in ``new``.
+
+    The next slot is the first one at or after that position (cyclically, in ``old``'s order)
+    that is still in ``new``, and the rotation continues from its index there. So when
+    instances come and go, no surviving slot is skipped or served twice in a row, and the
+    rotation does not restart at slot 0 (which would hot-spot the first instance after every
+    registration); added slots are served when the rotation reaches their place. With nothing
+    surviving (or nothing before), the rotation starts at 0.
+    """
+    if not old or not new:
+        return 0
+    index = {key: i for i, key in enumerate(new)}
+    for step in range(len(old)):
+        found = index.get(old[(position + step) % len(old)])
+        if found is not None:
+            return found
+    return 0
+
+
+def rebase_epoch(epoch: Epoch, old: Sequence[K], new: Sequence[K], counter: int) -> Epoch:
+    """The epoch that continues ``epoch``'s rotation over ``old`` in ``new``, from counter value
+    ``counter`` on (the next request's number): see ``rebase_position``."""
+    k0, i0 = epoch
+    position = (i0 + counter - k0) % len(old) if old else 0
+    return counter, rebase_position(old, new, position)

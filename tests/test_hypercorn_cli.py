@@ -36,7 +36,8 @@ async def test_missing_setting_fails_with_one_line(
             capture_stdout=True, capture_stderr=True, check=False,
         )
     assert result.stderr.decode().strip().splitlines() == [
-        "epd_trio: configuration error: EPD_DECODE_URLS: is required (at least one decode URL)"
+        "epd_trio: configuration error: EPD_DECODE_URLS: is required (at least one decode URL), "
+        "unless instances register themselves (EPD_ADMIN_KEY)"
     ]
     if exit_code is not None:
         assert result.returncode == exit_code

@@ -1,0 +1,267 @@
+"""The instance roster: which instances exist, by role, static and self-registered alike (pure).
+
+vLLM instances started with a proxy URL register themselves (``POST /instances`` every 30 s,
+``DELETE /instances`` when they stop; PROTOCOL.md "Instance registration"). The statically
+configured instances and the registered ones live in one ``Roster``, an immutable snapshot that
+routing reads: each change makes a new roster with a higher ``version``, and with a new
+``Epoch`` per routing role, so that the round-robin continues where it stood instead of
+restarting at instance 0 (``_routing.rebase_position``). The epochs are computed here, once,
+from the routing counters' values at the moment of the change, and travel with the roster:
+every worker process of ``epd-trio serve`` then maps the same counter value to the same slot.
+
+Nothing here does I/O or reads a clock: callers pass ``now`` (``time.monotonic()``, which is
+shared by the processes of one machine) and the counters' values. Where the roster is kept
+(one process, or shared memory for several) is ``_roster_store.py``'s business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import orjson
+
+from ._errors import BadRequest, ProxyError
+from ._routing import Epoch, Instance, rebase_epoch, slot_keys
+
+#: The routing roles (the proxy's stages) and the roles an instance may register with.
+ROUTING_ROLES = ("encode", "prefill", "decode")
+REGISTERED_ROLES = ("encode", "prefill", "decode", "prefill_decode")
+#: A combined prefill-decode instance serves the decode stage of a layout without prefill.
+_ROUTING_ROLE = {"encode": "encode", "prefill": "prefill", "decode": "decode",
+                 "prefill_decode": "decode"}
+
+
+class Conflict(ProxyError):
+    """A registration contradicts what is known (an instance changing its role)."""
+
+    status = 409
+    type = "conflict_error"
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """One instance in the roster."""
+
+    instance: Instance
+    #: As configured or registered: ``encode``, ``prefill``, ``decode`` or ``prefill_decode``.
+    kind: str
+    #: From the configuration (never forgotten for silence) rather than registered.
+    static: bool = False
+    #: Encoder-cache receive addresses (Mooncake EC consumers), kept and listed, not used here.
+    ec_zmq_addrs: tuple[str, ...] = ()
+    #: ``time.monotonic()`` of the last registration (0 for static instances).
+    registered_at: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.instance.url
+
+    @property
+    def role(self) -> str:
+        """The routing role (stage) it serves."""
+        return _ROUTING_ROLE[self.kind]
+
+
+@dataclass(frozen=True, slots=True)
+class Roster:
+    """An immutable snapshot of every instance, with the routing epochs that go with it."""
+
+    version: int = 0
+    #: Static instances first (in configuration order), then registered ones in order of arrival.
+    members: tuple[Member, ...] = ()
+    epochs: Mapping[str, Epoch] = field(default_factory=lambda: dict.fromkeys(ROUTING_ROLES, (0, 0)))
+
+    def of(self, role: str) -> tuple[Instance, ...]:
+        """The instances serving routing role ``role``, in routing order."""
+        return tuple(m.instance for m in self.members if m.role == role)
+
+    def find(self, url: str) -> Member | None:
+        for member in self.members:
+            if member.url == url:
+                return member
+        return None
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps({
+            "version": self.version,
+            "epochs": {role: list(epoch) for role, epoch in self.epochs.items()},
+            "members": [
+                {"url": m.url, "dp_size": m.instance.dp_size, "kind": m.kind, "static": m.static,
+                 "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at}
+                for m in self.members
+            ],
+        })
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Roster:
+        data = orjson.loads(raw)
+        return cls(
+            version=data["version"],
+            epochs={role: (k0, i0) for role, (k0, i0) in data["epochs"].items()},
+            members=tuple(
+                Member(Instance(m["url"], m["dp_size"]), m["kind"], m["static"],
+                       tuple(m["ec_zmq_addrs"]), m["registered_at"])
+                for m in data["members"]
+            ),
+        )
+
+
+def static_roster(
+    encode: Iterable[Instance], prefill: Iterable[Instance], decode: Iterable[Instance]
+) -> Roster:
+    """Version 0: the configured instances (each worker process builds the same one)."""
+    members = [Member(inst, kind, static=True)
+               for kind, instances in (("encode", encode), ("prefill", prefill),
+                                       ("decode", decode))
+               for inst in instances]
+    return Roster(members=tuple(members))
+
+
+def layout_name(roster: Roster) -> str:
+    """``E+P+D``, ``E+PD``, ``P+D``, ``PD``, or ``none`` while there is no decode-side instance."""
+    if not roster.of("decode"):
+        return "none"
+    serving = "P+D" if roster.of("prefill") else "PD"
+    return f"E+{serving}" if roster.of("encode") else serving
+
+
+# -- registration bodies ------------------------------------------------------------------------
+def parse_registration(raw: bytes, now: float) -> Member:
+    """A ``POST /instances`` body as a ``Member``; ``BadRequest`` (400) says what is wrong.
+
+    ``{"role": "encode"|"prefill"|"decode"|"prefill_decode", "url": "http://host:port",
+    "dp_size": N (default 1), "ec_zmq_addrs": [...] (default [])}``. Other fields are ignored
+    (a newer vLLM may send more). As vLLM's own proxy does, encoder-cache addresses are accepted
+    only from EC consumers (``prefill``, ``prefill_decode``), one per DP rank.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("the body must be JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    role = body.get("role")
+    if role not in REGISTERED_ROLES:
+        raise BadRequest(f"'role' must be one of {', '.join(REGISTERED_ROLES)}: got {role!r}")
+    dp_size = body.get("dp_size", 1)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    instance = parse_instance_url(body.get("url"), dp_size)
+    addrs = body.get("ec_zmq_addrs", [])
+    if addrs is None:
+        addrs = []
+    if not isinstance(addrs, list) or not all(isinstance(a, str) and a for a in addrs):
+        raise BadRequest("'ec_zmq_addrs' must be a list of address strings")
+    if addrs and role not in ("prefill", "prefill_decode"):
+        raise BadRequest("only encoder-cache consumers (prefill, prefill_decode) take "
+                         "'ec_zmq_addrs'")
+    if addrs and len(addrs) != dp_size:
+        raise BadRequest(f"'ec_zmq_addrs' must hold one address per DP rank: {len(addrs)} "
+                         f"given for dp_size {dp_size}")
+    return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now)
+
+
+def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
+    """An instance URL from a request (``url`` field or query parameter); 400 when unusable."""
+    if not isinstance(url, str) or not url.strip():
+        raise BadRequest("'url' is required: the instance's base URL (http://host:port)")
+    try:
+        return Instance(url.strip(), dp_size)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+# -- changes --------------------------------------------------------------------------------------
+def register(
+    roster: Roster, member: Member, counters: Mapping[str, int]
+) -> tuple[Roster, bool]:
+    """Add ``member``, or refresh it if its URL is known; ``(new roster, whether it was new)``.
+
+    A known URL with another role is a ``Conflict`` (409: unregister it first). Mixing a combined
+    ``prefill_decode`` instance with separate prefill/decode instances is a ``BadRequest`` (400):
+    the proxy could not tell whether a request needs a prefill leg. (Static decode instances with
+    no static prefill are compatible with both: such a configuration means either.)
+
+    A refresh keeps the member's place, its static flag, and (for routing) its health; a refresh
+    that changes nothing but the time keeps the version, so the worker processes do not re-sync
+    every heartbeat.
+    """
+    known = roster.find(member.url)
+    if known is not None:
+        # A static instance registering is welcome (it may also say it is a combined one);
+        # otherwise the role it registered with is the one it keeps.
+        if known.kind != member.kind and not (known.static and known.role == member.role):
+            raise Conflict(f"{member.url} is already known as {known.kind}; unregister it "
+                           f"(DELETE /instances?url=...) before registering it as {member.kind}")
+        _check_mix(roster, member)
+        refreshed = replace(member, static=known.static)
+        members = tuple(refreshed if m is known else m for m in roster.members)
+        return _changed(roster, members, counters), False
+    _check_mix(roster, member)
+    return _changed(roster, (*roster.members, member), counters), True
+
+
+def _check_mix(roster: Roster, member: Member) -> None:
+    others = [m for m in roster.members if m.url != member.url]
+    if member.kind == "prefill_decode":
+        clash = [m for m in others if m.kind == "prefill" or (m.kind == "decode" and not m.static)]
+    elif member.kind in ("prefill", "decode"):
+        clash = [m for m in others if m.kind == "prefill_decode"]
+    else:
+        return
+    if clash:
+        listed = ", ".join(f"{m.kind} {m.url}" for m in clash[:3])
+        raise BadRequest(f"cannot mix combined prefill_decode instances with separate prefill/"
+                         f"decode instances: registering {member.kind} {member.url}, but the "
+                         f"proxy has {listed}")
+
+
+def unregister(roster: Roster, url: str, counters: Mapping[str, int]) -> tuple[Roster, bool]:
+    """Remove the instance at ``url`` (static ones too: an instance that says it is stopping
+    must get no more requests); ``(new roster, whether it was there)``."""
+    members = tuple(m for m in roster.members if m.url != url)
+    if len(members) == len(roster.members):
+        return roster, False
+    return _changed(roster, members, counters), True
+
+
+def expired(
+    roster: Roster, evicted_since: Mapping[str, float], now: float, ttl: float
+) -> list[str]:
+    """Registered instances to forget: out of rotation *and* silent for ``ttl`` seconds.
+
+    ``evicted_since`` maps the URLs that are out of rotation (failed their probes) to when they
+    left it. An instance that keeps registering, or that answers its probes, is kept; static
+    instances are never forgotten.
+    """
+    return [m.url for m in roster.members
+            if not m.static and m.url in evicted_since
+            and now - max(m.registered_at, evicted_since[m.url]) >= ttl]
+
+
+def forget(roster: Roster, urls: Sequence[str], counters: Mapping[str, int]) -> Roster:
+    gone = set(urls)
+    members = tuple(m for m in roster.members if m.url not in gone)
+    return roster if len(members) == len(roster.members) else _changed(roster, members, counters)
+
+
+def _routing_view(members: Sequence[Member]) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    return [(m.kind, m.url, m.instance.dp_size, m.ec_zmq_addrs) for m in members]
+
+
+def _changed(
+    roster: Roster, members: tuple[Member, ...], counters: Mapping[str, int]
+) -> Roster:
+    """The roster with ``members``: a new version, and epochs that continue each rotation."""
+    if _routing_view(members) == _routing_view(roster.members):
+        return replace(roster, members=members)  # only registration times changed
+    new = Roster(members=members)
+    epochs = dict(roster.epochs)
+    for role in ROUTING_ROLES:
+        dp = role != "encode"
+        old_keys, new_keys = slot_keys(roster.of(role), dp), slot_keys(new.of(role), dp)
+        if old_keys != new_keys:
+            epochs[role] = rebase_epoch(roster.epochs[role], old_keys, new_keys, counters[role])
+    return Roster(version=roster.version + 1, members=members, epochs=epochs)
