@@ -22,8 +22,12 @@ SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
 
 @asynccontextmanager
-async def serving(*args: str) -> AsyncIterator[tuple[trio.Process, str]]:
-    process = await trio.lowlevel.open_process([*SERVE, *args], stderr=subprocess.PIPE)
+async def serving(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[trio.Process, str]]:
+    process = await trio.lowlevel.open_process(
+        [*SERVE, *args], stderr=subprocess.PIPE,
+        env={**os.environ, **env} if env is not None else None)
     try:
         assert process.stderr is not None
         url = await read_url(process.stderr, rb"listening on (http://\S+)")
@@ -101,6 +105,58 @@ async def test_workers_share_the_encoder_cursor(nursery: trio.Nursery) -> None:
         # One shared counter: exactly round-robin, whichever worker accepted which request
         # (per-process counters are uneven for 20 of the 31 possible 2-worker splits).
         assert [len(e.requests()) for e in encoders] == [10, 10, 10]
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            await process.wait()
+
+
+async def test_a_registration_reaches_every_worker(nursery: trio.Nursery) -> None:
+    """A POST /instances reaches one worker; every worker routes over it, in one rotation."""
+    encoders = [FakeVLLM("encode") for _ in range(3)]
+    decode = FakeVLLM("prefill_decode")
+    await _start(nursery, *encoders, decode)
+    admin = {"x-api-key": "admin-secret"}
+    async with serving("--workers", "2", env={"EPD_ADMIN_KEY": "admin-secret"}) as (process, url):
+
+        async def call(method: str, path: str, **kwargs: object) -> httpx.Response:
+            # A fresh connection per call, so both workers accept some of them.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                return await client.request(method, url + path, **kwargs)  # type: ignore[arg-type]
+
+        r = await call("POST", "/v1/chat/completions", json=chat_body())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_instance"
+        for role, fake in [("prefill_decode", decode), *(("encode", e) for e in encoders)]:
+            r = await call("POST", "/instances", headers=admin, json={"role": role, "url": fake.url})
+            assert r.json() == {"registered": True}
+        # Both worker processes list the whole roster (each answers with its pid).
+        pids: set[int] = set()
+        with trio.fail_after(60):
+            while len(pids) < 2:
+                listing = (await call("GET", "/instances", headers=admin)).json()
+                assert listing["version"] == 4 and listing["layout"] == "E+PD"
+                assert [e["url"] for e in listing["instances"]["encode"]] == [e.url for e in encoders]
+                pids.add(listing["worker_pid"])
+        assert pids == set(_workers_of(process.pid))
+
+        async def burst(first: int, count: int) -> None:
+            statuses: list[int] = []
+
+            async def one(n: int) -> None:
+                r = await call("POST", "/v1/chat/completions", json=chat_body(image(n)))
+                statuses.append(r.status_code)
+
+            async with trio.open_nursery() as requests:
+                for n in range(first, first + count):
+                    requests.start_soon(one, n)
+            assert statuses == [200] * count
+
+        await burst(0, 30)
+        # One shared rotation over the registered encoders, whichever worker took what.
+        assert [len(e.requests()) for e in encoders] == [10, 10, 10]
+        r = await call("DELETE", "/instances", headers=admin, params={"url": encoders[1].url})
+        assert r.json() == {"removed": True}
+        await burst(30, 20)
+        assert [len(e.requests()) for e in encoders] == [20, 10, 20]
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(15):
             await process.wait()

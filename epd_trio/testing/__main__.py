@@ -42,13 +42,15 @@ def parse_cluster(spec: str) -> list[tuple[Role, int, int]]:
 
 
 async def _run(args: argparse.Namespace) -> None:
-    behaviour = Behaviour(latency=args.latency, chunk_delay=args.chunk_delay, tokens=args.tokens)
+    behaviour = Behaviour(latency=args.latency, chunk_delay=args.chunk_delay, tokens=args.tokens,
+                          profiler=args.profiler)
     async with trio.open_nursery() as nursery:
         if args.cluster:
             for role, count, dp in args.cluster:
                 urls = []
                 for _ in range(count):
-                    fake = FakeVLLM(role=role, dp_size=dp, model=args.model, behaviour=behaviour)
+                    fake = FakeVLLM(role=role, dp_size=dp, model=args.model, behaviour=behaviour,
+                                    api_key=args.api_key)
                     url = await nursery.start(fake.serve, args.host)
                     urls.append(f"{url}#dp={dp}" if dp > 1 else url)
                 name = {"encode": "ENCODE", "prefill": "PREFILL"}.get(role, "DECODE")
@@ -56,7 +58,7 @@ async def _run(args: argparse.Namespace) -> None:
             print("ready", flush=True)
         else:
             fake = FakeVLLM(role=args.role, dp_size=args.dp, model=args.model,
-                            behaviour=behaviour)
+                            behaviour=behaviour, api_key=args.api_key)
             url = await nursery.start(fake.serve, args.host, args.port)
             print(f"fake vLLM {args.role} (DP{args.dp}, model {args.model!r}) on {url}",
                   flush=True)
@@ -79,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds before answering")
     parser.add_argument("--chunk-delay", type=float, default=0.0, help="seconds between chunks")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (vLLM's "
+                        "--api-key)")
+    parser.add_argument("--profiler", action="store_true",
+                        help="serve /start_profile and /stop_profile (else they are 404)")
     trio.run(_run, parser.parse_args(argv))
     return 0
 

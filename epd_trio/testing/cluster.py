@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -65,19 +65,20 @@ async def run_cluster(
     """Start the fakes and the proxy (Hypercorn trio worker, in-process); stop all on exit.
 
     ``decode_role`` defaults to ``prefill_decode`` when there are no prefill instances (the
-    E+PD / PD layouts) and ``decode`` otherwise. ``settings`` override ``Settings`` fields.
+    E+PD / PD layouts) and ``decode`` otherwise. ``settings`` override ``Settings`` fields
+    (``decodes=0, admin_key=...`` starts a proxy with no instance, waiting for registrations).
     """
     role: Role = decode_role or ("decode" if prefills else "prefill_decode")
     async with trio.open_nursery() as nursery:
         e = await _start_fakes(nursery, encoders, "encode", 1, host)
         p = await _start_fakes(nursery, prefills, "prefill", prefill_dp, host)
         d = await _start_fakes(nursery, decodes, role, decode_dp, host)
-        config = Settings(
-            encode_urls=tuple(Instance(f.url) for f in e),
-            prefill_urls=tuple(Instance(f.url, prefill_dp) for f in p),
-            decode_urls=tuple(Instance(f.url, decode_dp) for f in d),
-        )
-        config = replace(config, **settings)
+        config = Settings(**{
+            "encode_urls": tuple(Instance(f.url) for f in e),
+            "prefill_urls": tuple(Instance(f.url, prefill_dp) for f in p),
+            "decode_urls": tuple(Instance(f.url, decode_dp) for f in d),
+            **settings,
+        })
         app = create_app(config)
         stop = trio.Event()
         # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown

@@ -6,6 +6,10 @@ It speaks the subset of vLLM's API the proxy uses, with the behaviour observed o
 ``ec_transfer_params`` keyed by each item's ``uuid``; a prefill asked for ``do_remote_decode``
 returns a NIXL-shaped ``kv_transfer_params``; a prompt over ``max_model_len`` is a 400. Generated
 text is deterministic in the prompt, so "through the proxy" can be compared with "direct".
+With ``api_key`` set it answers ``/v1/...`` requests without ``Authorization: Bearer <key>`` with
+401 ``{"error": "Unauthorized"}``, as ``vllm serve --api-key`` does (other paths stay open). The
+profiler routes ``POST /start_profile`` / ``/stop_profile`` answer 200 with an empty body when
+``behaviour.profiler`` is on, else 404 (vLLM registers them only when a profiler is configured).
 
 It is a raw ASGI app (no framework) so it costs little CPU next to the proxy under test, and so it
 can see a client disconnect exactly: each request runs beside a watcher of ``receive()``; an
@@ -62,6 +66,8 @@ class Behaviour:
     max_model_len: int = 4096
     #: ``GET /health`` answers 200 when True, 503 when False.
     healthy: bool = True
+    #: A profiler is configured: ``/start_profile`` and ``/stop_profile`` exist (else 404).
+    profiler: bool = False
 
 
 @dataclass
@@ -91,6 +97,10 @@ class FakeVLLM:
     role: Role = "decode"
     dp_size: int = 1
     model: str = "fake-model"
+    #: Like ``vllm serve --api-key``: ``/v1/...`` requests need ``Authorization: Bearer <key>``.
+    api_key: str | None = None
+    #: Between a successful ``/start_profile`` and ``/stop_profile``.
+    profiling: bool = False
     behaviour: Behaviour = field(default_factory=Behaviour)
     received: list[Received] = field(default_factory=list)
     #: API (``/v1/...``) requests being answered now; health probes are not counted.
@@ -119,7 +129,8 @@ class FakeVLLM:
             ranks[key] = ranks.get(key, 0) + 1
         items = sum(len(_media_parts(r.body)) for r in api if isinstance(r.body, dict))
         return {"role": self.role, "dp_size": self.dp_size, "requests": len(api),
-                "items": items, "ranks": ranks, "disconnects": self.disconnects}
+                "items": items, "ranks": ranks, "disconnects": self.disconnects,
+                "profiling": self.profiling}
 
     def _notify(self) -> None:
         self._changed.set()
@@ -236,6 +247,10 @@ class FakeVLLM:
 
     async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:
         b = self.behaviour
+        if self.api_key is not None and record.path.startswith("/v1") and (
+                record.headers.get("authorization") != f"Bearer {self.api_key}"):
+            await respond(401, orjson.dumps({"error": "Unauthorized"}))
+            return
         if record.path == "/health":
             await respond(200 if b.healthy else 503, b"")
             return
@@ -247,20 +262,17 @@ class FakeVLLM:
                 "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
                 "root": self.model, "parent": None, "max_model_len": b.max_model_len}]}))
             return
+        if record.path in ("/start_profile", "/stop_profile") and record.method == "POST":
+            if not b.profiler:  # FastAPI's answer for a route that does not exist
+                await respond(404, orjson.dumps({"detail": "Not Found"}))
+            elif not await self._misbehave(respond):
+                self.profiling = record.path == "/start_profile"
+                await respond(200, b"")
+            return
         if record.method != "POST" or record.path not in ("/v1/chat/completions", "/v1/completions"):
             await respond(404, _error("Not Found", "NotFoundError", 404))
             return
-        if b.gate is not None:
-            await b.gate()
-        if b.latency:
-            await trio.sleep(b.latency)
-        if b.hang:
-            await trio.sleep_forever()
-        if b.fail_status is not None and (b.fail_count is None or b.fail_count > 0):
-            if b.fail_count is not None:
-                b.fail_count -= 1
-            await respond(b.fail_status, _error(f"injected failure ({b.fail_status})",
-                                                "InternalServerError", b.fail_status))
+        if await self._misbehave(respond):
             return
         problem = self._validate(record)
         if problem:
@@ -295,6 +307,23 @@ class FakeVLLM:
             "prompt_logprobs": None,
             "kv_transfer_params": kv,
         }))
+
+    async def _misbehave(self, respond: Any) -> bool:
+        """Apply the gate, latency, hang and injected-failure knobs; True when it answered."""
+        b = self.behaviour
+        if b.gate is not None:
+            await b.gate()
+        if b.latency:
+            await trio.sleep(b.latency)
+        if b.hang:
+            await trio.sleep_forever()
+        if b.fail_status is not None and (b.fail_count is None or b.fail_count > 0):
+            if b.fail_count is not None:
+                b.fail_count -= 1
+            await respond(b.fail_status, _error(f"injected failure ({b.fail_status})",
+                                                "InternalServerError", b.fail_status))
+            return True
+        return False
 
     def _validate(self, record: Received) -> str | None:
         body = record.body
