@@ -167,11 +167,12 @@ class SharedRoutingState:
 
     def _fetch_add(self, index: int, n: int) -> int:
         raw = None
+        words = self._words
         with self._lock:
-            old = self._words[index]
-            self._words[index] = old + n
-            if self._words[_VERSION] != self._seen.version:
-                raw = self._blob[: self._words[_LENGTH]]
+            old = words[index]
+            words[index] = old + n
+            if words[_VERSION] != self._seen.version:
+                raw = self._blob[: words[_LENGTH]]
         if raw is not None:
             self._deliver(Roster.from_bytes(raw))
         return old
