@@ -23,6 +23,7 @@ from ._counters import CursorCounters
 from ._endpoints import CompletionEndpoints
 from ._errors import ProxyError, error_payload
 from ._proxy import Proxy, Reply
+from ._rewrite import json_object
 
 log = logging.getLogger("epd_trio")
 
@@ -111,12 +112,7 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
         admin_key.check(request.headers.get("x-api-key"), required=True)
         url = request.args.get("url")
         if url is None:  # vLLM's registrar sends its registration body instead
-            raw = await request.get_data(cache=False)
-            try:
-                body = orjson.loads(raw) if raw.strip() else {}
-            except orjson.JSONDecodeError:
-                body = {}
-            url = body.get("url") if isinstance(body, dict) else None
+            url = json_object(await request.get_data(cache=False), empty_ok=True).get("url")
         return _json(200, {"removed": proxy.unregister(url)})
 
     @app.get("/instances")

@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import orjson
-
-from ._errors import BadRequest, ProxyError, UpstreamStatusError
+from ._errors import ProxyError, UpstreamStatusError
 from ._fanout import fan_out
 from ._http import UpstreamPool
-from ._rewrite import upstream_headers
+from ._rewrite import json_object, upstream_headers
 from ._routing import Instance
 from ._upstream import post_json
 
@@ -39,20 +37,6 @@ class ProfileReport:
 
     status: int
     body: dict[str, Any]
-
-
-def parse_profile_body(raw: bytes) -> dict[str, Any]:
-    """The body forwarded to every instance: empty, or a JSON object (newer vLLM versions take
-    options there); anything else is a 400."""
-    if not raw.strip():
-        return {}
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("the body must be empty or a JSON object") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be empty or a JSON object")
-    return body
 
 
 def summarize(action: str, results: Sequence[dict[str, Any]]) -> ProfileReport:
@@ -83,7 +67,8 @@ async def run_profile(
     """
     if action not in ACTIONS:
         raise ValueError(f"unknown profiling action {action!r}")
-    body = parse_profile_body(raw_body)
+    # Empty, or a JSON object forwarded as it is (newer vLLM versions take options there).
+    body = json_object(raw_body, empty_ok=True)
     headers = upstream_headers(f"{action}-{uuid.uuid4().hex}", None)
 
     async def one(role: str, instance: Instance) -> dict[str, Any]:

@@ -53,14 +53,23 @@ class ParsedRequest:
     media: tuple[tuple[int, int], ...]
 
 
-def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
-    """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
+def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
+    """A client body that must be a JSON object (``{}`` for an empty one, if ``empty_ok``);
+    ``BadRequest`` (400) otherwise."""
+    if empty_ok and not raw.strip():
+        return {}
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
+    """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
+    body = json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string")

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from ._errors import BadRequest, ProxyError
+from ._rewrite import json_object
 from ._routing import Epoch, Instance, rebase_epoch, slot_keys
 
 #: The routing roles (the proxy's stages) and the roles an instance may register with.
@@ -136,12 +137,7 @@ def parse_registration(raw: bytes, now: float) -> Member:
     (a newer vLLM may send more). As vLLM's own proxy does, encoder-cache addresses are accepted
     only from EC consumers (``prefill``, ``prefill_decode``), one per DP rank.
     """
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("the body must be JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = json_object(raw)
     role = body.get("role")
     if role not in REGISTERED_ROLES:
         raise BadRequest(f"'role' must be one of {', '.join(REGISTERED_ROLES)}: got {role!r}")

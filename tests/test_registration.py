@@ -9,6 +9,7 @@ import trio
 
 from epd_trio import Instance
 from epd_trio.testing import Cluster, FakeVLLM, run_cluster
+from epd_trio.testing.fake_vllm import Role
 
 from helpers import chat_body, image
 
@@ -24,6 +25,17 @@ def registration(role: str, fake: FakeVLLM, **extra: Any) -> dict[str, Any]:
 async def start(nursery: trio.Nursery, *fakes: FakeVLLM) -> None:
     for fake in fakes:
         await nursery.start(fake.serve)
+
+
+async def register_new(
+    client: httpx.AsyncClient, c: Cluster, nursery: trio.Nursery, role: Role
+) -> FakeVLLM:
+    """Start a fake instance and register it (as vLLM would itself)."""
+    fake = FakeVLLM(role)
+    await start(nursery, fake)
+    r = await client.post(c.proxy_url + "/instances", headers=ADMIN, json=registration(role, fake))
+    assert r.status_code == 200 and r.json() == {"registered": True}
+    return fake
 
 
 def assert_openai_error(r: httpx.Response, status: int, type_: str) -> dict[str, Any]:
@@ -53,11 +65,7 @@ async def test_zero_static_instances_until_one_registers(
         assert error["code"] == "no_instance" and "no decode instance" in error["message"]
         assert (await client.get(c.proxy_url + "/v1/models")).status_code == 503
 
-        pd = FakeVLLM("prefill_decode")
-        await start(nursery, pd)
-        r = await client.post(c.proxy_url + "/instances", headers=ADMIN,
-                              json=registration("prefill_decode", pd, dp_size=1))
-        assert r.status_code == 200 and r.json() == {"registered": True}
+        pd = await register_new(client, c, nursery, "prefill_decode")
         r = await client.post(c.proxy_url + "/instances", headers=ADMIN,
                               json=registration("prefill_decode", pd))
         assert r.status_code == 200 and r.json() == {"registered": False}
@@ -119,11 +127,7 @@ async def test_instances_lists_static_and_registered_and_delete_removes(
     client: httpx.AsyncClient, nursery: trio.Nursery
 ) -> None:
     async with run_cluster(encoders=1, decodes=1, admin_key=KEY) as c:
-        extra = FakeVLLM("encode")
-        await start(nursery, extra)
-        r = await client.post(c.proxy_url + "/instances", headers=ADMIN,
-                              json=registration("encode", extra))
-        assert r.json() == {"registered": True}
+        extra = await register_new(client, c, nursery, "encode")
         listing = (await client.get(c.proxy_url + "/instances", headers=ADMIN)).json()
         assert listing["layout"] == "E+PD" and listing["version"] == 1
         encoders = listing["instances"]["encode"]
@@ -181,10 +185,7 @@ async def test_a_removed_instance_keeps_its_client_until_its_requests_end(
     client: httpx.AsyncClient, nursery: trio.Nursery
 ) -> None:
     async with run_cluster(decodes=0, admin_key=KEY, health_interval=3600) as c:
-        pd = FakeVLLM("prefill_decode")
-        await start(nursery, pd)
-        await client.post(c.proxy_url + "/instances", headers=ADMIN,
-                          json=registration("prefill_decode", pd))
+        pd = await register_new(client, c, nursery, "prefill_decode")
         gate = trio.Event()
         pd.behaviour.gate = gate.wait
         statuses: list[int] = []
@@ -211,10 +212,7 @@ async def test_a_silent_evicted_instance_is_forgotten_after_the_ttl(
 ) -> None:
     async with run_cluster(encoders=1, decodes=1, admin_key=KEY, health_interval=0.05,
                            health_threshold=1, instance_ttl=0.3) as c:
-        gone = FakeVLLM("encode")
-        await start(nursery, gone)
-        await client.post(c.proxy_url + "/instances", headers=ADMIN,
-                          json=registration("encode", gone))
+        gone = await register_new(client, c, nursery, "encode")
         for n in range(2):  # one image request each: both encoders now have a client
             assert (await client.post(c.proxy_url + CHAT, json=chat_body(image(n)))).status_code == 200
         assert len(gone.requests()) == 1

@@ -144,7 +144,7 @@ def test_parse_registration_defaults_and_fields() -> None:
 @pytest.mark.parametrize(
     "raw, fragment",
     [
-        (b"{", "must be JSON"),
+        (b"{", "not valid JSON"),
         (b"[]", "JSON object"),
         (body(url="http://e:1"), "'role' must be one of"),
         (body(role="router", url="http://e:1"), "'role' must be one of"),
