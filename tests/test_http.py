@@ -2,7 +2,8 @@
 
 The server is a few lines of h11 on trio so a test sees each TCP connection (FakeVLLM runs on
 Hypercorn, which hides them): reuse, the concurrency cap, the queue timeout, a server closing an
-idle connection, the per-read timeout, and closing the pool while a response is still open.
+idle connection, the per-read timeout, closing the pool while a response is still open, and
+``UpstreamClient`` retiring the pools of instances that left the roster.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import h11
 import pytest
 import trio
 
+from epd_trio import Instance
 from epd_trio._errors import ProxyOverloaded, UpstreamTimeout
-from epd_trio._http import PoolTimeout, UpstreamPool
+from epd_trio._http import PoolTimeout, UpstreamClient, UpstreamPool
 from epd_trio._upstream import map_upstream_errors
 
 
@@ -175,3 +177,32 @@ async def test_a_response_closed_after_the_pool_closes_its_connection() -> None:
         await server.client_closed.wait()
         with pytest.raises(Exception, match="closed"):
             await get(pool)
+
+
+async def test_pools_follow_the_instances_that_exist() -> None:
+    leaving, staying = CountingServer(gate=trio.Event()), CountingServer()
+    async with serving(leaving) as url_a, serving(staying) as url_b:
+        a, b = Instance(url_a), Instance(url_b)
+        async with UpstreamClient(max_connections=2) as client:
+            client.follow([a, b])
+            pool_a = client.pool(a)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(get, pool_a)
+                await leaving.arrived.wait()
+                client.follow([b])  # a left the roster while a request runs there
+                assert client.pool(a) is pool_a  # requests routed there before still get it
+                assert await client.reap() == 0 and not pool_a.is_closed
+                assert leaving.gate is not None
+                leaving.gate.set()
+            assert await client.reap() == 1 and pool_a.is_closed
+            await leaving.client_closed.wait()  # its idle connection was closed, not kept
+            # Unknown to the roster: usable, but retired from the start (the next reap closes it).
+            stray = client.pool(a)
+            assert stray is not pool_a and await client.reap() == 1 and stray.is_closed
+            # Back with another dp_size: the same pool, admitting more.
+            pool_b = client.pool(b)
+            client.follow([Instance(url_b, 3)])
+            assert client.pool(b) is pool_b and pool_b.limiter.total_tokens == 6
+            assert await get(pool_b) == b"ok"
+        assert pool_b.is_closed
+
