@@ -25,6 +25,7 @@ import trio
 
 from ._config import (
     FLAG_FIELDS,
+    SETTING_CHOICES,
     SETTING_DEFAULTS,
     ConfigError,
     env_name,
@@ -139,9 +140,14 @@ def _add_serve(commands: Any) -> None:
             serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
                                metavar="URL[#dp=N]", help=f"{field.removesuffix('_urls')} "
                                f"instances ({env})")
+        elif isinstance(SETTING_DEFAULTS[field], bool):
+            serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")
         else:
             default = SETTING_DEFAULTS[field]
-            serve.add_argument(flag_name(field), dest=field, metavar="N",
+            choices = SETTING_CHOICES.get(field)
+            serve.add_argument(flag_name(field), dest=field,
+                               metavar="{" + ",".join(choices) + "}" if choices else "N",
                                help=f"{env} (default {default})")
 
 

@@ -12,6 +12,7 @@ import logging
 
 import orjson
 import trio
+from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -38,6 +39,11 @@ def _json(status: int, payload: object, headers: dict[str, str] | None = None) -
 def _error(exc: ProxyError) -> Response:
     return Response(exc.body(), status=exc.status, content_type="application/json",
                     headers=exc.headers)
+
+
+def _bearer() -> str | None:
+    scheme, _, token = (request.headers.get("authorization") or "").strip().partition(" ")
+    return token.strip() or None if scheme.lower() == "bearer" else None
 
 
 def _send(reply: Reply) -> Response:
@@ -132,6 +138,18 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
     @app.post("/stop_profile")
     async def stop_profile() -> Response:
         return await profile("stop_profile")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # Like profiling: open without an admin key, behind it once one is set; also as a
+        # bearer token, which is how Prometheus scrape configs authenticate.
+        admin_key.check(request.headers.get("x-api-key") or _bearer(), required=False)
+        # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
+        text = await trio.to_thread.run_sync(proxy.metrics.exposition)
+        if text is None:
+            return _json(404, error_payload("metrics are disabled (EPD_METRICS)",
+                                            type="not_found_error", code=404))
+        return Response(text, status=200, content_type=CONTENT_TYPE_LATEST)
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:

@@ -87,6 +87,14 @@ class Settings:
     #: The key sent upstream as ``Authorization: Bearer <key>`` on every call to vLLM (its
     #: ``--api-key``), probes and profiling included.
     upstream_api_key: str | None = field(default=None, repr=False)
+    #: Count requests for Prometheus and serve ``GET /metrics`` (off: no metrics, a 404 there).
+    metrics: bool = True
+    #: One structured INFO line per request (id, layout, instances, ranks, timings, outcome).
+    request_log: bool = False
+    #: Level of the proxy's own log (the ``epd_trio`` loggers).
+    log_level: str = "INFO"
+    #: ``text`` (one human-readable line per event) or ``json`` (one JSON object per line).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if not self.decode_urls and not self.admin_key:
@@ -154,6 +162,34 @@ def _secrets(raw: Any) -> tuple[str, ...]:
     if not keys:
         raise ValueError("expected at least one key")
     return keys
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    value = str(raw).strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"expected true or false, got {raw!r}")
+
+
+def _choice(options: tuple[str, ...], *, upper: bool = False) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        value = str(raw).strip()
+        value = value.upper() if upper else value.lower()
+        if value not in options:
+            raise ValueError(f"expected one of {', '.join(options)}, got {raw!r}")
+        return value
+    return parse
+
+
+#: Settings whose value is one of a few words (shown by ``epd-trio serve --help``).
+SETTING_CHOICES: dict[str, tuple[str, ...]] = {
+    "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+    "log_format": ("text", "json"),
+}
 
 
 def _seconds(raw: Any) -> float:
@@ -190,6 +226,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "admin_key": _secret,
     "api_keys": _secrets,
     "upstream_api_key": _secret,
+    "metrics": _bool,
+    "request_log": _bool,
+    "log_level": _choice(SETTING_CHOICES["log_level"], upper=True),
+    "log_format": _choice(SETTING_CHOICES["log_format"]),
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

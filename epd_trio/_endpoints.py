@@ -64,6 +64,7 @@ class CompletionEndpoints:
         except _ClientGone:
             return
         except ProxyError as exc:
+            self._proxy.metrics.rejected(scope["path"], exc)
             await _send_json(send, exc.status, exc.body(),
                              [(k.encode("latin-1"), v.encode("latin-1"))
                               for k, v in exc.headers.items()])

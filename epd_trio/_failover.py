@@ -33,20 +33,20 @@ def is_retryable(error: UpstreamError) -> bool:
 class Failover:
     """How one stage retries, and the hooks the proxy uses to count attempts.
 
-    ``track(stage, instance)`` wraps every attempt (the proxy counts in-flight requests and feeds
-    failures to the health registry there); ``on_retry`` is told about each retry.
+    ``track(stage, slot)`` wraps every attempt (the proxy counts in-flight requests and DP-rank
+    hits, and feeds failures to the health registry there); ``on_retry`` is told about each retry.
     """
 
     max_attempts: int = 1
-    track: Callable[[str, Instance], AbstractContextManager[object]] | None = None
+    track: Callable[[str, Slot], AbstractContextManager[object]] | None = None
     on_retry: Callable[[str, Instance, UpstreamError], None] | None = None
 
     @contextmanager
-    def tracking(self, stage: str, instance: Instance) -> Iterator[None]:
+    def tracking(self, stage: str, slot: Slot) -> Iterator[None]:
         if self.track is None:
             yield
         else:
-            with self.track(stage, instance):
+            with self.track(stage, slot):
                 yield
 
 
@@ -72,7 +72,7 @@ async def with_failover(
     while True:
         attempts += 1
         try:
-            with policy.tracking(stage, slot[0]):
+            with policy.tracking(stage, slot):
                 return await attempt(slot)
         except UpstreamError as error:
             if (attempts >= policy.max_attempts or error.stage != stage

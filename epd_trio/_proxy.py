@@ -18,10 +18,9 @@ import logging
 import os
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -34,6 +33,7 @@ from ._errors import NoInstance, UpstreamError
 from ._failover import Failover, Slot, is_retryable, with_failover
 from ._health import InstanceState, Registry
 from ._http import UpstreamClient, UpstreamPool
+from ._metrics import ProxyMetrics
 from ._prober import run_prober
 from ._profile import ProfileReport, run_profile
 from ._rewrite import (
@@ -59,6 +59,7 @@ from ._roster import (
 )
 from ._roster_store import LocalRosterStore, RosterStore
 from ._routing import Instance
+from ._trace import RequestTrace
 from ._upstream import CHAT_PATH, Answer, get, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
@@ -74,18 +75,6 @@ class Reply:
     headers: dict[str, str]
     body: bytes = b""
     stream: AsyncIterator[bytes] | None = None
-
-
-@dataclass
-class Counters:
-    """Process-wide event counts (exported as metrics; read by tests)."""
-
-    #: Retries (attempts after the first) by stage.
-    retries: Counter[str] = field(default_factory=Counter)
-    #: Requests abandoned by their client, by the stage they were in.
-    client_cancels: Counter[str] = field(default_factory=Counter)
-    #: Prefill answers without ``kv_transfer_params`` (decode then recomputes the prefill).
-    kv_missing: int = 0
 
 
 def new_request_id(client_value: str | None) -> str:
@@ -130,15 +119,17 @@ class Proxy:
         self.settings = settings
         counters = counters if counters is not None else CursorCounters.local()
         self.registry = Registry(threshold=settings.health_threshold)
+        #: Every count the proxy exports (``/metrics``) and each request's trace (request log).
+        self.metrics = ProxyMetrics(enabled=settings.metrics, request_log=settings.request_log)
         self.registry.on_change.append(_log_health_change)
+        self.registry.on_change.append(self.metrics.health_changed)
         self.encoders = EncoderCursor((), counter=counters.encode)
         self.prefills = SlotCursor((), counter=counters.prefill)
         self.decodes = SlotCursor((), counter=counters.decode)
-        self.counters = Counters()
         self._failover = Failover(max_attempts=settings.max_attempts, track=self._track,
-                                  on_retry=self._retried)
+                                  on_retry=self.metrics.retried)
         self._decode_failover = Failover(max_attempts=1 + settings.decode_retries,
-                                         on_retry=self._retried)
+                                         on_retry=self.metrics.retried)
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
@@ -156,6 +147,7 @@ class Proxy:
         inside a cursor's counter step when another worker changed the roster)."""
         self.roster = roster
         self.registry.set_members({role: roster.of(role) for role in ROUTING_ROLES})
+        self.metrics.set_members(self.registry.states())
         self.encoders.update(roster.of("encode"), roster.epochs["encode"])
         self.prefills.update(roster.of("prefill"), roster.epochs["prefill"])
         self.decodes.update(roster.of("decode"), roster.epochs["decode"])
@@ -287,31 +279,33 @@ class Proxy:
 
     # -- bookkeeping ---------------------------------------------------------------------------
     @contextmanager
-    def _track(self, stage: str, instance: Instance) -> Iterator[None]:
+    def _track(self, stage: str, slot: Slot) -> Iterator[None]:
         """Count one upstream attempt: in flight while it runs, its outcome fed to health."""
+        instance, rank = slot
         state = self.registry.state_for(stage, instance)
         state.in_flight += 1
         state.sent += 1
+        attempt, outcome = self.metrics.attempt(stage, instance, rank), "cancelled"
         try:
             yield
         except UpstreamError as error:
+            outcome = "error"
             self._count_failure(state, error)
             raise
         else:
+            outcome = "ok"
             self.registry.succeeded(state)
         finally:
             state.in_flight -= 1
+            self.metrics.attempt_done(attempt, outcome)
 
     def _count_failure(self, state: InstanceState, error: UpstreamError) -> None:
         """An upstream failure at ``state``'s instance: its error count, and its health."""
         if is_retryable(error):  # a 4xx is the client's fault, not the instance's
             state.errors += 1
+            self.metrics.upstream_failed(state.role, state.url)
         if error.instance_failure:
             self.registry.failed(state)
-
-    def _retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
-        self.counters.retries[stage] += 1
-        log.warning("retrying %s after failure at %s: %s", stage, instance.url, error.message)
 
     async def _next_slot(
         self, cursor: SlotCursor, role: str, tried: set[Slot], any_slot: bool = False
@@ -346,22 +340,25 @@ class Proxy:
         stream): the web layer closes it after the response is sent or the client went away.
         Raises ``ProxyError`` for anything the client must be told.
         """
-        request = parse_request(raw_body, kind)
-        body, items = with_item_uuids(request)
-        self._store.poll()  # one word read: did another worker change the roster?
-        registry = self.registry
-        if not registry.has("decode"):
-            raise NoInstance("no decode instance is configured or registered yet")
-        with_prefill = registry.has("prefill")
+        trace = self.metrics.begin(PATHS[kind], request_id)
+        resources.callback(self.metrics.finish, trace)
         stage = "encode"
         try:
+            request = parse_request(raw_body, kind)
+            trace.stream = request.stream
+            body, items = with_item_uuids(request)
+            self._store.poll()  # one word read: did another worker change the roster?
+            registry = self.registry
+            if not registry.has("decode"):
+                raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
+            with_prefill = registry.has("prefill")
             if items and registry.has("encode"):
-                await run_encoder_fanout(
+                self.metrics.encoded(await run_encoder_fanout(
                     self.client, self.encoders, body=body, items=items, request_id=request_id,
                     max_batch=self.settings.encoder_max_batch,
                     deadline=self.settings.encode_timeout, authorization=authorization,
                     usable=self.registry.usable("encode"), failover=self._failover,
-                )
+                ))
             stage = "prefill" if with_prefill else "decode"
             attempts = 0
 
@@ -375,18 +372,19 @@ class Proxy:
                     decode_body = await self._prefill(body, PATHS[kind], leg_id, authorization)
                 stage = "decode"
                 return await self._decode(slot, decode_body, request.stream, PATHS[kind],
-                                          leg_id, authorization, resources)
+                                          leg_id, authorization, resources, trace)
 
             first = await self._next_slot(self.decodes, "decode", set())
             if first is None:  # the last decode instance left while this request started
-                raise NoInstance("no decode instance is configured or registered")
+                raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
             reply = await with_failover(
                 self._decode_failover, "decode", first, attempt,
                 partial(self._next_slot, self.decodes, "decode", any_slot=True))
-        except trio.Cancelled:
-            self.counters.client_cancels[stage] += 1
+        except BaseException as exc:
+            self.metrics.failed(trace, stage, exc)  # a cancellation is counted by stage
             raise
         reply.headers["x-request-id"] = request_id
+        self.metrics.replied(trace)
         return reply
 
     async def _prefill(
@@ -410,16 +408,16 @@ class Proxy:
                                        partial(self._next_slot, self.prefills, "prefill"))
         params = kv_transfer_params_of(response.content)
         if params is None:
-            self.counters.kv_missing += 1
+            self.metrics.kv_missing()
         return build_decode_body(body, params)
 
     async def _decode(
         self, slot: Slot, body: dict[str, Any], stream: bool, path: str, request_id: str,
-        authorization: str | None, resources: AsyncExitStack,
+        authorization: str | None, resources: AsyncExitStack, trace: RequestTrace,
     ) -> Reply:
         instance, rank = slot
         headers = upstream_headers(request_id, rank, authorization)
-        with self._track("decode", instance):
+        with self._track("decode", slot):
             if not stream:
                 response = await post_json(
                     self.client(instance), stage="decode", instance=instance, path=path, body=body,
@@ -436,14 +434,21 @@ class Proxy:
         # The stream stays in flight until the web layer closes the request's resources.
         state = self.registry.state_for("decode", instance)
         state.in_flight += 1
+        in_flight = self.metrics.in_flight("decode", instance.url)
+        in_flight.inc()
 
         def stream_abandoned() -> None:
-            self.counters.client_cancels["decode"] += 1
+            self.metrics.client_cancelled("decode", trace)
+
+        def stream_failed(error: UpstreamError) -> None:
+            self._count_failure(state, error)
+            self.metrics.stream_failed(trace, error)
 
         def stream_closed() -> None:
             state.in_flight -= 1
+            in_flight.dec()
 
-        relay.on_error = partial(self._count_failure, state)
+        relay.on_error = stream_failed
         relay.on_abandon = stream_abandoned
         resources.callback(stream_closed)
         resources.push_async_callback(relay.aclose)

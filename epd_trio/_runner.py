@@ -7,7 +7,8 @@ arms a watchdog thread when shutdown starts and exits the process at graceful-ti
 the event loop has not finished by then; the parent kills any worker still alive 1 s later.
 (2) Workers must share their routing counters (``_counters.py``), created here before spawning.
 (3) Its parent reports exit status 0 when a worker dies at start-up; here a failed start is a
-failed start.
+failed start. (4) Metrics must add up across workers: the parent gives them a private
+prometheus_client multiprocess directory (``_metrics.py``) and removes it at exit.
 
 Layout: the parent binds the listening socket (so port 0 works and the URL is known before any
 worker runs), spawns ``workers`` processes that each serve it, and waits for a signal or for a
@@ -18,10 +19,14 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -30,10 +35,13 @@ import trio
 from hypercorn.config import Config, Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
+from prometheus_client.multiprocess import mark_process_dead
 
 from ._app import create_app
 from ._config import Settings
 from ._counters import CursorCounters
+from ._logs import configure_logging
+from ._metrics import MULTIPROC_ENV
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.
@@ -93,6 +101,7 @@ async def _serve(
     stop: trio.Event,
     who: str,
 ) -> None:
+    configure_logging(settings.log_level, settings.log_format)
     app = wrap_app(create_app(settings, counters), config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:
@@ -176,10 +185,48 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
     return 0
 
 
+@contextmanager
+def _metrics_dir(enabled: bool) -> Iterator[str | None]:
+    """A fresh, private ``PROMETHEUS_MULTIPROC_DIR`` for the workers, removed at exit.
+
+    It goes into this process's environment before the workers are spawned, so each one starts
+    with it and imports prometheus_client in multiprocess mode. Fresh, replacing any inherited
+    value: files left by an earlier run would add their counts to this one's.
+    """
+    if not enabled:
+        yield None
+        return
+    path = tempfile.mkdtemp(prefix="epd-trio-metrics-")
+    previous = os.environ.get(MULTIPROC_ENV)
+    os.environ[MULTIPROC_ENV] = path
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop(MULTIPROC_ENV, None)
+        else:
+            os.environ[MULTIPROC_ENV] = previous
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _serve_workers(
     settings: Settings, options: ServeOptions, config: Config, sockets: Sockets
 ) -> int:
+    with _metrics_dir(settings.metrics) as metrics_dir:
+        return _run_workers(settings, options, config, sockets, metrics_dir)
+
+
+def _run_workers(
+    settings: Settings, options: ServeOptions, config: Config, sockets: Sockets,
+    metrics_dir: str | None,
+) -> int:
     ctx = multiprocessing.get_context("spawn")
+
+    def forget(process: multiprocessing.process.BaseProcess) -> None:
+        """An exited worker's in-flight and health gauges no longer count (``live*`` modes)."""
+        if metrics_dir is not None and process.pid is not None:
+            mark_process_dead(process.pid, metrics_dir)
+
     counters = CursorCounters.shared(ctx)
     signalled: list[int] = []
 
@@ -207,6 +254,9 @@ def _serve_workers(
         ready = wait([p.sentinel for p in processes], timeout=0.2)
         if ready and not signalled:
             dead = [p.name for p in processes if p.sentinel in ready]
+            for process in processes:
+                if process.sentinel in ready:
+                    forget(process)
             _say(f"{', '.join(dead)} exited on its own; stopping")
             status = 1
             break
@@ -226,6 +276,7 @@ def _serve_workers(
             status = status or FORCED_EXIT
         elif process.exitcode and not status:
             status = process.exitcode
+        forget(process)
     for sock in sockets.insecure_sockets:
         sock.close()
     return status

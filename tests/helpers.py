@@ -1,4 +1,4 @@
-"""Request builders shared by the integration tests."""
+"""Request builders and a ``/metrics`` reader shared by the integration tests."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import hashlib
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import orjson
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def image(n: int) -> dict[str, Any]:
@@ -37,3 +39,38 @@ async def open_stuck_stream(url: str) -> trio.SocketStream:
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     return stuck
+
+
+class Samples:
+    """A parsed ``/metrics`` scrape: sample values by name and labels."""
+
+    def __init__(self, text: str) -> None:
+        self.samples = [(s.name, s.labels, s.value)
+                        for family in text_string_to_metric_families(text)
+                        for s in family.samples]
+
+    def get(self, name: str, **labels: str) -> float:
+        """The value of the one sample with exactly these labels (0 when absent)."""
+        found = [v for n, lab, v in self.samples if n == name and lab == labels]
+        assert len(found) <= 1, (name, labels, found)
+        return found[0] if found else 0.0
+
+    def sum(self, name: str, **labels: str) -> float:
+        """The sum over every sample whose labels include these."""
+        return sum(v for n, lab, v in self.samples
+                   if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+    def by(self, name: str, label: str, **labels: str) -> dict[str, float]:
+        """Non-zero values of ``name`` keyed by one label (e.g. per instance)."""
+        out: dict[str, float] = {}
+        for n, lab, v in self.samples:
+            if n == name and v and all(lab.get(k) == x for k, x in labels.items()):
+                out[lab[label]] = out.get(lab[label], 0.0) + v
+        return out
+
+
+async def scrape(client: httpx.AsyncClient, base_url: str) -> Samples:
+    r = await client.get(base_url + "/metrics")
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return Samples(r.text)

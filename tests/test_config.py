@@ -44,6 +44,9 @@ def test_layouts() -> None:
         ({"EPD_DECODE_URLS": "http://d:1", "EPD_CONNECT_TIMEOUT": "inf"}, "EPD_CONNECT_TIMEOUT"),
         ({"EPD_DECODE_URLS": "http://d:1", "EPD_DECODE_TIMEOUT": "0"}, "EPD_DECODE_TIMEOUT"),
         ({"EPD_DECODE_URLS": "http://d:1", "EPD_MAX_BODY_BYTES": "lots"}, "EPD_MAX_BODY_BYTES"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_METRICS": "maybe"}, "EPD_METRICS"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_LOG_LEVEL": "loud"}, "EPD_LOG_LEVEL"),
+        ({"EPD_DECODE_URLS": "http://d:1", "EPD_LOG_FORMAT": "xml"}, "EPD_LOG_FORMAT"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], variable: str) -> None:
@@ -82,3 +85,15 @@ def test_bad_config_file(tmp_path: Path, content: str, fragment: str) -> None:
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="EPD_CONFIG: cannot read"):
         load_settings({"EPD_CONFIG": str(tmp_path / "absent.toml")})
+
+
+def test_observability_settings() -> None:
+    s = settings_from({"EPD_DECODE_URLS": "http://d:1"})
+    assert (s.metrics, s.request_log, s.log_level, s.log_format) == (True, False, "INFO", "text")
+    s = settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_METRICS": "off",
+                       "EPD_REQUEST_LOG": "Yes", "EPD_LOG_LEVEL": "debug",
+                       "EPD_LOG_FORMAT": " JSON "})
+    assert (s.metrics, s.request_log, s.log_level, s.log_format) == (False, True, "DEBUG", "json")
+    s = settings_from({}, {"decode_urls": "http://d:1", "request_log": True, "metrics": False},
+                      flags={"metrics": True, "request_log": None})
+    assert s.metrics is True and s.request_log is True  # a flag wins; None = not given

@@ -51,7 +51,9 @@ async def test_client_disconnect_cancels_the_upstream_leg(
         await trio.testing.wait_all_tasks_blocked()
         assert target.in_flight == 0
         assert c.proxy.registry.in_flight() == 0
-        assert c.proxy.counters.client_cancels == {stage.removesuffix("-stream"): 1}
+        assert c.proxy.metrics.client_cancels == {stage.removesuffix("-stream"): 1}
+        assert c.proxy.metrics.value("epd_trio_requests_total", endpoint=CHAT,
+                                     outcome="cancelled") == 1
         later = [f for f in c.fakes if f is not target and f.requests()]
         order = [*c.encoders, *c.prefills, *c.decodes]
         assert all(order.index(f) < order.index(target) for f in later)  # no later stage ran

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -10,15 +11,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import orjson
 import pytest
 import trio
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_trio.testing import FakeVLLM
-from epd_trio.testing.process import read_url
+from epd_trio.testing.process import read_until, read_url
 
-from helpers import chat_body, image, open_stuck_stream
+from helpers import Samples, chat_body, image, open_stuck_stream, scrape
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
+CHAT = "/v1/chat/completions"
 
 
 @asynccontextmanager
@@ -49,7 +53,7 @@ async def test_flags_configure_the_proxy_and_sigterm_stops_it(nursery: trio.Nurs
     await _start(nursery, *enc, prefill, decode)
     async with serving("--encode", enc[0].url, enc[1].url, "--prefill", f"{prefill.url}#dp=2",
                        "--decode", f"{decode.url}#dp=2", "--encoder-max-batch", "1",
-                       "--graceful-timeout", "1") as (process, url):
+                       "--graceful-timeout", "1", "--no-metrics") as (process, url):
         async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
             for n in range(2):
                 r = await client.post(url + "/v1/chat/completions",
@@ -57,9 +61,27 @@ async def test_flags_configure_the_proxy_and_sigterm_stops_it(nursery: trio.Nurs
                 assert r.status_code == 200
         assert [len(e.requests()) for e in enc] == [2, 2]  # batch 1: one sub-request per item
         assert sorted(x.rank for x in decode.requests()) == [0, 1]
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            assert (await client.get(url + "/metrics")).status_code == 404  # --no-metrics
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(6):
             assert await process.wait() == 0
+
+
+async def test_request_log_flags_give_json_lines_on_stderr(nursery: trio.Nursery) -> None:
+    decode = FakeVLLM("prefill_decode")
+    await _start(nursery, decode)
+    async with serving("--decode", decode.url, "--request-log", "--log-format",
+                       "json") as (process, url):
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            r = await client.post(url + CHAT, json=chat_body(), headers={"x-request-id": "j1"})
+            assert r.status_code == 200
+        assert process.stderr is not None
+        match, _ = await read_until(process.stderr, rb"\n(\{[^\n]*\"j1\"[^\n]*\})\n")
+        line = orjson.loads(match.group(1))
+        assert line["logger"] == "epd_trio.requests" and line["level"] == "INFO"
+        assert line["request_id"] == "j1" and line["layout"] == "PD" and line["outcome"] == "ok"
+        assert [(a["instance"], a["outcome"]) for a in line["attempts"]] == [(decode.url, "ok")]
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
@@ -219,3 +241,72 @@ async def test_workers_do_not_outlive_a_killed_parent(nursery: trio.Nursery) -> 
         await process.wait()
         with trio.fail_after(20):  # their lifeline pipe reached end of file
             await _wait_gone(workers)
+
+
+def _environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def _requests_per_process(metrics_dir: str) -> dict[str, float]:
+    """Each worker's own count of successful requests, from its own counter file."""
+    counts = {}
+    for path in glob.glob(os.path.join(metrics_dir, "counter_*.db")):
+        samples = [s for family in MultiProcessCollector.merge([path]) for s in family.samples
+                   if s.name == "epd_trio_requests_total" and s.labels.get("outcome") == "ok"]
+        counts[os.path.basename(path)] = sum(s.value for s in samples)
+    return counts
+
+
+async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
+    decode = FakeVLLM("prefill_decode", dp_size=2)
+    await _start(nursery, decode)
+    n = 40
+    async with serving("--decode", f"{decode.url}#dp=2", "--workers", "2") as (process, url):
+        statuses: list[int] = []
+
+        async def one(k: int) -> None:
+            # A fresh connection per request (and per scrape below), so both workers get some.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                r = await client.post(url + CHAT, json=chat_body(stream=k % 2 == 0))
+                statuses.append(r.status_code)
+
+        async def fresh_scrape() -> Samples:
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                return await scrape(client, url)
+
+        async with trio.open_nursery() as requests:
+            for k in range(n):
+                requests.start_soon(one, k)
+        assert statuses == [200] * n
+        workers = _workers_of(process.pid)
+        assert len(workers) == 2
+        metrics_dir = _environ_of(workers[0])["PROMETHEUS_MULTIPROC_DIR"]
+        assert _environ_of(workers[1])["PROMETHEUS_MULTIPROC_DIR"] == metrics_dir
+        assert await trio.Path(metrics_dir).is_dir()
+
+        def ok(m: Samples) -> float:
+            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
+
+        # A request is counted just after its last byte went out: wait until all 40 are.
+        with trio.fail_after(10):
+            while ok(await fresh_scrape()) < n:
+                pass
+        per_worker = _requests_per_process(metrics_dir)
+        assert len(per_worker) == 2 and sum(per_worker.values()) == n
+        for _ in range(8):  # whichever worker answers, the totals are the same
+            m = await fresh_scrape()
+            assert ok(m) == n
+            labels = {"role": "decode", "instance": decode.url}
+            assert m.get("epd_trio_upstream_requests_total", **labels) == n
+            assert m.by("epd_trio_dp_rank_requests_total", "rank", **labels) == {
+                "0": n / 2, "1": n / 2}  # the shared slot counter: exact alternation
+            assert m.sum("epd_trio_time_to_first_byte_seconds_count") == n
+            assert m.get("epd_trio_upstream_in_flight", **labels) == 0
+            assert m.get("epd_trio_instance_healthy", **labels) == 1
+        print(f"\nrequests served per worker: {sorted(per_worker.values())}")
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            assert await process.wait() == 0
+        assert not await trio.Path(metrics_dir).exists()  # removed at exit

@@ -19,4 +19,4 @@ async def test_stalled_reader_releases_the_upstream_stream() -> None:
                 await decode.wait_until(lambda: decode.disconnects == 1)  # ...decode released
             await trio.testing.wait_all_tasks_blocked()
             assert c.proxy.registry.in_flight() == 0
-            assert c.proxy.counters.client_cancels == {"decode": 1}
+            assert c.proxy.metrics.client_cancels == {"decode": 1}
