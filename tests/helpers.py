@@ -69,8 +69,10 @@ class Samples:
         return out
 
 
-async def scrape(client: httpx.AsyncClient, base_url: str) -> Samples:
-    r = await client.get(base_url + "/metrics")
+async def scrape(
+    client: httpx.AsyncClient, base_url: str, headers: dict[str, str] | None = None
+) -> Samples:
+    r = await client.get(base_url + "/metrics", headers=headers)
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return Samples(r.text)

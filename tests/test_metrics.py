@@ -10,12 +10,14 @@ import pytest
 import trio
 import trio.testing
 
-from epd_trio.testing import run_cluster
+from epd_trio.testing import FakeVLLM, run_cluster
 
 from helpers import chat_body, image, scrape
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+KEY = "admin-secret"
+ADMIN = {"x-api-key": KEY}
 
 
 async def settled() -> None:
@@ -146,3 +148,53 @@ async def test_metrics_can_be_turned_off(client: httpx.AsyncClient) -> None:
         r = await client.get(c.proxy_url + "/metrics")
         assert r.status_code == 404 and "EPD_METRICS" in r.json()["error"]["message"]
         assert c.proxy.metrics.retries == {}
+
+
+async def test_registered_instances_appear_and_leave(
+    client: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    async with run_cluster(decodes=0, admin_key=KEY) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 503  # nothing registered yet
+        decode = FakeVLLM("prefill_decode", dp_size=2)
+        await nursery.start(decode.serve)
+        r = await client.post(c.proxy_url + "/instances", headers=ADMIN, json={
+            "role": "prefill_decode", "url": decode.url, "dp_size": 2})
+        assert r.status_code == 200
+        labels = {"role": "decode", "instance": decode.url}
+        m = await scrape(client, c.proxy_url, ADMIN)
+        assert m.get("epd_trio_instance_healthy", **labels) == 1  # shown before any request
+        assert m.get("epd_trio_upstream_requests_total", **labels) == 0
+        for _ in range(2):
+            assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
+        await settled()
+        m = await scrape(client, c.proxy_url, ADMIN)
+        assert m.get("epd_trio_upstream_requests_total", **labels) == 2
+        assert m.by("epd_trio_dp_rank_requests_total", "rank", **labels) == {"0": 1, "1": 1}
+        assert m.by("epd_trio_requests_total", "outcome") == {"ok": 2, "no_instance": 1}
+        r = await client.delete(c.proxy_url + "/instances", headers=ADMIN,
+                                params={"url": decode.url})
+        assert r.json() == {"removed": True}
+        m = await scrape(client, c.proxy_url, ADMIN)
+        assert not [s for s in m.samples if s[1].get("instance") == decode.url]
+
+
+async def test_metrics_route_needs_the_admin_key_once_one_is_set(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_cluster(decodes=1) as open_proxy:
+        assert (await client.get(open_proxy.proxy_url + "/metrics")).status_code == 200
+    async with run_cluster(decodes=1, admin_key=KEY, api_keys=("client-key",)) as c:
+        r = await client.get(c.proxy_url + "/metrics")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_key"
+        r = await client.get(c.proxy_url + "/metrics", headers={"x-api-key": "wrong"})
+        assert r.status_code == 401
+        r = await client.get(c.proxy_url + "/metrics",
+                             headers={"authorization": "Bearer client-key"})
+        assert r.status_code == 401  # a client key is not the admin key
+        await scrape(client, c.proxy_url, {"authorization": f"Bearer {KEY}"})  # Prometheus' way
+        # A client request without its key: refused before the pipeline, and still counted.
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 401
+        m = await scrape(client, c.proxy_url, ADMIN)
+        assert m.by("epd_trio_requests_total", "outcome", endpoint=CHAT) == {"client_error": 1}
