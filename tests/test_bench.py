@@ -46,3 +46,13 @@ async def test_burst_runs_on_the_embedded_cluster(tmp_path: Path) -> None:
     assert encode["fairness"] == 1.0
     assert report["instances"]["decode"]["slots_covered"] == "4/4"
     assert len(report["results"]) == 30
+
+
+async def test_metrics_cost_runs_every_mode() -> None:
+    result = await trio.run_process(
+        [sys.executable, "-m", "bench.metrics_cost", "--requests", "50", "--rounds", "1"],
+        capture_stdout=True)
+    lines = result.stdout.decode().splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "off", "one-process", "multiprocess"]
+    assert all("us per streamed P->D request" in line for line in lines)
