@@ -106,13 +106,15 @@ class CompletionEndpoints:
             return
         except Exception:
             log.exception("unexpected error while handling POST %s request %s", kind, request_id)
-            await _send_json(send, 500, json_error("internal proxy error", type="internal_error",
-                                                   code=500))
+            await _send_json(send, 500, _INTERNAL_ERROR, [(b"x-request-id", request_id.encode())])
             return
-        await _send_reply(send, reply)
+        await _send_reply(send, reply, request_id)
 
 
-async def _send_reply(send: Send, reply: Reply) -> None:
+_INTERNAL_ERROR = json_error("internal proxy error", type="internal_error", code=500)
+
+
+async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": [(k.encode("latin-1"), v.encode("latin-1"))
                             for k, v in reply.headers.items()]})
@@ -123,6 +125,12 @@ async def _send_reply(send: Send, reply: Reply) -> None:
     try:
         async for chunk in stream:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except Exception:
+        # A bug, not an upstream failure (the relay turns those into an error event itself):
+        # the client still gets a stream that says it broke, not a silent truncation.
+        log.exception("unexpected error while streaming request %s", request_id)
+        await send({"type": "http.response.body", "body": b"data: " + _INTERNAL_ERROR + b"\n\n",
+                    "more_body": True})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     await send({"type": "http.response.body", "body": b""})

@@ -39,6 +39,12 @@ class CountingServer:
     stall_after: bytes | None = None
     arrived: trio.Event = field(default_factory=trio.Event)
     client_closed: trio.Event = field(default_factory=trio.Event)
+    #: Set when this server has closed a connection itself (``close_after_answer``).
+    server_closed: trio.Event = field(default_factory=trio.Event)
+    #: How the client ended a stalled stream: "fin" (orderly close) or "reset".
+    stall_ended_by: str | None = None
+    #: The headers of the last request.
+    last_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
     async def handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1
@@ -54,6 +60,8 @@ class CountingServer:
                         return
                     conn.receive_data(data)
                     continue
+                if isinstance(event, h11.Request):
+                    self.last_headers = list(event.headers)
                 if isinstance(event, h11.EndOfMessage):
                     self.requests += 1
                     self.arrived.set()
@@ -63,12 +71,20 @@ class CountingServer:
                         await stream.send_all(conn.send(h11.Response(
                             status_code=200, headers=[("transfer-encoding", "chunked")])))
                         await stream.send_all(conn.send(h11.Data(data=self.stall_after)))
-                        await trio.sleep_forever()
+                        try:
+                            await stream.receive_some(65536)  # until the client ends it
+                            self.stall_ended_by = "fin"
+                        except trio.BrokenResourceError:
+                            self.stall_ended_by = "reset"
+                        self.client_closed.set()
+                        return
                     await stream.send_all(conn.send(h11.Response(
                         status_code=200, headers=[("content-length", str(len(self.body)))])))
                     await stream.send_all(conn.send(h11.Data(data=self.body)))
                     await stream.send_all(conn.send(h11.EndOfMessage()))
                     if self.close_after_answer:
+                        await stream.aclose()
+                        self.server_closed.set()
                         return
                     conn.start_next_cycle()
         except trio.BrokenResourceError:
@@ -146,6 +162,8 @@ async def test_a_connection_the_server_closed_is_not_reused() -> None:
         pool = UpstreamPool(url)
         for _ in range(3):
             assert await get(pool) == b"ok"
+            await server.server_closed.wait()  # its FIN is on the way (loopback: already there)
+            server.server_closed = trio.Event()
         await pool.aclose()
     assert (server.requests, server.connections) == (3, 3)
 
@@ -206,3 +224,45 @@ async def test_pools_follow_the_instances_that_exist() -> None:
             assert await get(pool_b) == b"ok"
         assert pool_b.is_closed
 
+
+
+async def test_abandoning_a_waiting_read_resets_the_connection() -> None:
+    """vLLM aborts at once on a reset, but only notices a FIN on its next write."""
+    server = CountingServer(stall_after=b"first")
+    async with serving(server) as url:
+        pool = UpstreamPool(url)
+        response = await pool.request(b"GET", b"/x")
+        chunks = response.aiter_raw()
+        assert await anext(chunks) == b"first"
+        with trio.move_on_after(0.05):  # the client leaves while the read waits
+            await anext(chunks)
+        await chunks.aclose()
+        await response.aclose()
+        await server.client_closed.wait()
+        assert server.stall_ended_by == "reset"
+        assert pool.limiter.borrowed_tokens == 0
+        await pool.aclose()
+
+
+async def test_a_header_that_cannot_be_sent_takes_no_place() -> None:
+    server = CountingServer()
+    async with serving(server) as url:
+        pool = UpstreamPool(url, limit=1)
+        for _ in range(2):
+            with pytest.raises(UnicodeEncodeError):
+                await pool.request(b"GET", b"/x", headers={"authorization": "Bearer k\u20acy"})
+        assert pool.limiter.borrowed_tokens == 0
+        assert await get(pool) == b"ok"
+        await pool.aclose()
+
+
+async def test_the_callers_authorization_replaces_the_pools_default() -> None:
+    server = CountingServer()
+    async with serving(server) as url:
+        pool = UpstreamPool(url, headers={"Authorization": "Bearer upstream"})
+        await get(pool)
+        assert [v for k, v in server.last_headers if k == b"authorization"] == [b"Bearer upstream"]
+        response = await pool.request(b"GET", b"/x", headers={"authorization": "Bearer mine"})
+        await response.aread()
+        assert [v for k, v in server.last_headers if k == b"authorization"] == [b"Bearer mine"]
+        await pool.aclose()
