@@ -40,8 +40,8 @@ from prometheus_client.multiprocess import mark_process_dead
 from ._app import create_app
 from ._config import Settings
 from ._counters import CursorCounters
-from ._logs import configure_logging
 from ._metrics import MULTIPROC_ENV
+from ._process import setup_serving_process
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.
@@ -101,7 +101,7 @@ async def _serve(
     stop: trio.Event,
     who: str,
 ) -> None:
-    configure_logging(settings.log_level, settings.log_format)
+    setup_serving_process(settings)
     app = wrap_app(create_app(settings, counters), config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:

@@ -12,7 +12,7 @@ import sys
 
 from ._app import create_app
 from ._config import ConfigError, load_settings
-from ._logs import configure_logging
+from ._process import setup_serving_process
 
 try:
     settings = load_settings()
@@ -20,5 +20,5 @@ except ConfigError as exc:
     print(f"epd_trio: configuration error: {exc}", file=sys.stderr)
     raise SystemExit(2) from None
 
-configure_logging(settings.log_level, settings.log_format)
+setup_serving_process(settings)
 app = create_app(settings)

@@ -1,5 +1,8 @@
 """Settings parsing: environment, TOML file, and one clear error naming the variable."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +100,16 @@ def test_observability_settings() -> None:
     s = settings_from({}, {"decode_urls": "http://d:1", "request_log": True, "metrics": False},
                       flags={"metrics": True, "request_log": None})
     assert s.metrics is True and s.request_log is True  # a flag wins; None = not given
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 10_000), ("12345", 12_345), ("0", 700)])
+def test_the_served_app_tunes_the_garbage_collector(value: str | None, expected: int) -> None:
+    """``epd_trio.app`` (the hypercorn entry point) sets the young-generation threshold."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env["EPD_DECODE_URLS"] = "http://127.0.0.1:9"
+    if value is not None:
+        env["EPD_GC_THRESHOLD"] = value
+    out = subprocess.run(
+        [sys.executable, "-c", "import gc, epd_trio.app; print(gc.get_threshold()[0])"],
+        env=env, capture_output=True, text=True, check=True, timeout=60)
+    assert int(out.stdout) == expected
