@@ -1,7 +1,8 @@
 """An in-process EPD cluster: fake vLLM instances plus the real proxy, all on 127.0.0.1.
 
-Used by the integration tests, ``epd-trio demo`` and the burst bench. Every server runs in one
-nursery owned by ``run_cluster``; leaving the ``async with`` block stops them all.
+Used by the integration tests, ``epd-trio demo`` and the burst bench; ``serve_proxy`` alone serves
+the real-vLLM tests. Every server runs in one nursery owned by ``run_cluster``; leaving the
+``async with`` block stops them all.
 """
 
 from __future__ import annotations
@@ -49,6 +50,31 @@ async def _start_fakes(
 
 
 @asynccontextmanager
+async def serve_proxy(
+    settings: Settings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    keep_alive: float = DEFAULT_KEEP_ALIVE,
+) -> AsyncIterator[tuple[str, Proxy]]:
+    """Serve the real proxy app for ``settings`` in-process (Hypercorn trio worker, port 0 = any).
+
+    Yields the proxy's base URL and the ``Proxy`` behind the app (its registry and counters).
+    Leaving the block shuts the server down gracefully, which closes its upstream client.
+    """
+    app = create_app(settings)
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(partial(
+            serve_app, app, quiet_config(host, port, keep_alive=keep_alive), stop,
+            client_write_timeout=settings.client_write_timeout))
+        try:
+            yield url, app.extensions["epd_trio.proxy"]
+        finally:
+            stop.set()
+
+
+@asynccontextmanager
 async def run_cluster(
     *,
     encoders: int = 0,
@@ -79,16 +105,9 @@ async def run_cluster(
             "decode_urls": tuple(Instance(f.url, decode_dp) for f in d),
             **settings,
         })
-        app = create_app(config)
-        stop = trio.Event()
         # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown
         # hook) before the fakes are cancelled.
-        async with trio.open_nursery() as proxy_nursery:
-            url = await proxy_nursery.start(partial(
-                serve_app, app, quiet_config(host, proxy_port, keep_alive=keep_alive), stop,
-                client_write_timeout=config.client_write_timeout))
-            try:
-                yield Cluster(e, p, d, config, url, app.extensions["epd_trio.proxy"])
-            finally:
-                stop.set()
+        async with serve_proxy(config, host=host, port=proxy_port, keep_alive=keep_alive) as (
+                url, proxy):
+            yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
