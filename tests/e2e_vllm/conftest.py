@@ -1,0 +1,85 @@
+"""The real-vLLM session: one cluster for all ``vllm_e2e`` tests, and what they observed.
+
+The cluster starts on the first test that needs it (provisioning the venv and models first if
+this machine has none yet) and stops when the session ends, also when a test failed or the run
+was interrupted (pytest runs session finalizers on Ctrl-C; a killed session's servers stop
+themselves through their lifeline). A cluster already running under the same home (started with
+``python -m tests.e2e_vllm.cluster start``) is used as it is and left running.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import httpx
+import pytest
+
+from .cluster import Cluster, recorded_cluster, start_cluster
+from .provision import Home
+
+_OBSERVED = pytest.StashKey[list[str]]()
+
+
+def _say(config: pytest.Config) -> Callable[[str], None]:
+    """Progress lines shown live (provisioning and start-up take minutes; say why)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def say(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n[vllm-e2e] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    say = _say(request.config)
+    home = Home.from_env()
+    recorded = recorded_cluster(home)
+    if recorded is not None and not recorded.healthy():
+        say(f"using the cluster already running in {home.root} (left running)")
+        yield recorded
+        return
+    cluster = start_cluster("epd", "vision", home=home, owned=True, log=say)
+    say(cluster.describe().replace("\n", "\n[vllm-e2e] "))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        say("cluster stopped")
+
+
+@pytest.fixture
+def cluster(vllm_cluster: Cluster) -> Cluster:
+    """The session's cluster, with any server an earlier test stopped on purpose started again."""
+    for name in sorted(vllm_cluster.stopped):
+        vllm_cluster.restart(name)
+    return vllm_cluster
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    """A client with room for vLLM's slow moments: on a loaded 2-core machine a request was seen
+    to wait up to ~47 s inside vLLM before its engine got it (README "Real vLLM tests")."""
+    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as c:
+        yield c
+
+
+@pytest.fixture
+def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record what a test saw on the real servers; printed in the session's summary."""
+    lines = request.config.stash.setdefault(_OBSERVED, [])
+
+    def record(line: str) -> None:
+        lines.append(f"{request.node.name}: {line}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = terminalreporter.config.stash.get(_OBSERVED, [])
+    if lines:
+        terminalreporter.section("observed on real vLLM")
+        for line in lines:
+            terminalreporter.write_line(line)

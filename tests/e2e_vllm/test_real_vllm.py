@@ -1,0 +1,308 @@
+"""The proxy in front of real vLLM 0.32 servers on CPU: only the real server proves the protocol.
+
+The session's cluster (conftest) is an encoder (encoder-cache producer), a prefill (encoder-cache
+consumer, NIXL KV producer) and a decode (NIXL KV consumer) serving a tiny random-weight Qwen2-VL
+model. The proxy under test runs in-process on Hypercorn's trio worker on a free port.
+
+How answers are compared: with ``temperature: 0`` the output depends only on the prompt, so the
+proxy must return exactly what decode answers when asked directly (no ``kv_transfer_params``:
+decode then does the whole request itself; a fresh ``cache_salt`` keeps that run out of its
+prefix cache, and out of the proxied runs' way). Nothing is hard-coded: the model's text is
+random. Counters on the servers' ``/metrics`` show the hand-offs really happened; waiting for
+them polls the real server with a bounded deadline (its metrics are updated per engine step).
+
+The test that stops the encoder is last in this file; the ``cluster`` fixture restarts it for
+any test that runs after it anyway (``-k``, reordering).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import trio
+
+from epd_trio import Instance, Proxy, Settings
+from epd_trio.testing import serve_proxy
+from epd_trio.testing.media import png_data_url
+
+from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster
+
+pytestmark = pytest.mark.vllm_e2e
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MAX_TOKENS = 16
+#: D's counter of KV transfers it pulled over NIXL (a histogram's sample count).
+NIXL_PULLS = "vllm:nixl_xfer_time_seconds_count"
+#: New images every session: a reused cluster's encoder remembers the items it has seen (and then
+#: writes no new cache entry), so a test's image must be one it has never encoded.
+SESSION_SEED = secrets.randbits(48)
+#: Seconds allowed for a server's /metrics to show what just happened (updated per engine step).
+METRICS_DEADLINE = 10.0
+
+Observe = Callable[[str], None]
+
+
+# -- requests --------------------------------------------------------------------------------------
+def image_part(seed: int, **extra: Any) -> dict[str, Any]:
+    """A 64x48 PNG (Qwen2-VL needs at least 28 px a side), new to the encoder in this session."""
+    url = png_data_url(64, 48, SESSION_SEED + seed)
+    return {"type": "image_url", "image_url": {"url": url}, **extra}
+
+
+def url_uuid(part: dict[str, Any]) -> str:
+    """The uuid PROTOCOL.md gives an item without its own: the SHA-256 of its URL."""
+    return hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
+
+
+def chat(*parts: dict[str, Any], text: str, **extra: Any) -> dict[str, Any]:
+    content: Any = [*parts, {"type": "text", "text": text}] if parts else text
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}],
+            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+def completion(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            **extra}
+
+
+def salted(body: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """``body`` with a fresh ``cache_salt``: no prefix-cache hit from any earlier request."""
+    return {**body, "cache_salt": f"e2e-{uuid.uuid4().hex}", **extra}
+
+
+def sse_events(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
+    events = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):].strip()
+            events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return events
+
+
+def generated_text(response: httpx.Response, stream: bool) -> str:
+    """The generated text of a chat or completions answer (a stream: its joined deltas)."""
+    assert response.status_code == 200, response.text
+    if not stream:
+        (choice,) = response.json()["choices"]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(response.content)
+    assert events[-1] == "[DONE]", events[-3:]
+    text = ""
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            text += (choice["delta"].get("content") or "") if "delta" in choice else choice["text"]
+    return text
+
+
+async def ask(client: httpx.AsyncClient, url: str, path: str, body: dict[str, Any]) -> str:
+    response = await client.post(url + path, json=body)
+    return generated_text(response, bool(body.get("stream")))
+
+
+async def direct_answer(client: httpx.AsyncClient, cluster: Cluster, path: str,
+                        body: dict[str, Any]) -> str:
+    """Decode's own greedy answer: the whole request on D, no hand-off, no cached prefix."""
+    return await ask(client, cluster.url("decode"), path, salted(body, stream=False))
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+async def metric(client: httpx.AsyncClient, url: str, name: str) -> float:
+    """The sum of a metric's samples (all label sets) on one server's Prometheus ``/metrics``."""
+    response = await client.get(url + "/metrics")
+    assert response.status_code == 200
+    values = [float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+              if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")]
+    assert values, f"{url}/metrics has no {name}"
+    return sum(values)
+
+
+async def wait_metric(client: httpx.AsyncClient, url: str, name: str,
+                      ok: Callable[[float], bool], deadline: float = METRICS_DEADLINE) -> float:
+    """Poll ``name`` on ``url`` until ``ok(value)`` holds; fail after ``deadline`` seconds."""
+    value = await metric(client, url, name)
+    with trio.move_on_after(deadline):
+        while not ok(value):
+            await trio.sleep(0.1)
+            value = await metric(client, url, name)
+        return value
+    pytest.fail(f"{name} on {url} is still {value} after {deadline:g} s")
+
+
+# -- proxies ---------------------------------------------------------------------------------------
+@asynccontextmanager
+async def proxy_for(
+    cluster: Cluster, *, combined: bool = False, **settings: Any
+) -> AsyncIterator[tuple[str, Proxy]]:
+    """The proxy in front of E -> P -> D, or (``combined``) E -> PD with the prefill instance as
+    the combined one: a fourth server would cost another ~2 GB and busy-polling core, and an
+    instance asked without ``kv_transfer_params`` simply does the whole request. ``settings``
+    override other ``Settings`` fields."""
+    config = Settings(
+        encode_urls=(Instance(cluster.url("encode")),),
+        prefill_urls=() if combined else (Instance(cluster.url("prefill")),),
+        decode_urls=(Instance(cluster.url("prefill" if combined else "decode")),),
+        **settings,
+    )
+    async with serve_proxy(config) as served:
+        yield served
+
+
+# -- tests -----------------------------------------------------------------------------------------
+async def test_image_request_through_e_p_d_equals_decode_direct_answer(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    image = image_part(seed=1001)
+    item = url_uuid(image)
+    assert not cluster.ec_file(item).exists()
+    body = chat(image, text="What is in this image?")
+    want = await direct_answer(client, cluster, CHAT, body)
+    decode = cluster.url("decode")
+    pulls = await metric(client, decode, NIXL_PULLS)
+    async with proxy_for(cluster) as (url, proxy):
+        got = {stream: await ask(client, url, CHAT, salted(body, stream=stream))
+               for stream in (False, True)}
+    assert got == {False: want, True: want}
+    # The encoder wrote its cache entry under the uuid the proxy gave the item, which is where
+    # the prefill looked it up.
+    assert cluster.ec_file(item).exists()
+    assert proxy.counters.kv_missing == 0  # prefill returned kv_transfer_params both times
+    after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 2)
+    observe(f"answer {want!r} (stream and non-stream, = decode direct); encoder cache file "
+            f"{item[:12]}.../encoder_cache.safetensors written; decode NIXL pulls "
+            f"+{after - pulls:g}")
+
+
+async def test_text_requests_through_p_d_equal_decode_direct_answer(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    # Fields the prefill leg must rewrite or drop for vLLM to accept a one-token, non-stream
+    # prefill: max_completion_tokens (capped to 1), stream_options (only valid with stream),
+    # min_tokens (more than one token).
+    chat_body = {**chat(text="Say something about structured concurrency."),
+                 "max_completion_tokens": MAX_TOKENS}
+    del chat_body["max_tokens"]
+    cases = [(CHAT, chat_body, {"stream_options": {"include_usage": True}}),
+             (COMPLETIONS, completion("def nursery(scope):", min_tokens=4), {})]
+    decode = cluster.url("decode")
+    pulls = await metric(client, decode, NIXL_PULLS)
+    async with proxy_for(cluster) as (url, proxy):
+        streams = {}
+        for path, body, stream_extra in cases:
+            want = await direct_answer(client, cluster, path, body)
+            assert await ask(client, url, path, salted(body)) == want
+            streams[path] = await client.post(url + path, json=salted(body, stream=True, **stream_extra))
+            assert generated_text(streams[path], stream=True) == want, path
+            observe(f"{path}: {want!r} (stream and non-stream, = decode direct)")
+        usage = sse_events(streams[CHAT].content)[-2]["usage"]  # include_usage's last chunk
+        assert usage["completion_tokens"] == MAX_TOKENS
+        assert proxy.registry.state("encode", cluster.url("encode")).sent == 0  # no media
+        assert proxy.counters.kv_missing == 0
+        models = await client.get(url + "/v1/models")
+        assert models.status_code == 200
+        assert [m["id"] for m in models.json()["data"]] == [MODEL_NAME]
+    after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 4)
+    observe(f"decode NIXL pulls +{after - pulls:g} for 4 requests; stream usage {usage}")
+
+
+async def test_encoder_plus_combined_instance_layout(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    # The client names the item itself: its uuid, not the URL's hash, keys the encoder cache.
+    own_uuid = f"client-item-{uuid.uuid4().hex}"
+    body = chat(image_part(seed=2002, uuid=own_uuid), text="Describe it.")
+    want = await direct_answer(client, cluster, CHAT, body)
+    async with proxy_for(cluster, combined=True) as (url, proxy):
+        assert proxy.settings.layout == "E+PD"
+        got = {stream: await ask(client, url, CHAT, salted(body, stream=stream))
+               for stream in (False, True)}
+        combined = proxy.registry.state("decode", cluster.url("prefill"))
+        assert combined.sent == 2 and combined.errors == 0
+    assert got == {False: want, True: want}
+    assert cluster.ec_file(own_uuid).exists()
+    observe(f"E -> PD answer {want!r} (= decode direct); encoder cache keyed by the client's uuid")
+
+
+async def test_client_disconnect_mid_stream_aborts_decode(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    decode = cluster.url("decode")
+    running = "vllm:num_requests_running"
+    await wait_metric(client, decode, running, lambda v: v == 0)
+    generated = await metric(client, decode, "vllm:generation_tokens_total")
+    # As long as the context allows, and never stopping early: ~15 s of generation if not aborted.
+    max_tokens = MAX_MODEL_LEN - 64
+    body = chat(text="Go on forever.", stream=True, ignore_eos=True, max_tokens=max_tokens)
+    async with proxy_for(cluster) as (url, proxy):
+        async with client.stream("POST", url + CHAT, json=salted(body)) as response:
+            assert response.status_code == 200
+            first = await anext(response.aiter_raw())
+            assert first.startswith(b"data: ")
+            await wait_metric(client, decode, running, lambda v: v == 1)
+        closed = trio.current_time()
+        # httpx closed the connection: the proxy must close its decode leg, and vLLM abort.
+        await wait_metric(client, decode, running, lambda v: v == 0, deadline=5.0)
+        stopped_after = trio.current_time() - closed
+        assert proxy.counters.client_cancels["decode"] == 1
+    tokens = await metric(client, decode, "vllm:generation_tokens_total") - generated
+    assert tokens < max_tokens  # aborted, not finished
+    observe(f"decode's running gauge back to 0 {stopped_after:.2f} s after the client closed; "
+            f"{tokens:g} of {max_tokens} tokens generated")
+
+
+async def test_prompt_longer_than_the_context_is_vllms_400(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    too_long = " ".join(["word"] * (MAX_MODEL_LEN + 100))
+    cases = [(CHAT, chat(text=too_long)), (COMPLETIONS, completion(too_long))]
+    decode = cluster.url("decode")
+    for path, body in cases:
+        direct = await client.post(decode + path, json=body)
+        assert direct.status_code == 400
+        for combined in (False, True):  # the 400 of prefill (E->P->D), of decode (E->PD)
+            async with proxy_for(cluster, combined=combined) as (url, _):
+                for stream in (False, True):
+                    response = await client.post(url + path, json={**body, "stream": stream})
+                    assert response.status_code == 400, response.text
+                    assert response.json() == direct.json()  # vLLM's own error, unchanged
+    observe(f"400 {direct.json()['error']['message'][:90]!r}... relayed unchanged "
+            "(chat and completions, stream and not, from prefill and from a combined instance)")
+
+
+async def test_encoder_stopped_fails_media_cleanly_and_text_still_works(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    encoder = cluster.url("encode")
+    text = chat(text="Still there?")
+    want = await direct_answer(client, cluster, CHAT, text)
+    async with proxy_for(cluster, health_interval=0.2) as (url, proxy):
+        evicted = trio.Event()
+        proxy.registry.on_change.append(
+            lambda state: state.role == "encode" and not state.live and evicted.set())
+        cluster.stop(["encode"])
+        response = await client.post(url + CHAT, json=chat(image_part(seed=3003), text="And this?"))
+        assert response.status_code in (502, 503), response.text
+        error = response.json()["error"]
+        assert (error["stage"], error["instance"]) == ("encode", encoder)
+        assert "encode" in error["message"] and encoder in error["message"]
+        assert await ask(client, url, CHAT, salted(text)) == want
+        # The failed request and the prober (every 0.2 s here) take the dead encoder out.
+        with trio.fail_after(30):
+            await evicted.wait()
+        health = await client.get(url + "/health")
+        assert health.status_code == 503
+        (state,) = health.json()["roles"]["encode"]
+        assert state["state"] == "unhealthy"
+    observe(f"media request: {response.status_code} {error['message']!r}; text request: 200, "
+            f"= decode direct; proxy /health 503, encoder {state['state']} after "
+            f"{state['consecutive_failures']} failures")
