@@ -66,3 +66,19 @@ async def test_runs_on_its_own() -> None:
         process.terminate()
         with trio.fail_after(15):
             assert await process.wait() == 0
+
+
+async def test_a_stream_sends_its_headers_before_the_engine_answers(nursery: trio.Nursery) -> None:
+    # Real vLLM answers a stream's 200 at once and its first chunk only once the engine has the
+    # first token (seconds later when a KV pull is slow): the fake does the same.
+    fake = FakeVLLM("decode")
+    engine = trio.Event()
+    fake.behaviour.gate = engine.wait
+    await nursery.start(fake.serve)
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client, client.stream(
+            "POST", fake.url + "/v1/chat/completions", json=chat_body(stream=True)) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream"
+        assert fake.requests()[0].sent == b""  # headers only: the gate is still closed
+        engine.set()
+        body = b"".join([chunk async for chunk in r.aiter_raw()])
+    assert body.startswith(b"data: ") and body.endswith(b"data: [DONE]\n\n")

@@ -176,6 +176,22 @@ async def test_decode_break_before_its_first_byte_is_retried(client: httpx.Async
         assert len(c.decodes[1].requests()) == 1 and c.proxy.metrics.retries == {"decode": 1}
 
 
+async def test_decode_silent_after_its_headers_fails_over_at_the_deadline(
+    client: httpx.AsyncClient,
+) -> None:
+    # Real vLLM's shape of a stuck KV pull: the stream's 200 headers arrive at once, then no
+    # byte. The first-byte deadline still applies, and the request fails over before the client
+    # was sent anything.
+    async with run_cluster(prefills=1, decodes=2, decode_timeout=0.3) as c:
+        c.decodes[0].behaviour.hang = True
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+        (stuck,) = c.decodes[0].requests()
+        assert stuck.status == 200 and stuck.sent == b""  # headers sent, body never started
+        assert len(c.decodes[1].requests()) == 1 and c.proxy.counters.retries == {"decode": 1}
+        await c.decodes[0].wait_until(lambda: c.decodes[0].disconnects == 1)
+
+
 async def test_single_decode_with_dp_retries_on_another_rank(client: httpx.AsyncClient) -> None:
     async with run_cluster(prefills=1, decodes=1, decode_dp=2) as c:
         c.decodes[0].behaviour.fail_status, c.decodes[0].behaviour.fail_count = 500, 1

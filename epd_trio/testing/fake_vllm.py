@@ -1,11 +1,13 @@
 """A fake vLLM OpenAI server for tests, the demo and the bench: fast, observable, breakable.
 
-It speaks the subset of vLLM's API the proxy uses, with the behaviour observed on real vLLM
-(``../shared/STACK-NOTES.md``): an ``X-data-parallel-rank`` outside ``[0, dp_size)`` is a 400; the
-``X-Request-Id`` becomes the response id and is echoed; an encoder answers with
-``ec_transfer_params`` keyed by each item's ``uuid``; a prefill asked for ``do_remote_decode``
-returns a NIXL-shaped ``kv_transfer_params``; a prompt over ``max_model_len`` is a 400. Generated
-text is deterministic in the prompt, so "through the proxy" can be compared with "direct".
+It speaks the subset of vLLM's API the proxy uses, with the behaviour observed on real vLLM (the
+suite in ``tests/e2e_vllm`` runs the proxy against it): an ``X-data-parallel-rank`` outside
+``[0, dp_size)`` is a 400; the ``X-Request-Id`` becomes the response id and is echoed; an encoder
+answers with ``ec_transfer_params`` keyed by each item's ``uuid``; a prefill asked for
+``do_remote_decode`` returns a NIXL-shaped ``kv_transfer_params``; a prompt over
+``max_model_len`` is a 400; a stream's 200 headers go out before the engine's wait, its first
+chunk after it. Generated text is deterministic in the prompt, so "through the proxy" can be
+compared with "direct".
 With ``api_key`` set it answers ``/v1/...`` requests without ``Authorization: Bearer <key>`` with
 401 ``{"error": "Unauthorized"}``, as ``vllm serve --api-key`` does (other paths stay open). The
 profiler routes ``POST /start_profile`` / ``/stop_profile`` answer 200 with an empty body when
@@ -46,7 +48,8 @@ _WORDS = (
 class Behaviour:
     """Knobs a test turns to make this server slow or broken (read at each request)."""
 
-    #: Seconds to wait before answering (before the response headers).
+    #: Seconds the "engine" takes before answering: before the response headers, or for a
+    #: stream (as on vLLM) after its 200 headers, before its first chunk. Also ``hang``, ``gate``.
     latency: float = 0.0
     #: Seconds between two stream chunks.
     chunk_delay: float = 0.0
@@ -56,7 +59,7 @@ class Behaviour:
     fail_status: int | None = None
     #: How many requests get ``fail_status`` (None: all of them, while it is set).
     fail_count: int | None = None
-    #: Never answer: wait until the client goes away.
+    #: Never answer (a stream: never send a byte after its headers) until the client goes away.
     hang: bool = False
     #: Streams: after this many chunks, stop without finishing the HTTP response (broken stream).
     break_after: int | None = None
@@ -272,7 +275,9 @@ class FakeVLLM:
         if record.method != "POST" or record.path not in ("/v1/chat/completions", "/v1/completions"):
             await respond(404, _error("Not Found", "NotFoundError", 404))
             return
-        if await self._misbehave(respond):
+        body = record.body
+        streams = self.role != "encode" and isinstance(body, dict) and body.get("stream") is True
+        if await (self._injected_failure(respond) if streams else self._misbehave(respond)):
             return
         problem = self._validate(record)
         if problem:
@@ -280,14 +285,18 @@ class FakeVLLM:
             return
         chat = record.path == "/v1/chat/completions"
         request_id = record.request_id or f"{next(self._ids)}"
-        body = record.body
         if self.role == "encode":
             await respond(200, orjson.dumps(self._encoder_answer(request_id, body)))
             return
         words = self._generate(body)
         kv = self._kv_transfer_params(request_id, body)
-        if body.get("stream"):
-            await self._stream(request_id, body, words, chat, respond, body_chunk)
+        if streams:
+            # Like vLLM: a stream's 200 and SSE headers go out once the request is accepted,
+            # before the engine has it; its first body bytes wait for the engine (here the gate,
+            # latency and hang knobs; on real vLLM seconds when a KV pull is slow).
+            await respond(200, b"", "text/event-stream", more=True)
+            await self._engine_time()
+            await self._stream(request_id, body, words, chat, body_chunk)
             return
         text = " ".join(words)
         choice: dict[str, Any] = (
@@ -310,6 +319,11 @@ class FakeVLLM:
 
     async def _misbehave(self, respond: Any) -> bool:
         """Apply the gate, latency, hang and injected-failure knobs; True when it answered."""
+        await self._engine_time()
+        return await self._injected_failure(respond)
+
+    async def _engine_time(self) -> None:
+        """The time the "engine" takes before answering: the gate, latency and hang knobs."""
         b = self.behaviour
         if b.gate is not None:
             await b.gate()
@@ -317,6 +331,10 @@ class FakeVLLM:
             await trio.sleep(b.latency)
         if b.hang:
             await trio.sleep_forever()
+
+    async def _injected_failure(self, respond: Any) -> bool:
+        """Answer with the injected failure status, if one is set; True when it answered."""
+        b = self.behaviour
         if b.fail_status is not None and (b.fail_count is None or b.fail_count > 0):
             if b.fail_count is not None:
                 b.fail_count -= 1
@@ -382,7 +400,7 @@ class FakeVLLM:
         return [_WORDS[seed[i % len(seed)] % len(_WORDS)] for i in range(max(limit, 0))]
 
     async def _stream(self, request_id: str, body: Mapping[str, Any], words: list[str],
-                      chat: bool, respond: Any, body_chunk: Any) -> None:
+                      chat: bool, body_chunk: Any) -> None:
         b = self.behaviour
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": obj,
@@ -418,7 +436,6 @@ class FakeVLLM:
             yield b"data: [DONE]\n\n"
 
         count = len(words) + 2 + chat + usage
-        await respond(200, b"", "text/event-stream", more=True)
         for i, data in enumerate(frames()):
             if b.break_after is not None and i >= b.break_after:
                 # End the handler without finishing the response: Hypercorn then closes the
