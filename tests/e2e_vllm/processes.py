@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 #: Seconds between two looks at a process that is expected to exit.
@@ -111,7 +110,3 @@ def tail(path: Path, lines: int = 30) -> str:
     except OSError:
         return ""
     return "\n".join(text.splitlines()[-lines:])
-
-
-def any_alive(pids: Iterable[int]) -> bool:
-    return any(alive(p) for p in pids)
