@@ -188,7 +188,7 @@ async def test_decode_silent_after_its_headers_fails_over_at_the_deadline(
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         (stuck,) = c.decodes[0].requests()
         assert stuck.status == 200 and stuck.sent == b""  # headers sent, body never started
-        assert len(c.decodes[1].requests()) == 1 and c.proxy.counters.retries == {"decode": 1}
+        assert len(c.decodes[1].requests()) == 1 and c.proxy.metrics.retries == {"decode": 1}
         await c.decodes[0].wait_until(lambda: c.decodes[0].disconnects == 1)
 
 

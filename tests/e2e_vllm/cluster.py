@@ -9,7 +9,7 @@ consumer, NIXL KV producer) + decode (NIXL KV consumer), vision model; ``pd`` = 
 Every server listens on a free port picked at start (its NIXL side channel too) and has its own
 temp dir; the encoder cache (``ECExampleConnector``: one safetensors file per item ``uuid``)
 is a folder under ``run/``. A server counts as started when ``/health`` answers 200 within
-``EPD_E2E_START_TIMEOUT`` seconds (default 300) while its process is alive; a failed start is
+``EPD_E2E_START_TIMEOUT`` seconds (default 240) while its process is alive; a failed start is
 retried once on fresh ports, then reported with the servers' log tails.
 
 Servers are stopped by PID (with their start time, against PID reuse): SIGTERM, then SIGKILL for
@@ -46,7 +46,7 @@ MODEL_NAME = "tiny"
 #: full-length generation takes many seconds (about 300 tokens/s here), so an aborted stream is
 #: told apart from a finished one.
 MAX_MODEL_LEN = 4096
-DEFAULT_START_TIMEOUT = 300.0
+DEFAULT_START_TIMEOUT = 240.0
 STOP_TIMEOUT = 30.0
 #: Attempts at starting a cluster: a failed start (a port taken meanwhile, a slow machine) is
 #: retried once on fresh ports before the servers' log tails are reported.
@@ -220,6 +220,14 @@ class Cluster:
                     bad.append(name)
         return bad
 
+    def keep_logs(self, label: str) -> str:
+        """Rename the servers' logs to ``NAME.LABEL.log`` (a retry would overwrite them)."""
+        for server in self.servers.values():
+            path = Path(server.log)
+            if path.exists():
+                path.rename(path.with_suffix(f".{label}.log"))
+        return str(self.home.run / f"*.{label}.log")
+
     def log_tails(self, names: list[str] | None = None, lines: int = 25) -> str:
         return "\n".join(f"--- {name} ({self.servers[name].log}), last {lines} lines:\n"
                          f"{tail(Path(self.servers[name].log), lines)}"
@@ -334,8 +342,10 @@ def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | No
             except (ClusterError, OSError) as exc:
                 failures.append(f"attempt {attempt}: {exc}\n{cluster.log_tails()}")
                 cluster.stop()
+                kept = cluster.keep_logs(f"attempt{attempt}")
                 if attempt < START_ATTEMPTS:
-                    log(f"cluster start failed ({exc}); retrying once on fresh ports")
+                    log(f"cluster start failed ({exc}); logs kept in {kept}; retrying once on "
+                        "fresh ports")
                 continue
             except BaseException:
                 cluster.stop()

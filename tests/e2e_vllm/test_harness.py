@@ -105,8 +105,15 @@ def test_a_failed_start_is_retried_once_then_reported_with_log_tails(home: Home)
         start_cluster(home=home, log=said.append)
     message = str(failed.value)
     assert "attempt 1:" in message and "attempt 2:" in message and "attempt 3" not in message
-    assert message.count("stand-in vllm: the model failed to load") == 6  # 3 servers x 2 tries
+    # Each attempt stops at the first server that exits, with every server's log tail.
+    attempts = message.split("attempt 2:")
+    for attempt in attempts:
+        assert "exited during start-up" in attempt
+        assert "stand-in vllm: the model failed to load" in attempt
+        assert all(f"--- {name} (" in attempt for name in ("encode", "prefill", "decode"))
     assert sum("retrying once" in line for line in said) == 1
+    assert sorted(p.name for p in home.run.glob("*.attempt*.log")) == [
+        f"{name}.attempt{n}.log" for name in ("decode", "encode", "prefill") for n in (1, 2)]
     assert recorded_cluster(home) is None
 
 

@@ -40,6 +40,8 @@ pytestmark = pytest.mark.vllm_e2e
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 MAX_TOKENS = 16
+#: The proxy's count of prefill answers without kv_transfer_params (decode then recomputes).
+KV_MISSING = "epd_trio_prefill_kv_transfer_params_missing_total"
 #: D's counter of KV transfers it pulled over NIXL (a histogram's sample count).
 NIXL_PULLS = "vllm:nixl_xfer_time_seconds_count"
 #: New images every session: a reused cluster's encoder remembers the items it has seen (and then
@@ -139,6 +141,13 @@ async def wait_metric(client: httpx.AsyncClient, url: str, name: str,
     pytest.fail(f"{name} on {url} is still {value} after {deadline:g} s")
 
 
+def kv_missing(proxy: Proxy) -> float:
+    """The proxy's count of prefill answers that lacked ``kv_transfer_params`` (it must exist)."""
+    exposition = proxy.metrics.exposition()
+    assert exposition is not None and KV_MISSING.encode() in exposition
+    return proxy.metrics.value(KV_MISSING)
+
+
 # -- proxies ---------------------------------------------------------------------------------------
 @asynccontextmanager
 async def proxy_for(
@@ -176,7 +185,7 @@ async def test_image_request_through_e_p_d_equals_decode_direct_answer(
     # The encoder wrote its cache entry under the uuid the proxy gave the item, which is where
     # the prefill looked it up.
     assert cluster.ec_file(item).exists()
-    assert proxy.counters.kv_missing == 0  # prefill returned kv_transfer_params both times
+    assert kv_missing(proxy) == 0  # prefill returned kv_transfer_params each time
     after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 2)
     observe(f"answer {want!r} (stream and non-stream, = decode direct); encoder cache file "
             f"{item[:12]}.../encoder_cache.safetensors written; decode NIXL pulls "
@@ -207,7 +216,7 @@ async def test_text_requests_through_p_d_equal_decode_direct_answer(
         usage = sse_events(streams[CHAT].content)[-2]["usage"]  # include_usage's last chunk
         assert usage["completion_tokens"] == MAX_TOKENS
         assert proxy.registry.state("encode", cluster.url("encode")).sent == 0  # no media
-        assert proxy.counters.kv_missing == 0
+        assert kv_missing(proxy) == 0
         models = await client.get(url + "/v1/models")
         assert models.status_code == 200
         assert [m["id"] for m in models.json()["data"]] == [MODEL_NAME]
@@ -259,7 +268,7 @@ async def test_client_disconnect_mid_stream_aborts_decode(
         # the request is no longer running.)
         await wait_metric(client, decode, running, lambda v: v == 0, deadline=5.0)
         stopped_after = trio.current_time() - closed
-        assert proxy.counters.client_cancels["decode"] == 1
+        assert proxy.metrics.client_cancels == {"decode": 1}
     tokens = await metric(client, decode, "vllm:generation_tokens_total") - generated
     assert 1 <= tokens < max_tokens  # it generated, and was aborted rather than finished
     observe(f"decode's running gauge at 0 {stopped_after:.2f} s after the client closed; "
