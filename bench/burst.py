@@ -197,6 +197,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     processes: list[trio.Process] = []
     urls: dict[str, list[str]] = {}
     proxy_pid = None
+    fakes_pid = None
     try:
         if args.target:
             url = args.target.rstrip("/")
@@ -205,6 +206,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 [sys.executable, "-m", "epd_trio.testing", "--cluster", args.cluster,
                  "--tokens", str(args.max_tokens)], stdout=subprocess.PIPE)
             processes.append(fakes)
+            fakes_pid = fakes.pid
             assert fakes.stdout is not None
             _, output = await read_until(fakes.stdout, rb"\bready\b", limit=60)
             env_lines = [line for line in output.decode().splitlines()
@@ -236,13 +238,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await burst(warm, url, "warmup")
             before = await fake_stats(urls) if urls else None
             cpu0 = process_tree_cpu(proxy_pid) if proxy_pid else None
+            fakes0 = process_tree_cpu(fakes_pid) if fakes_pid else None
             result = await burst(args, url, "proxy")
             cpu1 = process_tree_cpu(proxy_pid) if proxy_pid else None
+            fakes1 = process_tree_cpu(fakes_pid) if fakes_pid else None
             results: list[Result] = result.pop("_results")
             report["proxy"] = result
             if cpu0 is not None and cpu1 is not None:
                 report["proxy"]["cpu_ms_per_request"] = (cpu1 - cpu0) * 1000 / args.requests
                 report["proxy"]["cpu_seconds"] = cpu1 - cpu0
+            if fakes0 is not None and fakes1 is not None:
+                # The fake backends share the machine: their CPU is part of what a burst costs.
+                report["proxy"]["fakes_cpu_ms_per_request"] = (fakes1 - fakes0) * 1000 / args.requests
             if before is not None:
                 report["instances"] = diff_stats(before, await fake_stats(urls))
             if args.compare_direct:
@@ -308,6 +315,9 @@ def render(report: dict[str, Any]) -> str:
         if "cpu_ms_per_request" in r:
             lines.append(f"  proxy CPU: {r['cpu_ms_per_request']:.2f} ms per request "
                          f"({r['cpu_seconds']:.2f} s in all)")
+        if "fakes_cpu_ms_per_request" in r:
+            lines.append(f"  fake backends CPU: {r['fakes_cpu_ms_per_request']:.2f} ms per request "
+                         "(all legs, one process)")
     if "ratio" in report and None not in report["ratio"].values():
         q = report["ratio"]
         lines.append(f"\n[proxy / direct] latency p50 x{q['latency_p50']:.2f}, p99 "

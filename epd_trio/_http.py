@@ -320,11 +320,14 @@ class UpstreamPool:
         request = httpcore.Request(method, self._url(path), headers=request_headers,
                                    content=content, extensions={"timeout": timeouts})
         borrower = object()
-        with trio.move_on_after(self._queue_timeout or math.inf) as waited:
-            await self.limiter.acquire_on_behalf_of(borrower)
-        if waited.cancelled_caught:
-            raise PoolTimeout(f"no free place among {self.limiter.total_tokens:g} in "
-                              f"{self._queue_timeout:g} s")
+        try:  # a free place needs no cancel scope (one per request saved)
+            self.limiter.acquire_on_behalf_of_nowait(borrower)
+        except trio.WouldBlock:
+            with trio.move_on_after(self._queue_timeout or math.inf) as waited:
+                await self.limiter.acquire_on_behalf_of(borrower)
+            if waited.cancelled_caught:
+                raise PoolTimeout(f"no free place among {self.limiter.total_tokens:g} in "
+                                  f"{self._queue_timeout:g} s") from None
         release = _Release(self.limiter, borrower)
         conn: httpcore.AsyncHTTPConnection | None = None
         try:

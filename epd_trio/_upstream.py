@@ -116,10 +116,7 @@ async def post_json(
     with map_upstream_errors(stage, instance.url, deadline, detail):
         response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
                                       content=_encode_json(body))
-        try:
-            content = await response.aread()
-        finally:
-            await aclose_shielded(response)
+        content = await response.aread()  # closes the response, even when cancelled
     _raise_for_status(response, stage, instance.url, content, detail)
     return Answer(response.status, response.header("content-type", "application/json") or "",
                   content)
@@ -225,7 +222,7 @@ async def open_stream(
         try:
             chunks, first = await _first_bytes(response, stage, instance.url)
         except BaseException:
-            await aclose_shielded(response)
+            await response.aclose()  # shielded: vLLM must see the close
             raise
     return StreamRelay(response, chunks, first, stage=stage, instance=instance.url)
 
@@ -253,23 +250,10 @@ async def get(pool: UpstreamPool, stage: str, instance: Instance, path: str,
     """GET a small resource (``/health``, ``/v1/models``); non-2xx raises ``UpstreamStatusError``."""
     with map_upstream_errors(stage, instance.url, deadline):
         response = await pool.request(b"GET", path.encode("ascii"))
-        try:
-            content = await response.aread()
-        finally:
-            await aclose_shielded(response)
+        content = await response.aread()  # closes the response, even when cancelled
     _raise_for_status(response, stage, instance.url, content)
     return Answer(response.status, response.header("content-type", "application/json") or "",
                   content)
-
-
-async def aclose_shielded(response: UpstreamResponse) -> None:
-    """Close an upstream response even while the caller is being cancelled.
-
-    Closing is what tells vLLM the request is gone (it aborts on disconnect), so it must not be
-    skipped because the client's own cancellation arrived first.
-    """
-    with trio.CancelScope(shield=True):
-        await response.aclose()
 
 
 def sse_error_event(error: UpstreamError) -> bytes:
