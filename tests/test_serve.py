@@ -77,7 +77,8 @@ async def test_request_log_flags_give_json_lines_on_stderr(nursery: trio.Nursery
             r = await client.post(url + CHAT, json=chat_body(), headers={"x-request-id": "j1"})
             assert r.status_code == 200
         assert process.stderr is not None
-        match, _ = await read_until(process.stderr, rb"\n(\{[^\n]*\"j1\"[^\n]*\})\n")
+        # The line may be the first thing read after the "listening" line: no newline before it.
+        match, _ = await read_until(process.stderr, rb"(?:^|\n)(\{[^\n]*\"j1\"[^\n]*\})\n")
         line = orjson.loads(match.group(1))
         assert line["logger"] == "epd_trio.requests" and line["level"] == "INFO"
         assert line["request_id"] == "j1" and line["layout"] == "PD" and line["outcome"] == "ok"
