@@ -212,8 +212,9 @@ async def open_stream(
 ) -> StreamRelay:
     """POST and return once the response headers *and* the first body bytes have arrived.
 
-    ``deadline`` bounds the time to the first body bytes; afterwards the per-read timeout
-    (``idle_timeout``) bounds each gap between chunks. The caller owns the returned relay and
+    ``deadline`` bounds the time to the first body bytes; the per-read timeout
+    (``idle_timeout``) bounds every wait for data, so also each gap between chunks once the
+    stream runs (the smaller of the two applies before the first bytes). The caller owns the relay and
     must ``aclose()`` it. A non-2xx answer is read, closed, and raised as ``UpstreamStatusError``.
     """
     with map_upstream_errors(stage, instance.url, deadline):
