@@ -166,8 +166,12 @@ class StreamRelay:
             yield self._first
             try:
                 with map_upstream_errors(self._stage, self._instance):
-                    async for chunk in self._chunks:
-                        if self._closed:
+                    # ``_closed`` is checked before each read, not after: the stalled-send
+                    # watchdog may be closing ``_chunks`` right now (``aclose`` sets the flag
+                    # first), and reading a generator being closed raises RuntimeError.
+                    while not self._closed:
+                        chunk = await anext(self._chunks, None)
+                        if chunk is None:
                             break
                         yield chunk
                 if not self._closed:
