@@ -164,6 +164,8 @@ class ProxyMetrics:
                                   "Prefill answers without kv_transfer_params (decode recomputed)")
         # Children cached by label values (see "Cost" above).
         self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
+        #: The instances in the roster now (``set_members``).
+        self._members: set[tuple[str, str]] = set()
         self._per_request: dict[tuple[str, str], Any] = {}
         self._per_reply: dict[tuple[str, bool], tuple[Any, Any]] = {}
         self._per_stage = {stage: (self._stage.labels(stage), self._retries.labels(stage),
@@ -186,13 +188,18 @@ class ProxyMetrics:
         loses its series in one process; with several workers prometheus-client cannot delete a
         series from the other workers' files, so its counts stay and its health reads 0.
         """
+        # Membership is kept apart from the children cache: a request still running on an
+        # instance that left re-creates its children, and must not make the instance look like
+        # a member when it registers again (its health would never be set).
         current = {(state.role, state.url): state for state in states}
         for key, state in current.items():
-            if key not in self._per_instance:
+            if key not in self._members:
+                self._members.add(key)
                 self._instance(*key)
                 self._healthy.labels(*key).set(1 if state.live else 0)
-        for key in [key for key in self._per_instance if key not in current]:
-            counts = self._per_instance.pop(key)
+        for key in [key for key in self._members | self._per_instance.keys() if key not in current]:
+            self._members.discard(key)
+            counts = self._per_instance.pop(key, None)
             if self.multiprocess or not self.enabled:
                 self._healthy.labels(*key).set(0)
                 continue
@@ -200,8 +207,9 @@ class ProxyMetrics:
                            self._healthy, self._evictions):
                 with contextlib.suppress(KeyError):
                     family.remove(*key)
-            for rank in counts.ranks:
-                self._ranks.remove(*key, str(rank))
+            for rank in counts.ranks if counts is not None else ():
+                with contextlib.suppress(KeyError):
+                    self._ranks.remove(*key, str(rank))
 
     def in_flight(self, role: str, url: str) -> Any:
         """The in-flight gauge of an instance (a stream relayed after its first bytes)."""

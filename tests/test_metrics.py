@@ -10,6 +10,9 @@ import pytest
 import trio
 import trio.testing
 
+from epd_trio import Instance
+from epd_trio._health import InstanceState
+from epd_trio._metrics import ProxyMetrics
 from epd_trio.testing import FakeVLLM, run_cluster
 
 from helpers import chat_body, image, scrape
@@ -198,3 +201,21 @@ async def test_metrics_route_needs_the_admin_key_once_one_is_set(
         assert r.status_code == 401
         m = await scrape(client, c.proxy_url, ADMIN)
         assert m.by("epd_trio_requests_total", "outcome", endpoint=CHAT) == {"client_error": 1}
+
+
+def test_an_instance_that_registers_again_gets_its_health_series_back() -> None:
+    """A request still running on an instance that left re-creates its children; registering
+    again must still count as joining (its health gauge set)."""
+    instance = Instance("http://127.0.0.1:9001")
+    metrics = ProxyMetrics(instances=[InstanceState(instance, "decode")])
+    labels = {"role": "decode", "instance": instance.url}
+    assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) == 1.0
+    metrics.set_members([])  # unregistered while a stream on it waits for its first bytes
+    assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) is None
+    gauge = metrics.in_flight("decode", instance.url)  # the first bytes arrive after all
+    gauge.inc()
+    metrics.set_members([InstanceState(instance, "decode")])  # it restarts and registers again
+    assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) == 1.0
+    gauge.dec()
+    metrics.set_members([])
+    assert metrics.registry.get_sample_value("epd_trio_upstream_in_flight", labels) is None
