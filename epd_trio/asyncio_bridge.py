@@ -146,6 +146,8 @@ class AsyncioBridge:
         self._failover = Failover(max_attempts=settings.max_attempts)
         self._client: UpstreamClient | None = None
         self._loop: trio_asyncio.TrioEventLoop | None = None
+        #: Set by ``aclose``: a call still running must not open new connections.
+        self._closing = False
 
     async def __aenter__(self) -> AsyncioBridge:
         loop = asyncio.get_running_loop()
@@ -154,6 +156,7 @@ class AsyncioBridge:
                 f"AsyncioBridge needs trio-asyncio's loop, not {type(loop).__name__}: start "
                 "the program with epd_trio.asyncio_bridge.run(main) instead of asyncio.run()")
         self._loop = loop
+        self._closing = False
         return self
 
     async def __aexit__(
@@ -165,8 +168,11 @@ class AsyncioBridge:
     async def aclose(self) -> None:
         """Close every upstream connection (idempotent); calls then fail until re-entered."""
         if self._loop is not None:
-            await self._call(self._close_client)
-            self._loop = None
+            self._closing = True
+            try:
+                await self._call(self._close_client)
+            finally:
+                self._loop = None
 
     # -- bridged calls ---------------------------------------------------------------------------
     async def encode(
@@ -226,10 +232,21 @@ class AsyncioBridge:
         """
         if self._loop is None:
             raise RuntimeError("use the bridge inside 'async with AsyncioBridge(settings)'")
-        return await trio_asyncio.trio_as_aio(fn, loop=self._loop)(*args)
+
+        async def checked() -> T:
+            result = await fn(*args)
+            # trio-asyncio reports the asyncio task as cancelled only if Trio raised Cancelled;
+            # a call that finished without another checkpoint (a shielded close) would swallow
+            # the task's cancellation. This checkpoint raises it if it is pending.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return result
+
+        return await trio_asyncio.trio_as_aio(checked, loop=self._loop)()
 
     def _pool(self, instance: Instance) -> UpstreamPool:
         # Pools are made on first use, inside a Trio task: their connections belong to Trio.
+        if self._closing:  # closed while a call was still running: no new connections
+            raise RuntimeError("the bridge was closed")
         if self._client is None:
             self._client = make_client(self.settings)
         return self._client.pool(instance)

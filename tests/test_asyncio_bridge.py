@@ -211,3 +211,29 @@ async def test_importing_after_anyio_asyncio_backend_warns() -> None:
     with trio.fail_after(30):
         done = await trio.run_process([sys.executable, "-c", script], capture_stdout=True)
     assert b"anyio's asyncio backend was imported before trio-asyncio" in done.stdout
+
+
+async def test_a_cancellation_during_a_shielded_trio_step_still_reaches_the_task(
+    nursery: trio.Nursery,
+) -> None:
+    """trio-asyncio reports a cancelled task only if Trio raised Cancelled: a bridged call that
+    finishes inside a shield (closing connections does) must not swallow the cancellation."""
+    encoders = await start_encoders(nursery, 1)
+    started, release = trio.Event(), trio.Event()
+
+    async def shielded_step() -> str:
+        with trio.CancelScope(shield=True):
+            started.set()
+            await release.wait()
+        return "finished"
+
+    async def program() -> None:
+        async with AsyncioBridge(settings_for(encoders)) as bridge:
+            task = asyncio.ensure_future(bridge._call(shielded_step))
+            await trio_asyncio.trio_as_aio(started.wait)()
+            task.cancel()
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    await run_asyncio(program)
