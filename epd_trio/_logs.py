@@ -55,13 +55,15 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        line = super().formatMessage(record)
+        # One event, one line: a message may quote an upstream's error text, and a newline in
+        # it must not start what looks like another log line (tracebacks are added after this).
+        line = super().formatMessage(record).replace("\r", "\\r").replace("\n", "\\n")
         extra = " ".join(f"{key}={_text(value)}" for key, value in _fields(record).items())
         return f"{line} {extra}" if extra else line
 
 
 def _text(value: Any) -> str:
-    if isinstance(value, str) and value and " " not in value:
+    if isinstance(value, str) and value and not any(c in value for c in " \r\n"):
         return value
     return orjson.dumps(value, default=str).decode()
 

@@ -95,6 +95,16 @@ def test_json_and_text_formats() -> None:
     assert text.endswith(' INFO epd_trio.requests: req r1 request_id=r1 error="HTTP 500: boom"')
 
 
+def test_text_lines_cannot_be_forged_by_an_upstream_message() -> None:
+    """An upstream error text quoted in a message or a field stays on its one line."""
+    record = logging.LogRecord("epd_trio", logging.WARNING, __file__, 1, "failed: %s",
+                               ("boom\n2026-01-01 INFO epd_trio: all good",), None)
+    record.fields = {"upstream": "x\ny"}
+    text = TextFormatter().format(record)
+    assert "\n" not in text
+    assert text.endswith('failed: boom\\n2026-01-01 INFO epd_trio: all good upstream="x\\ny"')
+
+
 @pytest.fixture
 def restore_logging() -> Iterator[None]:
     logger = logging.getLogger("epd_trio")
