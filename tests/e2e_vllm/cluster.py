@@ -236,6 +236,9 @@ class Cluster:
     # -- state ---------------------------------------------------------------------------------
     def save(self) -> None:
         state = {"layout": self.layout, "model": self.model, "ec_dir": self.ec_dir,
+                 # A test session's cluster names its owner: another session must neither
+                 # share it nor stop it (a cluster from ``cluster start`` has none: shared).
+                 "owner_pid": os.getpid() if self.owned else None,
                  "servers": {name: asdict(s) for name, s in self.servers.items()}}
         _state_path(self.home).write_text(json.dumps(state, indent=2))
 
@@ -267,6 +270,15 @@ def _locked(home: Home) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ClusterError(f"another start or stop is in progress in {home.root}") from None
+        yield
+
+
+@contextlib.contextmanager
+def _provisioning(home: Home) -> Iterator[None]:
+    """Provisioning waits for another process provisioning the same home (blocking lock)."""
+    home.root.mkdir(parents=True, exist_ok=True)
+    with open(home.root / "provision.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
@@ -306,8 +318,23 @@ def recorded_cluster(home: Home) -> Cluster | None:
         state = json.loads(_state_path(home).read_text())
     except (OSError, ValueError):
         return None
+    owner = state.get("owner_pid")
+    if owner is not None and owner != os.getpid() and _pid_alive(owner):
+        raise ClusterError(
+            f"another test session (pid {owner}) is using the real-vLLM cluster in {home.root}; "
+            "wait for it, or give this one its own EPD_E2E_HOME (and EPD_E2E_VENV to share the venv)")
     servers = {name: Server(**s) for name, s in state["servers"].items()}
     return Cluster(home, state["layout"], state["model"], servers, state["ec_dir"], owned=False)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | None = None,
@@ -320,8 +347,9 @@ def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | No
     if layout == "epd" and model != "vision":
         raise ClusterError("the epd layout needs the vision model")
     home = home or Home.from_env()
-    ensure_venv(home, log)
-    ensure_model(home, model, log)
+    with _provisioning(home):  # two first runs must not pip-install into one venv at once
+        ensure_venv(home, log)
+        ensure_model(home, model, log)
     with _locked(home):
         recorded = recorded_cluster(home)
         if recorded is not None:

@@ -169,3 +169,28 @@ def test_stop_tree_kills_what_ignores_sigterm() -> None:
         finally:
             if shell.poll() is None:
                 os.killpg(shell.pid, signal.SIGKILL)
+
+
+def test_a_cluster_owned_by_another_live_session_is_neither_shared_nor_stopped(
+    home: Home,
+) -> None:
+    cluster = start_cluster("epd", "vision", home=home, owned=True, log=lambda _: None)
+    try:
+        state_path = home.run / "cluster.json"
+        state = json.loads(state_path.read_text())
+        assert state["owner_pid"] == os.getpid()
+        other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                                 stdin=subprocess.PIPE)
+        try:  # as if another pytest session (alive) had started it
+            state_path.write_text(json.dumps({**state, "owner_pid": other.pid}))
+            with pytest.raises(ClusterError, match=f"another test session \\(pid {other.pid}\\)"):
+                recorded_cluster(home)
+            with pytest.raises(ClusterError, match="another test session"):
+                start_cluster("epd", "vision", home=home, owned=True, log=lambda _: None)
+            assert all(server.alive() for server in cluster.servers.values())
+        finally:
+            other.stdin.close()  # type: ignore[union-attr]
+            other.wait(timeout=30)
+        state_path.write_text(json.dumps(state))
+    finally:
+        cluster.stop()
