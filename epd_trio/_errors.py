@@ -150,10 +150,15 @@ class UpstreamStatusError(UpstreamError):
     ) -> None:
         self.upstream_status = upstream_status
         self.upstream_body = upstream_body
-        is_client_error = 400 <= upstream_status < 500
+        # 401/403 from vLLM refuse the *proxy's* credentials (its --api-key), not the client's:
+        # relaying them would tell the client its own key is wrong. A 502 that says so instead.
+        refused_proxy = upstream_status in (401, 403)
+        is_client_error = 400 <= upstream_status < 500 and not refused_proxy
         snippet = upstream_message(upstream_body)
+        hint = (" (the instance refused the proxy's credentials: check EPD_UPSTREAM_API_KEY)"
+                if refused_proxy else "")
         super().__init__(
-            f"{detail}HTTP {upstream_status}" + (f": {snippet}" if snippet else ""),
+            f"{detail}HTTP {upstream_status}" + (f": {snippet}" if snippet else "") + hint,
             stage=stage, instance=instance,
             status=upstream_status if is_client_error else 502,
         )

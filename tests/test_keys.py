@@ -55,7 +55,12 @@ async def test_upstream_key_goes_on_every_call_to_vllm(client: httpx.AsyncClient
 
 
 async def test_without_the_upstream_key_vllm_refuses(client: httpx.AsyncClient) -> None:
+    """vLLM's 401 refuses the proxy's key, not the client's: a 502 that says so, not a relay."""
     async with run_cluster(decodes=1) as c:
         c.decodes[0].api_key = "up-key"
         r = await client.post(c.proxy_url + CHAT, json=chat_body())
-        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        assert r.status_code == 502
+        error = r.json()["error"]
+        assert error["stage"] == "decode" and error["instance"] == c.decodes[0].url
+        assert "HTTP 401" in error["message"] and "EPD_UPSTREAM_API_KEY" in error["message"]
+        assert len(c.decodes[0].requests()) == 1  # not retried: the key is the proxy's
