@@ -50,8 +50,26 @@ TransportError = (httpcore.NetworkError, httpcore.ProtocolError)
 #: Seconds an idle connection is kept: below vLLM's (uvicorn's) 5 s keep-alive.
 KEEPALIVE_EXPIRY = 4.0
 
-_READ_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+#: What a trio socket raises when the connection is gone (reads and writes alike).
+_SOCKET_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
+
+def _encode_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """Header pairs as httpcore takes them; names lowercased so a caller's value can replace a
+    default of the same name whatever its casing."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+def _reusable(conn: httpcore.AsyncHTTPConnection) -> bool:
+    """Idle, within its keep-alive, and not closed by the server (httpcore polls the socket)."""
+    return conn.is_idle() and not conn.has_expired()
+
+
+async def _close_all(conns: Iterable[httpcore.AsyncHTTPConnection]) -> None:
+    """Close connections even under cancellation: a close left half-done leaks the socket."""
+    with trio.CancelScope(shield=True):
+        for conn in conns:
+            await conn.aclose()
 
 
 def reset_on_close(sock: socket.socket | None) -> None:
@@ -91,7 +109,7 @@ class _LeanStream(httpcore.AsyncNetworkStream):
         except trio.TooSlowError:
             reset_on_close(self._stream.socket)
             raise httpcore.ReadTimeout(f"no data for {timeout:g} s") from None
-        except _READ_ERRORS as exc:
+        except _SOCKET_ERRORS as exc:
             raise httpcore.ReadError(str(exc) or type(exc).__name__) from exc
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
@@ -105,7 +123,7 @@ class _LeanStream(httpcore.AsyncNetworkStream):
                 await self._stream.send_all(buffer)
         except trio.TooSlowError:
             raise httpcore.WriteTimeout(f"could not write for {timeout:g} s") from None
-        except _READ_ERRORS as exc:
+        except _SOCKET_ERRORS as exc:
             raise httpcore.WriteError(str(exc) or type(exc).__name__) from exc
 
     async def aclose(self) -> None:
@@ -230,8 +248,7 @@ class UpstreamPool:
                  headers: Mapping[str, str] | None = None) -> None:
         parsed = httpcore.URL(url)
         #: Sent with every request (the upstream API key).
-        self._default_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-                                 for k, v in (headers or {}).items()]
+        self._default_headers = _encode_headers(headers or {})
         self.url = url
         self._origin = parsed.origin
         self._prefix = parsed.target.rstrip(b"/")
@@ -261,21 +278,20 @@ class UpstreamPool:
         """The most recently used idle connection still open, else a new one."""
         while self._idle:
             conn = self._idle.pop()
-            if conn.is_idle() and not conn.has_expired():
+            if _reusable(conn):
                 return conn
-            with trio.CancelScope(shield=True):
-                await conn.aclose()
+            await _close_all([conn])
         return self._new_connection()
 
     async def sweep(self) -> int:
         """Close idle connections past their keep-alive or closed by the server (after a burst
         they would otherwise sit in CLOSE_WAIT below the top of the stack); how many."""
-        keep = [conn for conn in self._idle if conn.is_idle() and not conn.has_expired()]
-        stale = [conn for conn in self._idle if conn not in keep]
+        keep: list[httpcore.AsyncHTTPConnection] = []
+        stale: list[httpcore.AsyncHTTPConnection] = []
+        for conn in self._idle:
+            (keep if _reusable(conn) else stale).append(conn)
         self._idle[:] = keep
-        with trio.CancelScope(shield=True):
-            for conn in stale:
-                await conn.aclose()
+        await _close_all(stale)
         return len(stale)
 
     def _new_connection(self) -> httpcore.AsyncHTTPConnection:
@@ -292,8 +308,7 @@ class UpstreamPool:
         if not self._closed:
             self._idle.append(conn)
             return
-        with trio.CancelScope(shield=True):  # the pool was closed while this request ran
-            await conn.aclose()
+        await _close_all([conn])  # the pool was closed while this request ran
 
     async def request(
         self, method: bytes, path: bytes, *, headers: Mapping[str, str] = {},
@@ -309,7 +324,7 @@ class UpstreamPool:
         # Everything that can fail on the caller's input happens before a place is taken.
         request_headers = [(b"host", self._host_header),
                            (b"content-length", str(len(content)).encode())]
-        own = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+        own = _encode_headers(headers)
         if self._default_headers:
             names = {name for name, _ in own}  # the caller's value wins (one Authorization)
             request_headers += [h for h in self._default_headers if h[0] not in names]
@@ -339,8 +354,7 @@ class UpstreamPool:
         except BaseException:
             release()
             if conn is not None and not conn.is_closed():
-                with trio.CancelScope(shield=True):
-                    await conn.aclose()
+                await _close_all([conn])
             raise
         return UpstreamResponse(self, conn, response, release)
 
@@ -348,9 +362,7 @@ class UpstreamPool:
         """Close the idle connections; busy ones close when their response does."""
         self._closed = True
         idle, self._idle = self._idle, []
-        with trio.CancelScope(shield=True):
-            for conn in idle:
-                await conn.aclose()
+        await _close_all(idle)
 
 
 class UpstreamClient:
