@@ -10,6 +10,7 @@ disconnect and aborts the work).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -56,7 +57,7 @@ def map_upstream_errors(
     (e.g. which items an encoder sub-request carried).
     """
     try:
-        with trio.fail_after(deadline) if deadline is not None else _no_deadline():
+        with trio.fail_after(deadline) if deadline is not None else contextlib.nullcontext():
             yield
     except PoolTimeout:
         raise ProxyOverloaded(
@@ -77,11 +78,6 @@ def map_upstream_errors(
             f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
             stage=stage, instance=instance,
         ) from exc
-
-
-@contextmanager
-def _no_deadline() -> Iterator[None]:
-    yield
 
 
 def _encode_json(body: Mapping[str, Any]) -> bytes:
@@ -113,13 +109,22 @@ async def post_json(
     ``deadline`` bounds the whole call (one trio deadline, no per-read timeout needed), so a long
     prefill or a long non-stream generation is not cut short by the stream idle timeout.
     """
+    return await _fetch(pool, b"POST", path, stage=stage, instance=instance, deadline=deadline,
+                        headers=headers, content=_encode_json(body), detail=detail)
+
+
+async def _fetch(
+    pool: UpstreamPool, method: bytes, path: str, *, stage: str, instance: Instance,
+    deadline: float, headers: Mapping[str, str] = {}, content: bytes = b"", detail: str = "",
+) -> Answer:
+    """One request read whole within ``deadline``; a non-2xx answer raises."""
     with map_upstream_errors(stage, instance.url, deadline, detail):
-        response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
-                                      content=_encode_json(body))
-        content = await response.aread()  # closes the response, even when cancelled
-    _raise_for_status(response, stage, instance.url, content, detail)
+        response = await pool.request(method, path.encode("ascii"), headers=headers,
+                                      content=content)
+        data = await response.aread()  # closes the response, even when cancelled
+    _raise_for_status(response, stage, instance.url, data, detail)
     return Answer(response.status, response.header("content-type", "application/json") or "",
-                  content)
+                  data)
 
 
 def _raise_for_status(
@@ -253,12 +258,7 @@ async def _first_bytes(
 async def get(pool: UpstreamPool, stage: str, instance: Instance, path: str,
               deadline: float) -> Answer:
     """GET a small resource (``/health``, ``/v1/models``); non-2xx raises ``UpstreamStatusError``."""
-    with map_upstream_errors(stage, instance.url, deadline):
-        response = await pool.request(b"GET", path.encode("ascii"))
-        content = await response.aread()  # closes the response, even when cancelled
-    _raise_for_status(response, stage, instance.url, content)
-    return Answer(response.status, response.header("content-type", "application/json") or "",
-                  content)
+    return await _fetch(pool, b"GET", path, stage=stage, instance=instance, deadline=deadline)
 
 
 def sse_error_event(error: UpstreamError) -> bytes:
