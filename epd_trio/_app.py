@@ -18,7 +18,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ._asgi import ProxyASGI
-from ._auth import AdminKey, ClientKeys
+from ._auth import AdminKey, ClientKeys, bearer_token
 from ._config import Settings
 from ._counters import CursorCounters
 from ._endpoints import CompletionEndpoints
@@ -41,17 +41,10 @@ def _error(exc: ProxyError) -> Response:
                     headers=exc.headers)
 
 
-def _bearer() -> str | None:
-    scheme, _, token = (request.headers.get("authorization") or "").strip().partition(" ")
-    return token.strip() or None if scheme.lower() == "bearer" else None
-
-
 def _send(reply: Reply) -> Response:
-    if reply.stream is None:
-        return Response(reply.body, status=reply.status, headers=reply.headers)
-    response = Response(reply.stream, status=reply.status, headers=reply.headers)
-    response.timeout = None  # a long generation is not a reason to cut the stream
-    return response
+    """A whole reply (the streamed ones are the completion endpoints', sent below Quart)."""
+    assert reply.stream is None
+    return Response(reply.body, status=reply.status, headers=reply.headers)
 
 
 def create_app(settings: Settings, counters: CursorCounters | None = None) -> QuartTrio:
@@ -143,7 +136,8 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
     async def metrics() -> Response:
         # Like profiling: open without an admin key, behind it once one is set; also as a
         # bearer token, which is how Prometheus scrape configs authenticate.
-        admin_key.check(request.headers.get("x-api-key") or _bearer(), required=False)
+        admin_key.check(request.headers.get("x-api-key")
+                        or bearer_token(request.headers.get("authorization")), required=False)
         # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
         text = await trio.to_thread.run_sync(proxy.metrics.exposition)
         if text is None:

@@ -16,6 +16,12 @@ from collections.abc import Iterable
 from ._errors import AdminDisabled, AdminUnauthorized, Unauthorized
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` value (scheme case-insensitive), else None."""
+    scheme, _, token = (authorization or "").strip().partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
@@ -42,10 +48,10 @@ class ClientKeys:
         """Raise ``Unauthorized`` (401) unless ``authorization`` carries a configured key."""
         if not self._digests:
             return
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        token = bearer_token(authorization)
+        if token is None:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        if not _matches(token.strip(), self._digests):
+        if not _matches(token, self._digests):
             raise Unauthorized("incorrect API key provided")
 
 
