@@ -15,7 +15,7 @@ like quart-trio, a task waits for ``http.disconnect`` and cancels the request's 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -65,9 +65,7 @@ class CompletionEndpoints:
             return
         except ProxyError as exc:
             self._proxy.metrics.rejected(scope["path"], exc)
-            await _send_json(send, exc.status, exc.body(),
-                             [(k.encode("latin-1"), v.encode("latin-1"))
-                              for k, v in exc.headers.items()])
+            await _send_json(send, exc.status, exc.body(), _asgi_headers(exc.headers))
             return
         request_id = new_request_id(_header(headers, b"x-request-id"))
         async with trio.open_nursery() as nursery:
@@ -116,8 +114,7 @@ _INTERNAL_ERROR = json_error("internal proxy error", type="internal_error", code
 
 async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
     await send({"type": "http.response.start", "status": reply.status,
-                "headers": [(k.encode("latin-1"), v.encode("latin-1"))
-                            for k, v in reply.headers.items()]})
+                "headers": _asgi_headers(reply.headers)})
     if reply.stream is None:
         await send({"type": "http.response.body", "body": reply.body})
         return
@@ -147,6 +144,10 @@ async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.Cancel
     while (await receive())["type"] != "http.disconnect":
         pass
     scope.cancel()
+
+
+def _asgi_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
