@@ -1,8 +1,8 @@
 """CPU the metrics hooks add to one request: ``python -m bench.metrics_cost``.
 
-Replays, without any I/O, the calls ``Proxy`` makes into ``ProxyMetrics`` for one streamed P->D
-request (request begin, a prefill and a decode attempt, the relayed stream's in-flight gauge,
-first byte, finish) and reports the best per-request time of several rounds, for metrics off
+Replays, without any I/O, the accounting the pipeline does for one streamed P->D request
+(``_accounting.RequestAccount``: request begin, a prefill leg, a decode leg held open as a
+relayed stream, first byte, finish) and reports the best per-request time of several rounds, for metrics off
 (the trace alone), on in one process, and on in prometheus-client's multiprocess mode (what
 ``epd-trio serve --workers N`` uses). Each mode runs in a fresh interpreter, because
 prometheus-client picks its value storage at import time.
@@ -25,22 +25,25 @@ MODES = ("off", "one-process", "multiprocess")
 
 def measure(mode: str, requests: int, rounds: int) -> float:
     """Microseconds per request in this interpreter (``mode`` must match how it was started)."""
+    from epd_trio._accounting import Accounting
+    from epd_trio._core.health import Registry
+    from epd_trio._core.routing import Instance
     from epd_trio._metrics import ProxyMetrics
-    from epd_trio._routing import Instance
 
     prefill, decode = Instance("http://p0:8000", 2), Instance("http://d0:8000", 2)
-    metrics = ProxyMetrics(enabled=mode != "off")
+    registry = Registry.from_stages({"prefill": [prefill], "decode": [decode]})
+    accounting = Accounting(registry, ProxyMetrics(enabled=mode != "off"), request_log=False)
 
     def one_request() -> None:
-        trace = metrics.begin("/v1/chat/completions", "request-id")
-        trace.stream = True
-        metrics.attempt_done(metrics.attempt("prefill", prefill, 1), "ok")
-        metrics.attempt_done(metrics.attempt("decode", decode, 0), "ok")
-        in_flight = metrics.in_flight("decode", decode.url)
-        in_flight.inc()
-        metrics.replied(trace)
-        in_flight.dec()
-        metrics.finish(trace)
+        account = accounting.begin("/v1/chat/completions", "request-id")
+        account.trace.stream = True
+        with account.leg("prefill", (prefill, 1)):
+            pass
+        with account.leg("decode", (decode, 0)) as leg:
+            release = leg.hold()
+        account.replied()
+        release()
+        account.finish()
 
     best = min(timeit.repeat(one_request, number=requests, repeat=rounds))
     return best / requests * 1e6

@@ -23,15 +23,15 @@ from typing import Any
 import httpx
 import trio
 
-from ._config import (
+from ._core.config import (
     FLAG_FIELDS,
     SETTING_CHOICES,
     SETTING_DEFAULTS,
     ConfigError,
     env_name,
     flag_name,
-    load_settings,
 )
+from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster

@@ -1,9 +1,10 @@
-"""The quart-trio routes: parse -> ``Proxy`` -> reply. Thin on purpose; the pipeline is in ``_proxy``.
+"""The quart-trio routes: parse -> ``Proxy`` -> reply. Thin on purpose; the pipeline is in ``_pipeline``.
 
-Every failure the client can see is rendered by the error handlers here, as an OpenAI-style JSON
-error (``{"error": {"message", "type", "code"}}``): a ``ProxyError`` carries its own status, a
-Werkzeug ``HTTPException`` (404, 405, 413) keeps its status, and anything unexpected is a 500 with
-a generic message (the traceback goes to the log, never to the client).
+Every failure the client can see is rendered by ``_core.errors.error_reply``, as an OpenAI-style
+JSON error (``{"error": {"message", "type", "code"}}``), here and in the completion endpoints: a
+``ProxyError`` carries its own status, a Werkzeug ``HTTPException`` (404, 405, 413) keeps its
+status, and anything unexpected is a 500 with a generic message (the traceback goes to the log,
+never to the client).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from ._asgi import ProxyASGI
-from ._auth import AdminKey, ClientKeys, bearer_token
-from ._config import Settings
-from ._counters import CursorCounters
+from ._core.auth import AdminKey, ClientKeys, bearer_token
+from ._core.config import Settings
+from ._core.errors import BodyTooLarge, ProxyError, error_reply
+from ._core.rewrite import json_object
 from ._endpoints import CompletionEndpoints
-from ._errors import ProxyError, error_payload
-from ._proxy import Proxy, Reply
-from ._rewrite import json_object
+from ._pipeline import Reply
+from ._proxy import Proxy
+from ._roster_store import SharedRoutingState
 
 log = logging.getLogger("epd_trio")
 
@@ -36,9 +38,9 @@ def _json(status: int, payload: object, headers: dict[str, str] | None = None) -
                     content_type="application/json")
 
 
-def _error(exc: ProxyError) -> Response:
-    return Response(exc.body(), status=exc.status, content_type="application/json",
-                    headers=exc.headers)
+def _error(exc: BaseException) -> Response:
+    status, headers, body = error_reply(exc)
+    return Response(body, status=status, headers=headers)
 
 
 def _send(reply: Reply) -> Response:
@@ -47,11 +49,11 @@ def _send(reply: Reply) -> Response:
     return Response(reply.body, status=reply.status, headers=reply.headers)
 
 
-def create_app(settings: Settings, counters: CursorCounters | None = None) -> QuartTrio:
+def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
-    ``counters`` lets several worker processes share their routing positions (``epd-trio serve``
-    passes shared-memory ones); by default each app counts on its own.
+    ``shared`` lets several worker processes share their routing positions and roster
+    (``epd-trio serve`` passes its shared memory); by default each app routes on its own.
     """
     app = QuartTrio("epd_trio")
     app.config.update(
@@ -60,7 +62,7 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    proxy = Proxy(settings, counters)
+    proxy = Proxy(settings, shared)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
@@ -141,8 +143,8 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
         # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
         text = await trio.to_thread.run_sync(proxy.metrics.exposition)
         if text is None:
-            return _json(404, error_payload("metrics are disabled (EPD_METRICS)",
-                                            type="not_found_error", code=404))
+            return _error(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
+                                     type="not_found_error"))
         return Response(text, status=200, content_type=CONTENT_TYPE_LATEST)
 
     @app.errorhandler(ProxyError)
@@ -152,16 +154,14 @@ def create_app(settings: Settings, counters: CursorCounters | None = None) -> Qu
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        message = exc.description or exc.name
         if status == 413:
-            message = f"request body is larger than the limit of {settings.max_body_bytes} bytes"
-        payload = error_payload(message, type=_OPENAI_TYPES.get(status, "invalid_request_error"),
-                                code=status)
-        return _json(status, payload)
+            return _error(BodyTooLarge(settings.max_body_bytes))
+        return _error(ProxyError(exc.description or exc.name, status=status,
+                                 type=_OPENAI_TYPES.get(status, "invalid_request_error")))
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unexpected error while handling %s %s", request.method, request.path)
-        return _json(500, error_payload("internal proxy error", type="internal_error", code=500))
+        return _error(exc)
 
     return app

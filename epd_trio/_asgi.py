@@ -34,7 +34,8 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 
-from ._endpoints import KINDS, CompletionEndpoints
+from ._core.names import KIND_OF_PATH
+from ._endpoints import CompletionEndpoints
 
 ASGIApp = Any
 log = logging.getLogger("epd_trio")
@@ -45,7 +46,7 @@ class ProxyASGI:
     def __init__(self, app: ASGIApp, write_timeout: float = 60.0,
                  endpoints: CompletionEndpoints | None = None) -> None:
         self.app = app
-        #: The hot-path routes served below the framework (``_endpoints.KINDS``), if any.
+        #: The hot-path routes served below the framework (``_core.names.KIND_OF_PATH``), if any.
         self.endpoints = endpoints
         self.write_timeout = write_timeout
         #: Body sends in progress: key -> (started at, the request's resources).
@@ -98,7 +99,7 @@ class ProxyASGI:
                 self._sending.pop(key, None)
 
         async with AsyncExitStack() as resources:
-            if self.endpoints is not None and scope["path"] in KINDS:
+            if self.endpoints is not None and scope["path"] in KIND_OF_PATH:
                 await self.endpoints(scope, receive, send_watched, resources)
                 return
             await self.app(scope, receive, send_watched)

@@ -12,8 +12,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import trio
 
-from ._counters import Counter, LocalCounter
-from ._routing import Epoch, Instance, dp_slots, encoder_rr_assignment, rebase_epoch, slot_keys
+from ._core.counters import Counter, LocalCounter
+from ._core.routing import Epoch, Instance, dp_slots, encoder_rr_assignment, rebase_epoch, slot_keys
 
 #: Which instances may be chosen right now (live, not already tried by this request...).
 Usable = Callable[[Instance], bool]

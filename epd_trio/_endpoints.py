@@ -22,15 +22,20 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
-from ._auth import ClientKeys
-from ._errors import ProxyError, json_error
-from ._proxy import Proxy, Reply, new_request_id
-from ._rewrite import Kind
+from ._core.auth import ClientKeys
+from ._core.errors import (
+    INTERNAL_ERROR,
+    BodyTooLarge,
+    ProxyError,
+    error_reply,
+    sse_error_event,
+)
+from ._core.names import KIND_OF_PATH, RequestKind
+from ._core.rewrite import new_request_id
+from ._pipeline import Reply
+from ._proxy import Proxy
 
 log = logging.getLogger("epd_trio")
-
-#: The paths served here, and the request kind each one is.
-KINDS: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 Send = Callable[[ASGISendEvent], Awaitable[None]]
 
@@ -40,7 +45,7 @@ class _ClientGone(Exception):
 
 
 class CompletionEndpoints:
-    """Serves ``KINDS`` for one ``Proxy``; ``ProxyASGI`` routes those paths here."""
+    """Serves the paths of ``KIND_OF_PATH`` for one ``Proxy``; ``ProxyASGI`` routes them here."""
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None) -> None:
@@ -52,9 +57,9 @@ class CompletionEndpoints:
     async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                        resources: AsyncExitStack) -> None:
         if scope["method"] != "POST":
-            await _send_json(send, 405, json_error(
-                f"method {scope['method']} is not allowed here; use POST",
-                type="invalid_request_error", code=405), [(b"allow", b"POST")])
+            await _send_error(send, ProxyError(
+                f"method {scope['method']} is not allowed here; use POST", status=405,
+                type="invalid_request_error"), {"allow": "POST"})
             return
         headers = scope["headers"]
         try:
@@ -65,12 +70,12 @@ class CompletionEndpoints:
             return
         except ProxyError as exc:
             self._proxy.metrics.rejected(scope["path"], exc)
-            await _send_json(send, exc.status, exc.body(), _asgi_headers(exc.headers))
+            await _send_error(send, exc)
             return
         request_id = new_request_id(_header(headers, b"x-request-id"))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(KINDS[scope["path"]], raw, request_id, send, resources)
+            await self._respond(KIND_OF_PATH[scope["path"]], raw, request_id, send, resources)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -78,7 +83,7 @@ class CompletionEndpoints:
         limit = self._max_body_bytes
         declared = _header(headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(limit)
+            raise BodyTooLarge(limit)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -88,28 +93,23 @@ class CompletionEndpoints:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _too_large(limit)
+                raise BodyTooLarge(limit)
             parts.append(chunk)
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _respond(self, kind: Kind, raw: bytes, request_id: str, send: Send,
+    async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
                        resources: AsyncExitStack) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
                                              resources=resources)
-        except ProxyError as exc:
-            await _send_json(send, exc.status, exc.body(),
-                             [(b"x-request-id", request_id.encode())])
-            return
-        except Exception:
-            log.exception("unexpected error while handling POST %s request %s", kind, request_id)
-            await _send_json(send, 500, _INTERNAL_ERROR, [(b"x-request-id", request_id.encode())])
+        except Exception as exc:
+            if not isinstance(exc, ProxyError):
+                log.exception("unexpected error while handling POST %s request %s", kind,
+                              request_id)
+            await _send_error(send, exc, {"x-request-id": request_id})
             return
         await _send_reply(send, reply, request_id)
-
-
-_INTERNAL_ERROR = json_error("internal proxy error", type="internal_error", code=500)
 
 
 async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
@@ -126,17 +126,18 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         # A bug, not an upstream failure (the relay turns those into an error event itself):
         # the client still gets a stream that says it broke, not a silent truncation.
         log.exception("unexpected error while streaming request %s", request_id)
-        await send({"type": "http.response.body", "body": b"data: " + _INTERNAL_ERROR + b"\n\n",
+        await send({"type": "http.response.body", "body": sse_error_event(INTERNAL_ERROR),
                     "more_body": True})
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _send_json(send: Send, status: int, body: bytes,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_error(send: Send, exc: BaseException,
+                      extra_headers: Mapping[str, str] | None = None) -> None:
+    status, headers, body = error_reply(exc)
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), *(headers or [])]})
+                "headers": _asgi_headers({**headers, **(extra_headers or {})})})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -155,8 +156,3 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
-
-
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(f"request body is larger than the limit of {limit} bytes", status=413,
-                      type="invalid_request_error")

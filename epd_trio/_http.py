@@ -39,7 +39,7 @@ from typing import Any
 import httpcore2 as httpcore
 import trio
 
-from ._routing import Instance
+from ._core.routing import Instance
 
 #: The exceptions ``_upstream.map_upstream_errors`` translates (this library's).
 PoolTimeout = httpcore.PoolTimeout

@@ -3,7 +3,7 @@
 Loggers: ``epd_trio`` carries the operational warnings (an instance left or rejoined the rotation,
 a failover, a request that failed upstream, a stream that broke, a stalled client);
 ``epd_trio.requests`` carries one INFO line per request, only when ``EPD_REQUEST_LOG`` is on
-(``_metrics.ProxyMetrics.finish``). A record may carry structured ``fields`` (``extra={"fields":
+(``_request_log.log_request``). A record may carry structured ``fields`` (``extra={"fields":
 {...}}``): the JSON format puts them at the top level of the object, the text format appends
 them as ``key=value``.
 

@@ -1,11 +1,8 @@
-"""What the proxy counts about its traffic: the Prometheus metrics and each request's trace.
+"""The Prometheus metrics of one proxy: the only module that touches prometheus_client.
 
-One ``ProxyMetrics`` per ``Proxy`` owns every metric; nothing else touches prometheus_client. The
-proxy calls it at a few named points: per request ``begin`` / ``replied`` / ``failed`` /
-``finish``; per upstream call ``attempt`` / ``attempt_done`` / ``upstream_failed``; and on the
-events ``retried``, ``client_cancelled``, ``kv_missing``, ``encoded``, ``health_changed``. The
-same calls fill the request's ``RequestTrace``, which ``finish`` turns into the request log line
-when that is enabled (``_logs.py``).
+One ``ProxyMetrics`` per ``Proxy`` owns every metric family and hands out their cached children;
+``_accounting.py`` decides what to count when (it is the one caller on the request path), the
+request's trace and its log line live in ``_core/trace.py`` and ``_request_log.py``.
 
 Registries. In one process (``hypercorn epd_trio.app:app``, ``epd-trio serve`` with one worker,
 the apps tests start in-process) each ``ProxyMetrics`` has its own ``CollectorRegistry``: several
@@ -19,7 +16,7 @@ gauges need a rule (``multiprocess_mode``): in-flight requests are ``livesum`` (
 workers: a dead worker's requests died with it) and instance health is ``livemin`` (each worker
 probes on its own; 0 as soon as one live worker has the instance out of rotation).
 
-Cost (README "Operations"): labelled children are resolved once per (role, instance), rank,
+Cost (docs/discussion/performance.md): labelled children are resolved once per (stage, instance), rank,
 stage, endpoint and outcome and kept in dicts, so the hot path is a dict lookup and a few float
 additions per call, never ``.labels()``. ``metrics=False`` (``EPD_METRICS``) swaps every metric for
 a no-op and turns ``/metrics`` off; the trace is still kept for the request log.
@@ -28,36 +25,22 @@ a no-op and turns ``/metrics`` off; the trace is still kept for the request log.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import time
 from collections.abc import Iterable, Sequence
-from contextvars import ContextVar
 from typing import Any
 
-import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from ._errors import ProxyError, UpstreamError
-from ._health import InstanceState
-from ._routing import Instance
-from ._trace import Attempt, RequestTrace, outcome_of, request_fields
-
-log = logging.getLogger("epd_trio")
-request_log = logging.getLogger("epd_trio.requests")
+from ._core.errors import ProxyError
+from ._core.health import InstanceState
+from ._core.names import STAGES
+from ._core.trace import outcome_of
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 #: Seconds; prefill of a long prompt and a long generation take minutes, so the buckets go to 10.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
-STAGES = ("encode", "prefill", "decode")
-
-#: The request the current task works for: lets the per-attempt hooks (called from the failover
-#: loop and the encoder fan-out's child tasks, which inherit the context) add to its trace
-#: without threading it through every call. Set by ``begin``; each request runs in its own task.
-_current: ContextVar[RequestTrace | None] = ContextVar("epd_trio_request_trace", default=None)
-
 
 class _Off:
     """Stands in for every metric and child when metrics are disabled."""
@@ -82,7 +65,7 @@ _OFF = _Off()
 
 
 class _InstanceMetrics:
-    """The cached children of one (role, instance)."""
+    """The cached children of one (stage, instance)."""
 
     __slots__ = ("errors", "in_flight", "ranks", "requests")
 
@@ -100,11 +83,9 @@ class ProxyMetrics:
         self,
         *,
         enabled: bool = True,
-        request_log: bool = False,
         instances: Iterable[InstanceState] = (),
     ) -> None:
         self.enabled = enabled
-        self.request_log = request_log
         self.multiprocess = enabled and bool(os.environ.get(MULTIPROC_ENV))
         self.registry: CollectorRegistry | None = None
         target: CollectorRegistry | None = None
@@ -173,12 +154,14 @@ class ProxyMetrics:
         self.set_members(instances)
 
     # -- children ------------------------------------------------------------------------------
-    def _instance(self, role: str, url: str) -> _InstanceMetrics:
-        found = self._per_instance.get((role, url))
+    def instance(self, stage: str, url: str) -> _InstanceMetrics:
+        """The children of one (stage, instance); the metric label is ``role`` (it predates the
+        stage/role distinction, and dashboards use it)."""
+        found = self._per_instance.get((stage, url))
         if found is None:
-            found = self._per_instance[role, url] = _InstanceMetrics(
-                self._upstream_requests.labels(role, url), self._upstream_errors.labels(role, url),
-                self._in_flight.labels(role, url))
+            found = self._per_instance[stage, url] = _InstanceMetrics(
+                self._upstream_requests.labels(stage, url), self._upstream_errors.labels(stage, url),
+                self._in_flight.labels(stage, url))
         return found
 
     def set_members(self, states: Iterable[InstanceState]) -> None:
@@ -191,11 +174,11 @@ class ProxyMetrics:
         # Membership is kept apart from the children cache: a request still running on an
         # instance that left re-creates its children, and must not make the instance look like
         # a member when it registers again (its health would never be set).
-        current = {(state.role, state.url): state for state in states}
+        current = {(state.stage, state.url): state for state in states}
         for key, state in current.items():
             if key not in self._members:
                 self._members.add(key)
-                self._instance(*key)
+                self.instance(*key)
                 self._healthy.labels(*key).set(1 if state.live else 0)
         for key in [key for key in self._members | self._per_instance.keys() if key not in current]:
             self._members.discard(key)
@@ -211,156 +194,56 @@ class ProxyMetrics:
                 with contextlib.suppress(KeyError):
                     self._ranks.remove(*key, str(rank))
 
-    def in_flight(self, role: str, url: str) -> Any:
-        """The in-flight gauge of an instance (a stream relayed after its first bytes)."""
-        return self._instance(role, url).in_flight
-
-    # -- per request ---------------------------------------------------------------------------
-    def begin(self, endpoint: str, request_id: str) -> RequestTrace:
-        """A request arrived (its body is read); it becomes the current task's request."""
-        trace = RequestTrace(request_id, endpoint, time.perf_counter())
-        _current.set(trace)
-        return trace
-
-    def replied(self, trace: RequestTrace) -> None:
-        """The reply's first bytes are ready (a stream: decode's first chunk is here)."""
-        trace.first_byte = time.perf_counter()
-        trace.status = 200
-        self._reply_histograms(trace)[0].observe(trace.first_byte - trace.started)
-
-    def _reply_histograms(self, trace: RequestTrace) -> tuple[Any, Any]:
-        """The (time to first byte, duration) children for the request's endpoint and kind."""
-        found = self._per_reply.get((trace.endpoint, trace.stream))
-        if found is None:
-            stream = "true" if trace.stream else "false"
-            found = self._per_reply[trace.endpoint, trace.stream] = (
-                self._ttfb.labels(trace.endpoint, stream),
-                self._duration.labels(trace.endpoint, stream))
-        return found
-
-    def failed(self, trace: RequestTrace, stage: str, exc: BaseException) -> None:
-        """The request ended without a reply: cancelled (in ``stage``) or an error."""
-        if isinstance(exc, trio.Cancelled):
-            self.client_cancelled(stage, trace)
-        elif isinstance(exc, ProxyError):
-            trace.outcome, trace.status, trace.error = outcome_of(exc), exc.status, exc.message
-            if isinstance(exc, UpstreamError) and exc.status >= 500:
-                log.warning("request %s failed: %s", trace.request_id, exc.message,
-                            extra={"fields": {"request_id": trace.request_id,
-                                              "stage": exc.stage, "instance": exc.instance}})
-        else:
-            trace.outcome, trace.status, trace.error = "internal_error", 500, repr(exc)
-
-    def stream_failed(self, trace: RequestTrace, error: UpstreamError) -> None:
-        """A relayed stream broke after its first byte (the client got an SSE error event)."""
-        trace.outcome, trace.error = "stream_error", error.message
-        log.warning("request %s: stream broke after its first byte: %s", trace.request_id,
-                    error.message, extra={"fields": {"request_id": trace.request_id,
-                                                     "stage": error.stage,
-                                                     "instance": error.instance}})
-
-    def rejected(self, endpoint: str, error: ProxyError) -> None:
-        """A request refused before it reached the pipeline (a bad key, a body over the limit)."""
-        self._requests.labels(endpoint, outcome_of(error)).inc()
-
-    def client_cancelled(self, stage: str, trace: RequestTrace) -> None:
-        self._per_stage[stage][2].inc()
-        trace.outcome, trace.status, trace.cancelled_stage = "cancelled", 499, stage
-
-    def finish(self, trace: RequestTrace) -> None:
-        """The request is over (response sent, or the client gone): count it, maybe log it."""
-        finished = time.perf_counter()
-        outcome = trace.outcome or "ok"
-        child = self._per_request.get((trace.endpoint, outcome))
+    def rank(self, counts: _InstanceMetrics, stage: str, url: str, rank: int) -> Any:
+        """The DP-rank counter of an instance's ``rank``."""
+        child = counts.ranks.get(rank)
         if child is None:
-            child = self._per_request[trace.endpoint, outcome] = self._requests.labels(
-                trace.endpoint, outcome)
-        child.inc()
-        if outcome == "ok":
-            self._reply_histograms(trace)[1].observe(finished - trace.started)
-        if self.request_log and request_log.isEnabledFor(logging.INFO):
-            fields = request_fields(trace, finished)
-            request_log.info("%s %s %s %d in %.1f ms", trace.request_id, trace.endpoint,
-                             fields["outcome"], trace.status, fields["duration_s"] * 1000,
-                             extra={"fields": fields})
+            child = counts.ranks[rank] = self._ranks.labels(stage, url, str(rank))
+        return child
 
-    # -- per upstream call ---------------------------------------------------------------------
-    def attempt(self, stage: str, instance: Instance, rank: int | None) -> Attempt:
-        """An upstream call is sent (``attempt_done`` must follow)."""
-        counts = self._instance(stage, instance.url)
-        counts.requests.inc()
-        counts.in_flight.inc()
-        if rank is not None:
-            child = counts.ranks.get(rank)
-            if child is None:
-                child = counts.ranks[rank] = self._ranks.labels(stage, instance.url, str(rank))
-            child.inc()
-        attempt = Attempt(stage, instance.url, rank, time.perf_counter(), handle=counts)
-        trace = _current.get()
-        if trace is not None:
-            trace.attempts.append(attempt)
-        return attempt
+    def stage_seconds(self, stage: str) -> Any:
+        """The latency histogram of successful calls of ``stage``."""
+        return self._per_stage[stage][0]
 
-    def attempt_done(self, attempt: Attempt, outcome: str) -> None:
-        """The call answered (``ok``: its stage latency is observed), failed, or was abandoned."""
-        attempt.seconds = time.perf_counter() - attempt.started
-        attempt.outcome = outcome
-        attempt.handle.in_flight.dec()
-        if outcome == "ok":
-            self._per_stage[attempt.stage][0].observe(attempt.seconds)
-
-    def upstream_failed(self, role: str, url: str) -> None:
-        """An instance failed a call in a way that is its own fault (not a 4xx)."""
-        self._instance(role, url).errors.inc()
-
-    # -- events --------------------------------------------------------------------------------
-    def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
-        """A failover: ``stage`` failed at ``instance`` and is retried elsewhere."""
+    def retried(self, stage: str) -> None:
         self._per_stage[stage][1].inc()
-        trace = _current.get()
-        if trace is not None:
-            trace.retries += 1
-        log.warning("retrying %s after failure at %s: %s", stage, instance.url, error.message,
-                    extra={"fields": {"request_id": trace and trace.request_id, "stage": stage,
-                                      "instance": instance.url}})
+
+    def client_cancelled(self, stage: str) -> None:
+        self._per_stage[stage][2].inc()
 
     def kv_missing(self) -> None:
         self._kv_missing.inc()
-        trace = _current.get()
-        if trace is not None:
-            trace.kv_missing = True
 
-    def encoded(self, calls: Iterable[Any]) -> None:
-        """The encode stage succeeded: count each ``EncoderCall``'s items at its encoder."""
-        for call in calls:
-            self._items.labels(call.instance.url).inc(len(call.item_indices))
+    def encoded(self, url: str, items: int) -> None:
+        self._items.labels(url).inc(items)
+
+    def reply_histograms(self, endpoint: str, stream: bool) -> tuple[Any, Any]:
+        """The (time to first byte, duration) children for an endpoint and kind of reply."""
+        found = self._per_reply.get((endpoint, stream))
+        if found is None:
+            label = "true" if stream else "false"
+            found = self._per_reply[endpoint, stream] = (
+                self._ttfb.labels(endpoint, label), self._duration.labels(endpoint, label))
+        return found
+
+    def request_done(self, endpoint: str, outcome: str) -> None:
+        """A client request is over, with ``outcome`` (``_core.trace.OUTCOMES``)."""
+        child = self._per_request.get((endpoint, outcome))
+        if child is None:
+            child = self._per_request[endpoint, outcome] = self._requests.labels(endpoint, outcome)
+        child.inc()
+
+    def rejected(self, endpoint: str, error: ProxyError) -> None:
+        """A request refused before it reached the pipeline (a bad key, a body over the limit)."""
+        self.request_done(endpoint, outcome_of(error))
 
     def health_changed(self, state: InstanceState) -> None:
         """Listener for ``Registry.on_change`` (not on the request path)."""
-        self._healthy.labels(state.role, state.url).set(1 if state.live else 0)
+        self._healthy.labels(state.stage, state.url).set(1 if state.live else 0)
         if not state.live:
-            self._evictions.labels(state.role, state.url).inc()
+            self._evictions.labels(state.stage, state.url).inc()
 
     # -- reading -------------------------------------------------------------------------------
     def exposition(self) -> bytes | None:
         """The Prometheus text format of every metric (all workers'); None when disabled."""
         return None if self.registry is None else generate_latest(self.registry)
-
-    def value(self, name: str, **labels: str) -> float:
-        """One sample's current value (all workers'), 0 when absent: for tests and tools."""
-        if self.registry is None:
-            return 0.0
-        return self.registry.get_sample_value(name, labels) or 0.0
-
-    def by_stage(self, name: str) -> dict[str, float]:
-        """A per-stage counter's non-zero values, e.g. ``by_stage("epd_trio_retries_total")``."""
-        values = {stage: self.value(name, stage=stage) for stage in STAGES}
-        return {stage: value for stage, value in values.items() if value}
-
-    @property
-    def retries(self) -> dict[str, float]:
-        return self.by_stage("epd_trio_retries_total")
-
-    @property
-    def client_cancels(self) -> dict[str, float]:
-        return self.by_stage("epd_trio_client_cancellations_total")

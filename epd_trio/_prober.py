@@ -12,9 +12,9 @@ from functools import partial
 
 import trio
 
-from ._errors import UpstreamError
+from ._core.errors import UpstreamError
+from ._core.health import InstanceState, Registry
 from ._fanout import fan_out
-from ._health import InstanceState, Registry
 from ._http import UpstreamClient
 from ._upstream import get
 
@@ -24,7 +24,7 @@ async def probe_once(client: UpstreamClient, registry: Registry, probe_timeout: 
 
     async def probe(state: InstanceState) -> None:
         try:
-            await get(client.pool(state.instance), state.role, state.instance, "/health", probe_timeout)
+            await get(client.pool(state.instance), state.stage, state.instance, "/health", probe_timeout)
         except UpstreamError:
             registry.failed(state)
         else:

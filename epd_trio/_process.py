@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 
-from ._config import Settings
+from ._core.config import Settings
 from ._logs import configure_logging
 
 

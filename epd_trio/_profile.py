@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ._errors import ProxyError, UpstreamStatusError
+from ._core.errors import ProxyError, UpstreamStatusError
+from ._core.rewrite import json_object, upstream_headers
+from ._core.routing import Instance
 from ._fanout import fan_out
 from ._http import UpstreamPool
-from ._rewrite import json_object, upstream_headers
-from ._routing import Instance
 from ._upstream import post_json
 
 ACTIONS = ("start_profile", "stop_profile")

@@ -1,15 +1,11 @@
-"""The E -> P -> D pipeline for one client request (PROTOCOL.md), independent of the web framework.
+"""The proxy's owner: the roster, the lifecycle of its pools and prober, and the admin routes.
 
-``Proxy`` owns the routing state (one encoder cursor, a prefill and a decode slot cursor), the
-health ``Registry`` and the upstream connection pools; it takes the raw client body and returns a
-``Reply`` for the web layer to send. Stages run in order; each is skipped when the layout has no
-such role (no encoders, or a request without media: no encode stage; no prefill instances:
-decode does the whole request).
-
-Failure rules (README "Guarantees"): encoder and prefill attempts fail over to another instance
-(``max_attempts``); a decode that fails before its first byte is retried on another decode slot,
-re-running prefill since its KV handle belongs to the failed attempt (``decode_retries``);
-nothing is retried once a byte reached the client, and a 4xx is never retried.
+A ``Proxy`` holds what lives as long as the process serves: the instance roster (``_roster_store``:
+this process's, or the shared memory of ``epd-trio serve --workers N``), the health registry,
+the routing cursors, the upstream connection pools, the prober, and the accounting. A client
+request's path through the stages is the ``Pipeline``'s (``_pipeline.py``), which the proxy
+builds once and hands those pieces to; the admin and read-only routes (instances, health,
+models, profiling) are served here.
 """
 
 from __future__ import annotations
@@ -17,36 +13,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AsyncExitStack, contextmanager
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import trio
 
-from ._config import Settings
-from ._counters import CursorCounters
-from ._cursors import EncoderCursor, SlotCursor
-from ._errors import NoInstance, UpstreamError
-from ._failover import Failover, Slot, is_retryable, with_failover
-from ._health import InstanceState, Registry
-from ._http import UpstreamClient, UpstreamPool
-from ._metrics import ProxyMetrics
-from ._prober import run_prober
-from ._profile import ProfileReport, run_profile
-from ._rewrite import (
-    Kind,
-    build_decode_body,
-    build_prefill_body,
-    kv_transfer_params_of,
-    parse_request,
-    upstream_headers,
-    with_item_uuids,
-)
-from ._roster import (
-    ROUTING_ROLES,
+from ._accounting import Accounting
+from ._core.config import Settings
+from ._core.errors import NoInstance, UpstreamError
+from ._core.health import Registry
+from ._core.names import ROLES, STAGES, RequestKind
+from ._core.roster import (
     Roster,
     expired,
     forget,
@@ -57,47 +35,17 @@ from ._roster import (
     static_roster,
     unregister,
 )
-from ._roster_store import LocalRosterStore, RosterStore
-from ._routing import Instance
-from ._trace import RequestTrace
-from ._upstream import CHAT_PATH, Answer, get, open_stream, post_json, run_encoder_fanout
+from ._core.routing import Instance
+from ._cursors import EncoderCursor, SlotCursor
+from ._http import UpstreamClient, UpstreamPool
+from ._metrics import ProxyMetrics
+from ._pipeline import Pipeline, Reply, Routes
+from ._prober import run_prober
+from ._profile import ProfileReport, run_profile
+from ._roster_store import SharedRoutingState, routing_state
+from ._upstream import get, make_client, upstream_auth_headers
 
 log = logging.getLogger("epd_trio")
-
-PATHS: dict[Kind, str] = {"chat": CHAT_PATH, "completions": "/v1/completions"}
-
-
-@dataclass(slots=True)
-class Reply:
-    """What the web layer sends back: a status, headers, and either bytes or a byte stream."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
-
-
-def new_request_id(client_value: str | None) -> str:
-    """Keep the client's ``x-request-id`` (it ties our legs to their logs), else a fresh one."""
-    value = (client_value or "").strip()
-    # ASCII only: it goes into upstream headers, and an id that cannot be encoded must not be a 500.
-    keep = value and len(value) <= 256 and value.isascii() and value.isprintable()
-    return value if keep else uuid.uuid4().hex
-
-
-def upstream_auth_headers(settings: Settings) -> dict[str, str]:
-    """Headers every call to vLLM carries: its ``--api-key`` as a bearer token, when configured."""
-    key = settings.upstream_api_key
-    return {"authorization": f"Bearer {key}"} if key else {}
-
-
-def make_client(settings: Settings) -> UpstreamClient:
-    """The upstream pools: per instance at most ``max_connections`` requests per DP rank; every
-    request carries the upstream API key, if one is configured."""
-    return UpstreamClient(max_connections=settings.max_connections,
-                          connect_timeout=settings.connect_timeout,
-                          queue_timeout=settings.queue_timeout,
-                          headers=upstream_auth_headers(settings))
 
 
 class Proxy:
@@ -115,28 +63,26 @@ class Proxy:
     housekeeping closes them once idle (``reap_clients``), ``aclose`` closes all.
     """
 
-    def __init__(self, settings: Settings, counters: CursorCounters | None = None) -> None:
+    def __init__(self, settings: Settings, shared: SharedRoutingState | None = None) -> None:
         self.settings = settings
-        counters = counters if counters is not None else CursorCounters.local()
+        counters, self._store = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
-        #: Every count the proxy exports (``/metrics``) and each request's trace (request log).
-        self.metrics = ProxyMetrics(enabled=settings.metrics, request_log=settings.request_log)
+        #: Every count the proxy exports (``/metrics``).
+        self.metrics = ProxyMetrics(enabled=settings.metrics)
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
         self.encoders = EncoderCursor((), counter=counters.encode)
         self.prefills = SlotCursor((), counter=counters.prefill)
         self.decodes = SlotCursor((), counter=counters.decode)
-        self._failover = Failover(max_attempts=settings.max_attempts, track=self._track,
-                                  on_retry=self.metrics.retried)
-        self._decode_failover = Failover(max_attempts=1 + settings.decode_retries,
-                                         on_retry=self.metrics.retried)
+        self.pipeline = Pipeline(
+            settings, pools=self.client,
+            routes=Routes(self.encoders, self.prefills, self.decodes), registry=self.registry,
+            accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log))
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
         self._roster_changed = trio.Event()
         self.roster = Roster()
-        self._store: RosterStore = (counters.roster if counters.roster is not None
-                                    else LocalRosterStore(counters))
         initial = static_roster(settings.encode_urls, settings.prefill_urls, settings.decode_urls)
         self._apply(initial)
         self._store.attach(initial, self._apply)
@@ -146,7 +92,7 @@ class Proxy:
         """Follow a new roster version: health states, cursors, pools (synchronous: it runs
         inside a cursor's counter step when another worker changed the roster)."""
         self.roster = roster
-        self.registry.set_members({role: roster.of(role) for role in ROUTING_ROLES})
+        self.registry.set_members({stage: roster.of(stage) for stage in STAGES})
         self.metrics.set_members(self.registry.states())
         self.encoders.update(roster.of("encode"), roster.epochs["encode"])
         self.prefills.update(roster.of("prefill"), roster.epochs["prefill"])
@@ -174,7 +120,7 @@ class Proxy:
         member = parse_registration(raw_body, time.monotonic())
         created = self._store.update(lambda roster, counters: register(roster, member, counters))
         if created:
-            log.warning("%s instance %s registered (dp_size %d)", member.kind, member.url,
+            log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
 
@@ -209,15 +155,14 @@ class Proxy:
         """``GET /instances``: every instance by role, where it comes from, and its state."""
         roster = self._store.current()
         now = time.monotonic()
-        listing: dict[str, list[dict[str, Any]]] = {kind: [] for kind in (
-            "encode", "prefill", "decode", "prefill_decode")}
+        listing: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
         for member in roster.members:
-            entry = self.registry.state_for(member.role, member.instance).report()
+            entry = self.registry.state_for(member.stage, member.instance).report()
             entry.update(source="static" if member.static else "registered",
                          ec_zmq_addrs=list(member.ec_zmq_addrs))
             if not member.static:
                 entry["registered_seconds_ago"] = round(now - member.registered_at, 3)
-            listing[member.kind].append(entry)
+            listing[member.role].append(entry)
         # Health is each worker's own view (each probes on its own): say whose view this is.
         return {"layout": layout_name(roster), "version": roster.version,
                 "worker_pid": os.getpid(), "instances": listing}
@@ -277,186 +222,14 @@ class Proxy:
                     await client.aclose()
         self._upstream = self._probe_client = None
 
-    # -- bookkeeping ---------------------------------------------------------------------------
-    @contextmanager
-    def _track(self, stage: str, slot: Slot) -> Iterator[None]:
-        """Count one upstream attempt: in flight while it runs, its outcome fed to health."""
-        instance, rank = slot
-        state = self.registry.state_for(stage, instance)
-        state.in_flight += 1
-        state.sent += 1
-        attempt, outcome = self.metrics.attempt(stage, instance, rank), "cancelled"
-        try:
-            yield
-        except UpstreamError as error:
-            outcome = "error"
-            self._count_failure(state, error)
-            raise
-        else:
-            outcome = "ok"
-            self.registry.succeeded(state)
-        finally:
-            state.in_flight -= 1
-            self.metrics.attempt_done(attempt, outcome)
-
-    def _count_failure(self, state: InstanceState, error: UpstreamError) -> None:
-        """An upstream failure at ``state``'s instance: its error count, and its health."""
-        if is_retryable(error):  # a 4xx is the client's fault, not the instance's
-            state.errors += 1
-            self.metrics.upstream_failed(state.role, state.url)
-        if error.instance_failure:
-            self.registry.failed(state)
-
-    async def _next_slot(
-        self, cursor: SlotCursor, role: str, tried: set[Slot], any_slot: bool = False
-    ) -> Slot | None:
-        """The next usable slot on an instance not tried yet; with ``any_slot``, failing that,
-        an untried slot (another DP rank) of a tried instance."""
-        usable = self.registry.usable(role)
-        urls = {inst.url for inst, _ in tried}
-        try:
-            return cursor.next(lambda inst: inst.url not in urls and usable(inst))
-        except LookupError:
-            if not any_slot:
-                return None
-        try:
-            return cursor.next(usable, exclude=tried)
-        except LookupError:
-            return None
-
-    # -- the pipeline --------------------------------------------------------------------------
+    # -- client requests -------------------------------------------------------------------------
     async def handle(
-        self,
-        kind: Kind,
-        raw_body: bytes,
-        *,
-        request_id: str,
-        resources: AsyncExitStack,
-        authorization: str | None = None,
+        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack
     ) -> Reply:
-        """Run the request through its stages and produce the reply.
-
-        ``resources`` is the request's owner of anything that outlives this call (the open decode
-        stream): the web layer closes it after the response is sent or the client went away.
-        Raises ``ProxyError`` for anything the client must be told.
-        """
-        trace = self.metrics.begin(PATHS[kind], request_id)
-        resources.callback(self.metrics.finish, trace)
-        stage = "encode"
-        try:
-            request = parse_request(raw_body, kind)
-            trace.stream = request.stream
-            body, items = with_item_uuids(request)
-            self._store.poll()  # one word read: did another worker change the roster?
-            registry = self.registry
-            if not registry.has("decode"):
-                raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
-            with_prefill = registry.has("prefill")
-            if items and registry.has("encode"):
-                self.metrics.encoded(await run_encoder_fanout(
-                    self.client, self.encoders, body=body, items=items, request_id=request_id,
-                    max_batch=self.settings.encoder_max_batch,
-                    deadline=self.settings.encode_timeout, authorization=authorization,
-                    usable=self.registry.usable("encode"), failover=self._failover,
-                ))
-            stage = "prefill" if with_prefill else "decode"
-            attempts = 0
-
-            async def attempt(slot: Slot) -> Reply:
-                nonlocal attempts, stage
-                leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
-                attempts += 1
-                decode_body: dict[str, Any] = body
-                if with_prefill:
-                    stage = "prefill"
-                    decode_body = await self._prefill(body, PATHS[kind], leg_id, authorization)
-                stage = "decode"
-                return await self._decode(slot, decode_body, request.stream, PATHS[kind],
-                                          leg_id, authorization, resources, trace)
-
-            first = await self._next_slot(self.decodes, "decode", set())
-            if first is None:  # the last decode instance left while this request started
-                raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
-            reply = await with_failover(
-                self._decode_failover, "decode", first, attempt,
-                partial(self._next_slot, self.decodes, "decode", any_slot=True))
-        except BaseException as exc:
-            self.metrics.failed(trace, stage, exc)  # a cancellation is counted by stage
-            raise
-        reply.headers["x-request-id"] = request_id
-        self.metrics.replied(trace)
-        return reply
-
-    async def _prefill(
-        self, body: dict[str, Any], path: str, request_id: str, authorization: str | None
-    ) -> dict[str, Any]:
-        """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
-        prefill_body = build_prefill_body(body)
-
-        async def attempt(slot: Slot) -> Answer:
-            instance, rank = slot
-            return await post_json(
-                self.client(instance), stage="prefill", instance=instance, path=path, body=prefill_body,
-                headers=upstream_headers(request_id, rank, authorization),
-                deadline=self.settings.prefill_timeout,
-            )
-
-        first = await self._next_slot(self.prefills, "prefill", set())
-        if first is None:
-            raise NoInstance("no prefill instance is configured or registered")
-        response = await with_failover(self._failover, "prefill", first, attempt,
-                                       partial(self._next_slot, self.prefills, "prefill"))
-        params = kv_transfer_params_of(response.content)
-        if params is None:
-            self.metrics.kv_missing()
-        return build_decode_body(body, params)
-
-    async def _decode(
-        self, slot: Slot, body: dict[str, Any], stream: bool, path: str, request_id: str,
-        authorization: str | None, resources: AsyncExitStack, trace: RequestTrace,
-    ) -> Reply:
-        instance, rank = slot
-        headers = upstream_headers(request_id, rank, authorization)
-        with self._track("decode", slot):
-            if not stream:
-                response = await post_json(
-                    self.client(instance), stage="decode", instance=instance, path=path, body=body,
-                    headers=headers, deadline=self.settings.decode_timeout,
-                )
-                return Reply(response.status, {"content-type": response.content_type},
-                             body=response.content)
-            relay = await open_stream(
-                self.client(instance), stage="decode", instance=instance, path=path, body=body,
-                headers=headers, deadline=self.settings.decode_timeout,
-                idle_timeout=self.settings.stream_idle_timeout,
-            )
-        # The first bytes are here: from now on the request belongs to this decode instance.
-        # The stream stays in flight until the web layer closes the request's resources.
-        state = self.registry.state_for("decode", instance)
-        state.in_flight += 1
-        in_flight = self.metrics.in_flight("decode", instance.url)
-        in_flight.inc()
-
-        def stream_abandoned() -> None:
-            self.metrics.client_cancelled("decode", trace)
-
-        def stream_failed(error: UpstreamError) -> None:
-            self._count_failure(state, error)
-            self.metrics.stream_failed(trace, error)
-
-        def stream_closed() -> None:
-            state.in_flight -= 1
-            in_flight.dec()
-
-        relay.on_error = stream_failed
-        relay.on_abandon = stream_abandoned
-        resources.callback(stream_closed)
-        resources.push_async_callback(relay.aclose)
-        return Reply(
-            relay.response.status,
-            {"content-type": "text/event-stream", "cache-control": "no-cache"},
-            stream=relay.relay(),
-        )
+        """One client request: ``Pipeline.run``, on the roster as it is now."""
+        self._store.poll()  # one word read: did another worker change the roster?
+        return await self.pipeline.run(kind, raw_body, request_id=request_id,
+                                       resources=resources)
 
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:
@@ -494,14 +267,14 @@ class Proxy:
     async def profile(self, action: str, raw_body: bytes) -> ProfileReport:
         """``POST /start_profile`` / ``/stop_profile`` on every instance of every role."""
         self._store.poll()
-        targets = [(m.kind, m.instance) for m in self.roster.members]
+        targets = [(m.role, m.instance) for m in self.roster.members]
         return await run_profile(action, raw_body, targets, self.client,
                                  deadline=self.settings.profile_timeout)
 
 
 def _log_health_change(state: Any) -> None:
     if state.live:
-        log.warning("%s instance %s is back in rotation", state.role, state.url)
+        log.warning("%s instance %s is back in rotation", state.stage, state.url)
     else:
         log.warning("%s instance %s left the rotation after %d consecutive failures",
-                    state.role, state.url, state.consecutive_failures)
+                    state.stage, state.url, state.consecutive_failures)

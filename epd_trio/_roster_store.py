@@ -31,9 +31,10 @@ from ctypes import c_char, c_int64
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol, TypeVar
 
-from ._counters import Counter, CursorCounters
-from ._errors import ProxyError
-from ._roster import ROUTING_ROLES, Roster
+from ._core.counters import Counter, CursorCounters
+from ._core.errors import RosterFull
+from ._core.names import STAGES
+from ._core.roster import Roster
 
 T = TypeVar("T")
 #: A change: the current roster and the counters' values -> the new roster and a result.
@@ -41,11 +42,6 @@ Change = Callable[[Roster, Mapping[str, int]], tuple[Roster, T]]
 Listener = Callable[[Roster], None]
 
 DEFAULT_CAPACITY = 1 << 20
-
-
-class RosterFull(ProxyError):
-    status = 503
-    type = "roster_full"
 
 
 class RosterStore(Protocol):
@@ -60,6 +56,14 @@ class RosterStore(Protocol):
     def current(self) -> Roster: ...
 
 
+def routing_state(shared: SharedRoutingState | None) -> tuple[CursorCounters, RosterStore]:
+    """The counters and the roster store of one proxy: this process's own, or ``shared``'s."""
+    if shared is None:
+        counters = CursorCounters.local()
+        return counters, LocalRosterStore(counters)
+    return shared.counters(), shared
+
+
 class LocalRosterStore:
     """The roster of a single process: changes apply at once, nothing to poll."""
 
@@ -72,7 +76,7 @@ class LocalRosterStore:
         self._roster, self._listener = initial, listener
 
     def update(self, change: Change[T]) -> T:
-        values = {role: getattr(self._counters, role).fetch_add(0) for role in ROUTING_ROLES}
+        values = {role: getattr(self._counters, role).fetch_add(0) for role in STAGES}
         new, result = change(self._roster, values)
         old, self._roster = self._roster, new
         if new.version != old.version and self._listener is not None:
@@ -87,8 +91,8 @@ class LocalRosterStore:
 
 
 # Words of the shared array.
-_COUNTER = {role: i for i, role in enumerate(ROUTING_ROLES)}
-_VERSION = len(ROUTING_ROLES)
+_COUNTER = {role: i for i, role in enumerate(STAGES)}
+_VERSION = len(STAGES)
 _LENGTH = _VERSION + 1
 
 
@@ -120,9 +124,7 @@ class SharedRoutingState:
 
     def counters(self) -> CursorCounters:
         """The routing counters, bound to this state (taking one syncs the roster)."""
-        counters = CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in ROUTING_ROLES))
-        counters.roster = self
-        return counters
+        return CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in STAGES))
 
     # -- RosterStore ---------------------------------------------------------------------------
     def attach(self, initial: Roster, listener: Listener) -> None:
@@ -134,7 +136,7 @@ class SharedRoutingState:
     def update(self, change: Change[T]) -> T:
         with self._lock:
             roster = self._read_locked()
-            values = {role: self._words[_COUNTER[role]] for role in ROUTING_ROLES}
+            values = {role: self._words[_COUNTER[role]] for role in STAGES}
             new, result = change(roster, values)
             if new is not roster:
                 raw = new.to_bytes()

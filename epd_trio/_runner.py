@@ -5,7 +5,8 @@ socket writes are shielded and have no write timeout, so a client that stopped r
 worker alive past its graceful timeout (seen: 10 s with a 2 s graceful timeout). Each worker here
 arms a watchdog thread when shutdown starts and exits the process at graceful-timeout + 4 s if
 the event loop has not finished by then; the parent kills any worker still alive 1 s later.
-(2) Workers must share their routing counters (``_counters.py``), created here before spawning.
+(2) Workers must share their routing counters and roster (``_roster_store.SharedRoutingState``),
+    created here before spawning.
 (3) Its parent reports exit status 0 when a worker dies at start-up; here a failed start is a
 failed start. (4) Metrics must add up across workers: the parent gives them a private
 prometheus_client multiprocess directory (``_metrics.py``) and removes it at exit.
@@ -38,10 +39,10 @@ from hypercorn.utils import wrap_app
 from prometheus_client.multiprocess import mark_process_dead
 
 from ._app import create_app
-from ._config import Settings
-from ._counters import CursorCounters
+from ._core.config import Settings
 from ._metrics import MULTIPROC_ENV
 from ._process import setup_serving_process
+from ._roster_store import SharedRoutingState
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.
@@ -95,14 +96,14 @@ def _arm_watchdog(limit: float, who: str) -> None:
 
 async def _serve(
     settings: Settings,
-    counters: CursorCounters,
+    shared: SharedRoutingState | None,
     config: Config,
     sockets: Sockets,
     stop: trio.Event,
     who: str,
 ) -> None:
     setup_serving_process(settings)
-    app = wrap_app(create_app(settings, counters), config.wsgi_max_body_size, "asgi")
+    app = wrap_app(create_app(settings, shared), config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:
         await stop.wait()
@@ -113,7 +114,7 @@ async def _serve(
 
 def _worker_main(
     settings: Settings,
-    counters: CursorCounters,
+    shared: SharedRoutingState,
     config: Config,
     sockets: Sockets,
     lifeline: Connection,
@@ -144,7 +145,7 @@ def _worker_main(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_parent)
             nursery.start_soon(watch_signals)
-            await _serve(settings, counters, config, sockets, stop, f"worker {index}")
+            await _serve(settings, shared, config, sockets, stop, f"worker {index}")
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -178,7 +179,7 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
                         return
 
             nursery.start_soon(on_signal)
-            await _serve(settings, CursorCounters.local(), config, sockets, stop, "proxy")
+            await _serve(settings, None, config, sockets, stop, "proxy")
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -227,7 +228,7 @@ def _run_workers(
         if metrics_dir is not None and process.pid is not None:
             mark_process_dead(process.pid, metrics_dir)
 
-    counters = CursorCounters.shared(ctx)
+    shared = SharedRoutingState(ctx)
     signalled: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -240,7 +241,7 @@ def _run_workers(
         read_end, write_end = ctx.Pipe(duplex=False)
         process = ctx.Process(
             target=_worker_main,
-            kwargs={"settings": settings, "counters": counters, "config": config,
+            kwargs={"settings": settings, "shared": shared, "config": config,
                     "sockets": sockets, "lifeline": read_end, "index": index},
             name=f"epd-trio-worker-{index}",
         )

@@ -20,15 +20,20 @@ from typing import Any
 import orjson
 import trio
 
-from ._cursors import EncoderCursor, Usable
-from ._errors import (
+from ._core.config import Settings
+from ._core.errors import (
     ProxyOverloaded,
     UpstreamError,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamTransportError,
+    sse_error_event,
 )
-from ._failover import NO_FAILOVER, Failover, with_failover
+from ._core.failover import NO_FAILOVER, UNOBSERVED, Failover, LegObserver, Slot, with_failover
+from ._core.names import CHAT_PATH
+from ._core.rewrite import build_encoder_body, upstream_headers
+from ._core.routing import Instance, group_by_target
+from ._cursors import EncoderCursor, Usable
 from ._fanout import fan_out
 from ._http import (
     ConnectTimeout,
@@ -40,10 +45,21 @@ from ._http import (
     UpstreamResponse,
     reset_on_close,
 )
-from ._rewrite import build_encoder_body, upstream_headers
-from ._routing import Instance, group_by_target
 
-CHAT_PATH = "/v1/chat/completions"
+
+def upstream_auth_headers(settings: Settings) -> dict[str, str]:
+    """Headers every call to vLLM carries: its ``--api-key`` as a bearer token, when configured."""
+    key = settings.upstream_api_key
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def make_client(settings: Settings) -> UpstreamClient:
+    """The upstream pools: per instance at most ``max_connections`` requests per DP rank; every
+    request carries the upstream API key, if one is configured."""
+    return UpstreamClient(max_connections=settings.max_connections,
+                          connect_timeout=settings.connect_timeout,
+                          queue_timeout=settings.queue_timeout,
+                          headers=upstream_auth_headers(settings))
 
 
 @contextmanager
@@ -137,6 +153,10 @@ def _raise_for_status(
                                   detail=detail)
 
 
+#: Told when a relayed stream breaks after its first byte.
+OnStreamError = Callable[[UpstreamError], None]
+
+
 class StreamRelay:
     """An upstream stream that has produced its first body bytes, ready to be relayed.
 
@@ -154,7 +174,8 @@ class StreamRelay:
 
     def __init__(
         self, response: UpstreamResponse, chunks: AsyncGenerator[bytes, None], first: bytes, *,
-        stage: str, instance: str,
+        stage: str, instance: str, on_error: OnStreamError | None = None,
+        on_abandon: Callable[[], None] | None = None,
     ) -> None:
         self.response = response
         self._chunks = chunks
@@ -163,8 +184,8 @@ class StreamRelay:
         self._instance = instance
         self._finished = False
         self._closed = False
-        self.on_error: Callable[[UpstreamError], None] | None = None
-        self.on_abandon: Callable[[], None] | None = None
+        self._on_error = on_error
+        self._on_abandon = on_abandon
 
     async def relay(self) -> AsyncIterator[bytes]:
         try:
@@ -189,8 +210,8 @@ class StreamRelay:
             except UpstreamError as error:
                 released = self._closed  # the client's doing, not the instance's
                 self._finished = True
-                if self.on_error is not None and not released:
-                    self.on_error(error)
+                if self._on_error is not None and not released:
+                    self._on_error(error)
                 yield sse_error_event(error)
         finally:
             await self.aclose()
@@ -204,8 +225,8 @@ class StreamRelay:
         with trio.CancelScope(shield=True):
             await self._chunks.aclose()
             await self.response.aclose()
-        if not self._finished and self.on_abandon is not None:
-            self.on_abandon()
+        if not self._finished and self._on_abandon is not None:
+            self._on_abandon()
 
 
 async def open_stream(
@@ -218,13 +239,16 @@ async def open_stream(
     headers: Mapping[str, str],
     deadline: float,
     idle_timeout: float,
+    on_error: OnStreamError | None = None,
+    on_abandon: Callable[[], None] | None = None,
 ) -> StreamRelay:
     """POST and return once the response headers *and* the first body bytes have arrived.
 
     ``deadline`` bounds the time to the first body bytes; the per-read timeout
     (``idle_timeout``) bounds every wait for data, so also each gap between chunks once the
-    stream runs (the smaller of the two applies before the first bytes). The caller owns the relay and
-    must ``aclose()`` it. A non-2xx answer is read, closed, and raised as ``UpstreamStatusError``.
+    stream runs (the smaller of the two applies before the first bytes). The caller owns the
+    relay and must ``aclose()`` it; ``on_error`` and ``on_abandon`` go to the relay. A non-2xx
+    answer is read, closed, and raised as ``UpstreamStatusError``.
     """
     with map_upstream_errors(stage, instance.url, deadline):
         response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
@@ -234,7 +258,8 @@ async def open_stream(
         except BaseException:
             await response.aclose()  # shielded: vLLM must see the close
             raise
-    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url)
+    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url,
+                       on_error=on_error, on_abandon=on_abandon)
 
 
 async def _first_bytes(
@@ -259,11 +284,6 @@ async def get(pool: UpstreamPool, stage: str, instance: Instance, path: str,
               deadline: float) -> Answer:
     """GET a small resource (``/health``, ``/v1/models``); non-2xx raises ``UpstreamStatusError``."""
     return await _fetch(pool, b"GET", path, stage=stage, instance=instance, deadline=deadline)
-
-
-def sse_error_event(error: UpstreamError) -> bytes:
-    """The frame that ends a stream which broke after its first byte (no silent truncation)."""
-    return b"data: " + orjson.dumps(error.payload()) + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +311,7 @@ async def run_encoder_fanout(
     authorization: str | None = None,
     usable: Usable | None = None,
     failover: Failover = NO_FAILOVER,
+    observer: LegObserver = UNOBSERVED,
 ) -> list[EncoderCall]:
     """Encode every media item of one request, concurrently, on round-robin encoders.
 
@@ -302,7 +323,8 @@ async def run_encoder_fanout(
     way is retried on the next untried encoder in rotation (``failover.max_attempts`` in all);
     the first failure that stays a failure cancels the sibling sub-requests and is raised as one
     ``UpstreamError`` naming the ``encode`` stage, the instance and the item indices. Each
-    attempt is bounded by ``deadline`` seconds. ``EncoderCall.instance`` is where it succeeded.
+    attempt is bounded by ``deadline`` seconds and reported to ``observer`` (the proxy's
+    accounting). ``EncoderCall.instance`` is where it succeeded.
     """
     if not items:
         return []
@@ -318,16 +340,15 @@ async def run_encoder_fanout(
         headers = upstream_headers(f"{request_id}-enc-{call.index}", None, authorization)
         detail = f"items {list(call.item_indices)}: "
 
-        async def attempt(slot: tuple[Instance, int | None]) -> EncoderCall:
-            await post_json(
-                pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
-                body=encoder_body,
-                headers=headers, deadline=deadline, detail=detail,
-            )
+        async def attempt(slot: Slot) -> EncoderCall:
+            with observer.leg("encode", slot):
+                await post_json(
+                    pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
+                    body=encoder_body, headers=headers, deadline=deadline, detail=detail,
+                )
             return replace(call, instance=slot[0])
 
-        async def pick_next(tried: set[tuple[Instance, int | None]]) -> (
-                tuple[Instance, int | None] | None):
+        async def pick_next(tried: set[Slot]) -> Slot | None:
             urls = {inst.url for inst, _ in tried}
             try:
                 (instance,) = await cursor.assign(1, lambda e: e.url not in urls and (
@@ -336,6 +357,7 @@ async def run_encoder_fanout(
                 return None
             return instance, None
 
-        return await with_failover(failover, "encode", (call.instance, None), attempt, pick_next)
+        return await with_failover(failover, "encode", (call.instance, None), attempt, pick_next,
+                                   observer.retried)
 
     return await fan_out([partial(encode, call) for call in planned])

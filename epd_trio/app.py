@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 from ._app import create_app
-from ._config import ConfigError, load_settings
+from ._core.config import ConfigError
+from ._environment import load_settings
 from ._process import setup_serving_process
 
 try:

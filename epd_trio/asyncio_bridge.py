@@ -52,14 +52,13 @@ import orjson
 import trio
 import trio_asyncio
 
-from ._config import Settings
+from ._core.config import Settings
+from ._core.failover import Failover
+from ._core.rewrite import parse_request, with_item_uuids
+from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
-from ._failover import Failover
 from ._http import UpstreamClient, UpstreamPool
-from ._proxy import make_client
-from ._rewrite import parse_request, with_item_uuids
-from ._routing import Instance
-from ._upstream import EncoderCall, run_encoder_fanout
+from ._upstream import EncoderCall, make_client, run_encoder_fanout
 
 T = TypeVar("T")
 P = ParamSpec("P")

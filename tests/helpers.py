@@ -76,3 +76,27 @@ async def scrape(
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return Samples(r.text)
+
+
+# -- reading a proxy's own metrics in-process (no scrape) -----------------------------------------
+STAGES = ("encode", "prefill", "decode")
+
+
+def metric(proxy: Any, name: str, **labels: str) -> float:
+    """One sample's current value in ``proxy``'s registry (all workers'), 0 when absent."""
+    registry = proxy.metrics.registry
+    return 0.0 if registry is None else registry.get_sample_value(name, labels) or 0.0
+
+
+def by_stage(proxy: Any, name: str) -> dict[str, float]:
+    """A per-stage counter's non-zero values, e.g. ``by_stage(p, "epd_trio_retries_total")``."""
+    values = {stage: metric(proxy, name, stage=stage) for stage in STAGES}
+    return {stage: value for stage, value in values.items() if value}
+
+
+def retries(proxy: Any) -> dict[str, float]:
+    return by_stage(proxy, "epd_trio_retries_total")
+
+
+def client_cancels(proxy: Any) -> dict[str, float]:
+    return by_stage(proxy, "epd_trio_client_cancellations_total")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from epd_trio._auth import AdminKey, ClientKeys
-from epd_trio._errors import AdminDisabled, AdminUnauthorized, Unauthorized
+from epd_trio._core.auth import AdminKey, ClientKeys
+from epd_trio._core.errors import AdminDisabled, AdminUnauthorized, Unauthorized
 
 
 def test_client_keys_off_without_keys() -> None:

@@ -9,7 +9,7 @@ import trio.testing
 
 from epd_trio.testing import Cluster, FakeVLLM, run_cluster
 
-from helpers import chat_body, image
+from helpers import chat_body, client_cancels, image, metric
 
 CHAT = "/v1/chat/completions"
 
@@ -51,8 +51,8 @@ async def test_client_disconnect_cancels_the_upstream_leg(
         await trio.testing.wait_all_tasks_blocked()
         assert target.in_flight == 0
         assert c.proxy.registry.in_flight() == 0
-        assert c.proxy.metrics.client_cancels == {stage.removesuffix("-stream"): 1}
-        assert c.proxy.metrics.value("epd_trio_requests_total", endpoint=CHAT,
+        assert client_cancels(c.proxy) == {stage.removesuffix("-stream"): 1}
+        assert metric(c.proxy, "epd_trio_requests_total", endpoint=CHAT,
                                      outcome="cancelled") == 1
         later = [f for f in c.fakes if f is not target and f.requests()]
         order = [*c.encoders, *c.prefills, *c.decodes]

@@ -12,7 +12,7 @@ import trio.testing
 from epd_trio import Instance
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image
+from helpers import chat_body, image, retries
 
 CHAT = "/v1/chat/completions"
 
@@ -50,7 +50,7 @@ async def test_encoder_killed_mid_burst(client: httpx.AsyncClient) -> None:
         assert outcomes["ok"] + outcomes["failed cleanly"] == 200
         assert all(e["error"]["stage"] == "encode" for e in errors)
         assert not state.live and sent_at_eviction  # evicted by live transport failures
-        assert c.proxy.metrics.retries["encode"] >= 1
+        assert retries(c.proxy)["encode"] >= 1
         # Evicted: the dead encoder gets nothing more.
         sent_after_burst = state.sent
         for n in range(200, 230):
@@ -58,7 +58,7 @@ async def test_encoder_killed_mid_burst(client: httpx.AsyncClient) -> None:
             assert r.status_code == 200
         assert state.sent == sent_after_burst
         print(f"\nencoder kill mid-burst of 200: {dict(outcomes)}, "
-              f"encode retries {c.proxy.metrics.retries['encode']}")
+              f"encode retries {retries(c.proxy)['encode']}")
 
 
 async def test_decode_500_before_first_byte_succeeds_on_the_other(
@@ -79,7 +79,7 @@ async def test_decode_500_before_first_byte_succeeds_on_the_other(
         assert prefill_ids == ["sFalse", "sFalse-retry1", "sTrue", "sTrue-retry1"]
         retried = d1.requests()[0].body["kv_transfer_params"]["remote_request_id"]
         assert retried == "sFalse-retry1"
-        assert c.proxy.metrics.retries == {"decode": 2}
+        assert retries(c.proxy) == {"decode": 2}
 
 
 async def test_client_errors_are_never_retried(client: httpx.AsyncClient) -> None:
@@ -92,7 +92,7 @@ async def test_client_errors_are_never_retried(client: httpx.AsyncClient) -> Non
         r = await client.post(c.proxy_url + CHAT, json=chat_body())  # P1, then D1 (fails)
         assert r.status_code == 400
         assert len(c.decodes[0].requests()) == 0 and len(c.prefills[0].requests()) == 1
-        assert c.proxy.metrics.retries == {}
+        assert retries(c.proxy) == {}
 
 
 async def test_prefill_failures_are_not_retried_again_by_decode(
@@ -105,7 +105,7 @@ async def test_prefill_failures_are_not_retried_again_by_decode(
         assert r.status_code == 502 and r.json()["error"]["stage"] == "prefill"
         assert sum(len(p.requests()) for p in c.prefills) == 2  # max_attempts, not 2 x 2
         assert all(d.requests() == [] for d in c.decodes)
-        assert c.proxy.metrics.retries == {"prefill": 1}
+        assert retries(c.proxy) == {"prefill": 1}
 
 
 async def test_prefill_failover_to_the_next_instance(client: httpx.AsyncClient) -> None:
@@ -115,7 +115,7 @@ async def test_prefill_failover_to_the_next_instance(client: httpx.AsyncClient) 
         r = await client.post(c.proxy_url + CHAT, json=chat_body())
         assert r.status_code == 200
         assert len(p0.requests()) == len(p1.requests()) == 1
-        assert c.proxy.metrics.retries == {"prefill": 1}
+        assert retries(c.proxy) == {"prefill": 1}
         assert p0.disconnects == 1  # the timed-out attempt was closed, so vLLM aborts it
 
 
@@ -148,7 +148,7 @@ async def test_stream_idle_gap_ends_with_an_sse_error(client: httpx.AsyncClient)
         assert len(frames) == 2  # the first chunk, then the error: no retry after a byte
         error = orjson.loads(frames[-1].removeprefix("data: "))["error"]
         assert error["stage"] == "decode" and error["type"] == "upstream_timeout"
-        assert c.decodes[1].requests() == [] and c.proxy.metrics.retries == {}
+        assert c.decodes[1].requests() == [] and retries(c.proxy) == {}
         await trio.testing.wait_all_tasks_blocked()
         assert c.decodes[0].disconnects == 1 and c.proxy.registry.in_flight() == 0
 
@@ -161,7 +161,7 @@ async def test_unreachable_prefill_fails_over(client: httpx.AsyncClient) -> None
                                decode_urls=c.settings.decode_urls, health_interval=3600) as c2:
             r = await client.post(c2.proxy_url + CHAT, json=chat_body())
             assert r.status_code == 200 and len(c.prefills[0].requests()) == 1
-            assert c2.proxy.metrics.retries == {"prefill": 1}
+            assert retries(c2.proxy) == {"prefill": 1}
             assert c2.proxy.registry.state("prefill", dead.url).errors == 1
 
 
@@ -173,7 +173,7 @@ async def test_decode_break_before_its_first_byte_is_retried(client: httpx.Async
         r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         assert "error" not in r.text
-        assert len(c.decodes[1].requests()) == 1 and c.proxy.metrics.retries == {"decode": 1}
+        assert len(c.decodes[1].requests()) == 1 and retries(c.proxy) == {"decode": 1}
 
 
 async def test_decode_silent_after_its_headers_fails_over_at_the_deadline(
@@ -188,7 +188,7 @@ async def test_decode_silent_after_its_headers_fails_over_at_the_deadline(
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         (stuck,) = c.decodes[0].requests()
         assert stuck.status == 200 and stuck.sent == b""  # headers sent, body never started
-        assert len(c.decodes[1].requests()) == 1 and c.proxy.metrics.retries == {"decode": 1}
+        assert len(c.decodes[1].requests()) == 1 and retries(c.proxy) == {"decode": 1}
         await c.decodes[0].wait_until(lambda: c.decodes[0].disconnects == 1)
 
 
@@ -206,7 +206,7 @@ async def test_long_prefill_outlives_the_stream_idle_timeout(client: httpx.Async
         c.prefills[0].behaviour.latency = 0.5
         c.decodes[0].behaviour.latency = 0.5
         r = await client.post(c.proxy_url + CHAT, json=chat_body())
-        assert r.status_code == 200 and c.proxy.metrics.retries == {}
+        assert r.status_code == 200 and retries(c.proxy) == {}
 
 
 async def test_a_full_instance_queues_requests_in_the_proxy(client: httpx.AsyncClient) -> None:
@@ -241,7 +241,7 @@ async def test_a_full_instance_queues_requests_in_the_proxy(client: httpx.AsyncC
             holder.cancel()  # the first stream ends: its place goes to the queued request
         assert second == [200] and len(decode.requests()) == 2
         state = c.proxy.registry.state("decode", decode.url)
-        assert state.live and state.errors == 0 and c.proxy.metrics.retries == {}
+        assert state.live and state.errors == 0 and retries(c.proxy) == {}
 
 
 async def test_non_ascii_request_id_is_replaced(client: httpx.AsyncClient) -> None:
@@ -272,5 +272,5 @@ async def test_a_queue_wait_past_its_limit_is_a_503_that_blames_nobody(
             r = await client.post(c.proxy_url + CHAT, json=chat_body())
             assert r.status_code == 503 and r.json()["error"]["type"] == "proxy_overloaded"
             state = c.proxy.registry.state("decode", c.decodes[0].url)
-            assert state.live and state.errors == 0 and c.proxy.metrics.retries == {}
+            assert state.live and state.errors == 0 and retries(c.proxy) == {}
             nursery.cancel_scope.cancel()

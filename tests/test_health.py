@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 from epd_trio import Instance, SlotCursor
-from epd_trio._health import InstanceState, Registry
+from epd_trio._core.health import InstanceState, Registry
 from epd_trio.testing import run_cluster
 
 from helpers import chat_body, image
@@ -29,7 +29,7 @@ def test_threshold_evicts_and_one_success_restores() -> None:
 
 def test_registry_panic_mode_and_readiness() -> None:
     a, b = Instance("http://a:1"), Instance("http://b:1")
-    registry = Registry.from_roles({"encode": [], "decode": [a, b]}, threshold=1)
+    registry = Registry.from_stages({"encode": [], "decode": [a, b]}, threshold=1)
     assert registry.healthy() and not registry.ready()
     registry.failed(registry.state("decode", a.url))
     usable = registry.usable("decode")

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from epd_trio import Instance
-from epd_trio._errors import ProxyOverloaded, UpstreamTimeout
+from epd_trio._core.errors import ProxyOverloaded, UpstreamTimeout
 from epd_trio._http import PoolTimeout, UpstreamClient, UpstreamPool
 from epd_trio._upstream import map_upstream_errors
 

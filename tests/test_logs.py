@@ -11,10 +11,10 @@ import httpx
 import pytest
 import trio.testing
 
-from epd_trio._errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
-from epd_trio._errors import UpstreamTransportError as Transport
+from epd_trio._core.errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
+from epd_trio._core.errors import UpstreamTransportError as Transport
+from epd_trio._core.trace import Attempt, RequestTrace, layout_of, outcome_of, request_fields
 from epd_trio._logs import JsonFormatter, TextFormatter, configure_logging
-from epd_trio._trace import Attempt, RequestTrace, layout_of, outcome_of, request_fields
 from epd_trio.testing import run_cluster
 
 from helpers import chat_body, image

@@ -11,11 +11,11 @@ import trio
 import trio.testing
 
 from epd_trio import Instance
-from epd_trio._health import InstanceState
+from epd_trio._core.health import InstanceState
 from epd_trio._metrics import ProxyMetrics
 from epd_trio.testing import FakeVLLM, run_cluster
 
-from helpers import chat_body, image, scrape
+from helpers import chat_body, image, retries, scrape
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -94,7 +94,7 @@ async def test_failovers_errors_broken_streams_and_missing_kv(
         assert m.by("epd_trio_requests_total", "outcome") == {
             "ok": 2, "upstream_error": 1, "stream_error": 1}
         assert m.by("epd_trio_retries_total", "stage") == {"decode": 2}
-        assert c.proxy.metrics.retries == {"decode": 2}
+        assert retries(c.proxy) == {"decode": 2}
         for fake in c.decodes:
             state = c.proxy.registry.state("decode", fake.url)
             assert m.get("epd_trio_upstream_errors_total", role="decode",
@@ -150,7 +150,7 @@ async def test_metrics_can_be_turned_off(client: httpx.AsyncClient) -> None:
         assert r.status_code == 200
         r = await client.get(c.proxy_url + "/metrics")
         assert r.status_code == 404 and "EPD_METRICS" in r.json()["error"]["message"]
-        assert c.proxy.metrics.retries == {}
+        assert retries(c.proxy) == {}
 
 
 async def test_registered_instances_appear_and_leave(
@@ -212,7 +212,7 @@ def test_an_instance_that_registers_again_gets_its_health_series_back() -> None:
     assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) == 1.0
     metrics.set_members([])  # unregistered while a stream on it waits for its first bytes
     assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) is None
-    gauge = metrics.in_flight("decode", instance.url)  # the first bytes arrive after all
+    gauge = metrics.instance("decode", instance.url).in_flight  # the first bytes arrive after all
     gauge.inc()
     metrics.set_members([InstanceState(instance, "decode")])  # it restarts and registers again
     assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) == 1.0

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from epd_trio import BadRequest, build_encoder_body, build_prefill_body, item_uuid, parse_request
-from epd_trio._rewrite import (
+from epd_trio._core.rewrite import (
     PREFILL_KV_TRANSFER_PARAMS,
     build_decode_body,
     kv_transfer_params_of,

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from epd_trio import EncoderCursor, Instance, SlotCursor
-from epd_trio._errors import BadRequest
-from epd_trio._roster import (
+from epd_trio._core.errors import BadRequest
+from epd_trio._core.roster import (
     Conflict,
     Member,
     Roster,
@@ -23,7 +23,7 @@ from epd_trio._roster import (
     static_roster,
     unregister,
 )
-from epd_trio._routing import rebase_epoch, rebase_position, slot_keys
+from epd_trio._core.routing import rebase_epoch, rebase_position, slot_keys
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
 
@@ -137,7 +137,7 @@ def test_parse_registration_defaults_and_fields() -> None:
                                      ec_zmq_addrs=["tcp://pd:1", "tcp://pd:2"], extra=1), 5.0)
     assert member == Member(Instance("http://pd:8000", 2), "prefill_decode",
                             ec_zmq_addrs=("tcp://pd:1", "tcp://pd:2"), registered_at=5.0)
-    assert member.role == "decode"
+    assert member.stage == "decode"
     assert parse_registration(body(role="encode", url="http://e:1"), 0).instance.dp_size == 1
 
 
@@ -206,7 +206,7 @@ def test_static_instances_meet_registrations() -> None:
         register(roster, reg("decode", "http://d0:1"), ZERO)
     roster, created = register(roster, reg("prefill_decode", "http://d0:1", at=9.0), ZERO)
     d0 = roster.find("http://d0:1")
-    assert not created and d0.static and d0.kind == "prefill_decode" and d0.registered_at == 9.0
+    assert not created and d0.static and d0.role == "prefill_decode" and d0.registered_at == 9.0
     # With a static prefill, its decodes are split-role ones.
     split = static_roster([], [Instance("http://p0:1")], [Instance("http://d0:1")])
     with pytest.raises(BadRequest, match="cannot mix"):

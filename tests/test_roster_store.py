@@ -8,18 +8,15 @@ import orjson
 import pytest
 
 from epd_trio import Instance, Settings
-from epd_trio._counters import CursorCounters
 from epd_trio._proxy import Proxy
 from epd_trio._roster_store import RosterFull, SharedRoutingState
 
 
-def second_view(counters: CursorCounters) -> CursorCounters:
+def second_view(state: SharedRoutingState) -> SharedRoutingState:
     """What a spawned worker gets: the same shared memory, its own per-process part."""
-    state = counters.roster
-    assert isinstance(state, SharedRoutingState)
     other: Any = SharedRoutingState.__new__(SharedRoutingState)
     other.__setstate__(state.__getstate__())
-    return other.counters()
+    return other
 
 
 def registration(role: str, url: str) -> bytes:
@@ -28,7 +25,7 @@ def registration(role: str, url: str) -> bytes:
 
 async def test_a_registration_reaches_the_other_worker_exactly() -> None:
     settings = Settings(admin_key="k")
-    shared = CursorCounters.shared()
+    shared = SharedRoutingState()
     a, b = Proxy(settings, shared), Proxy(settings, second_view(shared))
     urls = [f"http://e{i}:1" for i in range(3)]
     assert a.register(registration("prefill_decode", "http://pd:1"))
@@ -55,7 +52,7 @@ async def test_a_registration_reaches_the_other_worker_exactly() -> None:
 
 
 def test_a_roster_that_does_not_fit_is_refused() -> None:
-    shared = SharedRoutingState(capacity=300).counters()
+    shared = SharedRoutingState(capacity=300)
     proxy = Proxy(Settings(admin_key="k"), shared)
     assert proxy.register(registration("decode", "http://d0:1"))
     with pytest.raises(RosterFull) as info:

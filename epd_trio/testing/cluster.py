@@ -16,9 +16,9 @@ from typing import Any
 import trio
 
 from .._app import create_app
-from .._config import Settings
+from .._core.config import Settings
+from .._core.routing import Instance
 from .._proxy import Proxy
-from .._routing import Instance
 from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
 from .fake_vllm import FakeVLLM, Role
 

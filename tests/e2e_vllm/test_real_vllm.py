@@ -34,6 +34,8 @@ from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
 from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster
+from helpers import client_cancels
+from helpers import metric as proxy_metric
 
 pytestmark = pytest.mark.vllm_e2e
 
@@ -145,7 +147,7 @@ def kv_missing(proxy: Proxy) -> float:
     """The proxy's count of prefill answers that lacked ``kv_transfer_params`` (it must exist)."""
     exposition = proxy.metrics.exposition()
     assert exposition is not None and KV_MISSING.encode() in exposition
-    return proxy.metrics.value(KV_MISSING)
+    return proxy_metric(proxy, KV_MISSING)
 
 
 # -- proxies ---------------------------------------------------------------------------------------
@@ -268,7 +270,7 @@ async def test_client_disconnect_mid_stream_aborts_decode(
         # the request is no longer running.)
         await wait_metric(client, decode, running, lambda v: v == 0, deadline=5.0)
         stopped_after = trio.current_time() - closed
-        assert proxy.metrics.client_cancels == {"decode": 1}
+        assert client_cancels(proxy) == {"decode": 1}
     tokens = await metric(client, decode, "vllm:generation_tokens_total") - generated
     assert 1 <= tokens < max_tokens  # it generated, and was aborted rather than finished
     observe(f"decode's running gauge at 0 {stopped_after:.2f} s after the client closed; "
@@ -303,7 +305,7 @@ async def test_encoder_stopped_fails_media_cleanly_and_text_still_works(
     async with proxy_for(cluster, health_interval=0.2) as (url, proxy):
         evicted = trio.Event()
         proxy.registry.on_change.append(
-            lambda state: state.role == "encode" and not state.live and evicted.set())
+            lambda state: state.stage == "encode" and not state.live and evicted.set())
         cluster.stop(["encode"])
         response = await client.post(url + CHAT, json=chat(image_part(seed=3003), text="And this?"))
         assert response.status_code in (502, 503), response.text

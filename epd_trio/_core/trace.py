@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import (
+from .errors import (
     BadRequest,
     NoInstance,
     ProxyError,
@@ -38,8 +38,6 @@ class Attempt:
     seconds: float | None = None
     #: ``ok``, ``error`` (the instance failed or refused), or ``cancelled`` (abandoned).
     outcome: str | None = None
-    #: The metrics object's handle for this call's instance (opaque here).
-    handle: Any = None
 
 
 @dataclass(slots=True, eq=False)

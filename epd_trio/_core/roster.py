@@ -22,23 +22,10 @@ from typing import Any
 
 import orjson
 
-from ._errors import BadRequest, ProxyError
-from ._rewrite import json_object
-from ._routing import Epoch, Instance, rebase_epoch, slot_keys
-
-#: The routing roles (the proxy's stages) and the roles an instance may register with.
-ROUTING_ROLES = ("encode", "prefill", "decode")
-REGISTERED_ROLES = ("encode", "prefill", "decode", "prefill_decode")
-#: A combined prefill-decode instance serves the decode stage of a layout without prefill.
-_ROUTING_ROLE = {"encode": "encode", "prefill": "prefill", "decode": "decode",
-                 "prefill_decode": "decode"}
-
-
-class Conflict(ProxyError):
-    """A registration contradicts what is known (an instance changing its role)."""
-
-    status = 409
-    type = "conflict_error"
+from .errors import BadRequest, Conflict
+from .names import ROLES, STAGE_OF_ROLE, STAGES
+from .rewrite import json_object
+from .routing import Epoch, Instance, rebase_epoch, slot_keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +34,7 @@ class Member:
 
     instance: Instance
     #: As configured or registered: ``encode``, ``prefill``, ``decode`` or ``prefill_decode``.
-    kind: str
+    role: str
     #: From the configuration (never forgotten for silence) rather than registered.
     static: bool = False
     #: Encoder-cache receive addresses (Mooncake EC consumers), kept and listed, not used here.
@@ -60,9 +47,9 @@ class Member:
         return self.instance.url
 
     @property
-    def role(self) -> str:
-        """The routing role (stage) it serves."""
-        return _ROUTING_ROLE[self.kind]
+    def stage(self) -> str:
+        """The stage it serves."""
+        return STAGE_OF_ROLE[self.role]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +59,11 @@ class Roster:
     version: int = 0
     #: Static instances first (in configuration order), then registered ones in order of arrival.
     members: tuple[Member, ...] = ()
-    epochs: Mapping[str, Epoch] = field(default_factory=lambda: dict.fromkeys(ROUTING_ROLES, (0, 0)))
+    epochs: Mapping[str, Epoch] = field(default_factory=lambda: dict.fromkeys(STAGES, (0, 0)))
 
-    def of(self, role: str) -> tuple[Instance, ...]:
-        """The instances serving routing role ``role``, in routing order."""
-        return tuple(m.instance for m in self.members if m.role == role)
+    def of(self, stage: str) -> tuple[Instance, ...]:
+        """The instances serving ``stage``, in routing order."""
+        return tuple(m.instance for m in self.members if m.stage == stage)
 
     def find(self, url: str) -> Member | None:
         for member in self.members:
@@ -89,7 +76,7 @@ class Roster:
             "version": self.version,
             "epochs": {role: list(epoch) for role, epoch in self.epochs.items()},
             "members": [
-                {"url": m.url, "dp_size": m.instance.dp_size, "kind": m.kind, "static": m.static,
+                {"url": m.url, "dp_size": m.instance.dp_size, "role": m.role, "static": m.static,
                  "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at}
                 for m in self.members
             ],
@@ -102,7 +89,7 @@ class Roster:
             version=data["version"],
             epochs={role: (k0, i0) for role, (k0, i0) in data["epochs"].items()},
             members=tuple(
-                Member(Instance(m["url"], m["dp_size"]), m["kind"], m["static"],
+                Member(Instance(m["url"], m["dp_size"]), m["role"], m["static"],
                        tuple(m["ec_zmq_addrs"]), m["registered_at"])
                 for m in data["members"]
             ),
@@ -113,8 +100,8 @@ def static_roster(
     encode: Iterable[Instance], prefill: Iterable[Instance], decode: Iterable[Instance]
 ) -> Roster:
     """Version 0: the configured instances (each worker process builds the same one)."""
-    members = [Member(inst, kind, static=True)
-               for kind, instances in (("encode", encode), ("prefill", prefill),
+    members = [Member(inst, role, static=True)
+               for role, instances in (("encode", encode), ("prefill", prefill),
                                        ("decode", decode))
                for inst in instances]
     return Roster(members=tuple(members))
@@ -139,8 +126,8 @@ def parse_registration(raw: bytes, now: float) -> Member:
     """
     body = json_object(raw)
     role = body.get("role")
-    if role not in REGISTERED_ROLES:
-        raise BadRequest(f"'role' must be one of {', '.join(REGISTERED_ROLES)}: got {role!r}")
+    if role not in ROLES:
+        raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
     dp_size = body.get("dp_size", 1)
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
@@ -188,9 +175,9 @@ def register(
     if known is not None:
         # A static instance registering is welcome (it may also say it is a combined one);
         # otherwise the role it registered with is the one it keeps.
-        if known.kind != member.kind and not (known.static and known.role == member.role):
-            raise Conflict(f"{member.url} is already known as {known.kind}; unregister it "
-                           f"(DELETE /instances?url=...) before registering it as {member.kind}")
+        if known.role != member.role and not (known.static and known.stage == member.stage):
+            raise Conflict(f"{member.url} is already known as {known.role}; unregister it "
+                           f"(DELETE /instances?url=...) before registering it as {member.role}")
         _check_mix(roster, member)
         refreshed = replace(member, static=known.static)
         members = tuple(refreshed if m is known else m for m in roster.members)
@@ -201,16 +188,16 @@ def register(
 
 def _check_mix(roster: Roster, member: Member) -> None:
     others = [m for m in roster.members if m.url != member.url]
-    if member.kind == "prefill_decode":
-        clash = [m for m in others if m.kind == "prefill" or (m.kind == "decode" and not m.static)]
-    elif member.kind in ("prefill", "decode"):
-        clash = [m for m in others if m.kind == "prefill_decode"]
+    if member.role == "prefill_decode":
+        clash = [m for m in others if m.role == "prefill" or (m.role == "decode" and not m.static)]
+    elif member.role in ("prefill", "decode"):
+        clash = [m for m in others if m.role == "prefill_decode"]
     else:
         return
     if clash:
-        listed = ", ".join(f"{m.kind} {m.url}" for m in clash[:3])
+        listed = ", ".join(f"{m.role} {m.url}" for m in clash[:3])
         raise BadRequest(f"cannot mix combined prefill_decode instances with separate prefill/"
-                         f"decode instances: registering {member.kind} {member.url}, but the "
+                         f"decode instances: registering {member.role} {member.url}, but the "
                          f"proxy has {listed}")
 
 
@@ -244,7 +231,7 @@ def forget(roster: Roster, urls: Sequence[str], counters: Mapping[str, int]) -> 
 
 
 def _routing_view(members: Sequence[Member]) -> list[tuple[str, str, int, tuple[str, ...]]]:
-    return [(m.kind, m.url, m.instance.dp_size, m.ec_zmq_addrs) for m in members]
+    return [(m.role, m.url, m.instance.dp_size, m.ec_zmq_addrs) for m in members]
 
 
 def _changed(
@@ -255,9 +242,9 @@ def _changed(
         return replace(roster, members=members)  # only registration times changed
     new = Roster(members=members)
     epochs = dict(roster.epochs)
-    for role in ROUTING_ROLES:
-        dp = role != "encode"
-        old_keys, new_keys = slot_keys(roster.of(role), dp), slot_keys(new.of(role), dp)
+    for stage in STAGES:
+        dp = stage != "encode"
+        old_keys, new_keys = slot_keys(roster.of(stage), dp), slot_keys(new.of(stage), dp)
         if old_keys != new_keys:
-            epochs[role] = rebase_epoch(roster.epochs[role], old_keys, new_keys, counters[role])
+            epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
     return Roster(version=roster.version + 1, members=members, epochs=epochs)

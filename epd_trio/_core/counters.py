@@ -7,16 +7,14 @@ skewed. One counter in shared memory, advanced under one cross-process lock, giv
 the next position of a single global sequence: the distribution is exactly round-robin whatever
 the accept pattern. The critical section is an add on one machine word (microseconds, never a
 blocking wait in practice), so taking a ``multiprocessing`` lock inside the event loop is fine.
-The shared implementation lives with the shared roster, in ``_roster_store.py``.
+The shared implementation lives with the shared roster, in ``_roster_store.py``; this module only
+names what a counter is, so it depends on nothing.
 """
 
 from __future__ import annotations
 
-from multiprocessing.context import BaseContext
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from ._roster_store import RosterStore
+from dataclasses import dataclass
+from typing import Protocol
 
 
 class Counter(Protocol):
@@ -37,27 +35,14 @@ class LocalCounter:
         return old
 
 
+@dataclass(frozen=True, slots=True)
 class CursorCounters:
-    """The three routing counters of a proxy (encoder items, prefill slots, decode slots).
+    """The three routing counters of a proxy (encoder items, prefill slots, decode slots)."""
 
-    ``roster`` is set when the counters are shared by worker processes: the instance roster
-    then lives beside them in the same shared memory (``_roster_store.SharedRoutingState``),
-    so that a registration reaching one worker reaches all.
-    """
-
-    def __init__(self, encode: Counter, prefill: Counter, decode: Counter) -> None:
-        self.encode = encode
-        self.prefill = prefill
-        self.decode = decode
-        self.roster: RosterStore | None = None
+    encode: Counter
+    prefill: Counter
+    decode: Counter
 
     @classmethod
     def local(cls) -> CursorCounters:
         return cls(LocalCounter(), LocalCounter(), LocalCounter())
-
-    @classmethod
-    def shared(cls, context: BaseContext | None = None) -> CursorCounters:
-        """Counters (and roster) that survive being passed to worker processes of ``context``."""
-        from ._roster_store import SharedRoutingState  # it builds on this module
-
-        return SharedRoutingState(context).counters()

@@ -13,7 +13,7 @@ import hashlib
 import hmac
 from collections.abc import Iterable
 
-from ._errors import AdminDisabled, AdminUnauthorized, Unauthorized
+from .errors import AdminDisabled, AdminUnauthorized, Unauthorized
 
 
 def bearer_token(authorization: str | None) -> str | None:

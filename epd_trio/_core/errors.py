@@ -5,6 +5,9 @@
     +-- Unauthorized           missing or wrong API key (401)
     |   +-- AdminUnauthorized  missing or wrong ``X-API-Key`` on an admin route (401)
     +-- AdminDisabled          an admin route while no admin key is configured (403)
+    +-- BodyTooLarge           the request body is over ``EPD_MAX_BODY_BYTES`` (413)
+    +-- Conflict               a registration contradicts the roster (409)
+    +-- RosterFull             the shared roster area has no room for a change (503)
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
@@ -13,7 +16,9 @@
         +-- UpstreamTimeout        a deadline expired (504)
 
 Like h11's ``error_status_hint``, the status travels with the exception so the route code never
-maps errors itself, and nothing here does I/O: ``error_body`` returns bytes to send.
+maps errors itself, and nothing here does I/O: ``error_reply`` is the one function that turns
+any exception into what the client gets (status, headers, body), and ``sse_error_event`` the
+frame that ends a stream broken after its first byte.
 """
 
 from __future__ import annotations
@@ -32,11 +37,6 @@ def error_payload(
     (``stage``, ``instance``) for upstream failures.
     """
     return {"error": {"message": message, "type": type, "param": None, "code": code, **extra}}
-
-
-def json_error(message: str, *, type: str, code: int) -> bytes:
-    """``error_payload`` as the bytes of a response body."""
-    return orjson.dumps(error_payload(message, type=type, code=code))
 
 
 class ProxyError(Exception):
@@ -94,6 +94,30 @@ class AdminDisabled(ProxyError):
     status = 403
     type = "permission_error"
     code = "admin_disabled"
+
+
+class BodyTooLarge(ProxyError):
+    """The request body is larger than the proxy accepts (checked before it is read whole)."""
+
+    status = 413
+    type = "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body is larger than the limit of {limit} bytes")
+
+
+class Conflict(ProxyError):
+    """A registration contradicts what is known (an instance changing its role)."""
+
+    status = 409
+    type = "conflict_error"
+
+
+class RosterFull(ProxyError):
+    """A roster change would not fit the shared-memory area of ``epd-trio serve --workers N``."""
+
+    status = 503
+    type = "roster_full"
 
 
 class NoInstance(ProxyError):
@@ -215,3 +239,22 @@ def _is_error_json(body: bytes) -> bool:
     except orjson.JSONDecodeError:
         return False
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict | str)
+
+
+#: What a client is told about an error that is not a ``ProxyError`` (a bug): nothing more.
+INTERNAL_ERROR = ProxyError("internal proxy error")
+
+
+def error_reply(exc: BaseException) -> tuple[int, dict[str, str], bytes]:
+    """Every failure the client is told about, as (status, headers, OpenAI error body).
+
+    A ``ProxyError`` carries its own status and body; anything else is a 500 with a generic
+    message (the traceback goes to the log, never to the client).
+    """
+    error = exc if isinstance(exc, ProxyError) else INTERNAL_ERROR
+    return error.status, {"content-type": "application/json", **error.headers}, error.body()
+
+
+def sse_error_event(error: ProxyError) -> bytes:
+    """The frame that ends a stream which broke after its first byte (no silent truncation)."""
+    return b"data: " + orjson.dumps(error.payload()) + b"\n\n"

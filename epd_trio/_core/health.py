@@ -16,17 +16,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._routing import Instance
-
-ROLE_NAMES = ("encode", "prefill", "decode")
+from .routing import Instance
 
 
 @dataclass
 class InstanceState:
-    """Health and counters for one instance of one role."""
+    """Health and counters for one instance of one stage."""
 
     instance: Instance
-    role: str
+    stage: str
     #: In the rotation. Instances start live, so traffic flows before the first probe answers.
     live: bool = True
     #: Answered at least one probe successfully (readiness).
@@ -75,79 +73,79 @@ class InstanceState:
 
 @dataclass
 class Registry:
-    """All instances by role, and the listeners told when one changes state.
+    """All instances by stage, and the listeners told when one changes state.
 
-    ``usable(role)`` predicates read the live set of the role when called, so a predicate made
+    ``usable(stage)`` predicates read the live set of the stage when called, so a predicate made
     before a health or membership change still answers for the registry as it is now.
     """
 
     threshold: int = 3
-    roles: dict[str, list[InstanceState]] = field(default_factory=dict)
+    stages: dict[str, list[InstanceState]] = field(default_factory=dict)
     on_change: list[Callable[[InstanceState], None]] = field(default_factory=list)
     clock: Callable[[], float] = time.monotonic
     _index: dict[tuple[str, str], InstanceState] = field(default_factory=dict, repr=False)
     _live: dict[str, set[str]] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_roles(
-        cls, roles: dict[str, Iterable[Instance]], threshold: int = 3
+    def from_stages(
+        cls, stages: dict[str, Iterable[Instance]], threshold: int = 3
     ) -> Registry:
         registry = cls(threshold=threshold)
-        registry.set_members({role: list(instances) for role, instances in roles.items()})
+        registry.set_members({stage: list(instances) for stage, instances in stages.items()})
         return registry
 
-    def set_members(self, roles: Mapping[str, Sequence[Instance]]) -> list[InstanceState]:
+    def set_members(self, stages: Mapping[str, Sequence[Instance]]) -> list[InstanceState]:
         """Follow a roster change: keep the states of instances that stay, add new ones.
 
         Returns the states of the instances that left (their in-flight requests finish; the
         proxy retires their upstream clients).
         """
         gone = dict(self._index)
-        for role, instances in roles.items():
+        for stage, instances in stages.items():
             states = []
             for inst in instances:
-                state = gone.pop((role, inst.url), None)
+                state = gone.pop((stage, inst.url), None)
                 if state is None:
-                    state = InstanceState(inst, role)
+                    state = InstanceState(inst, stage)
                 state.instance = inst  # its dp_size may have changed
                 states.append(state)
-            self.roles[role] = states
-        self._index = {(s.role, s.url): s for states in self.roles.values() for s in states}
-        for role in self.roles:
-            self._refresh_live(role)
+            self.stages[stage] = states
+        self._index = {(s.stage, s.url): s for states in self.stages.values() for s in states}
+        for stage in self.stages:
+            self._refresh_live(stage)
         return list(gone.values())
 
-    def _refresh_live(self, role: str) -> None:
-        live = self._live.setdefault(role, set())  # updated in place: predicates hold it
+    def _refresh_live(self, stage: str) -> None:
+        live = self._live.setdefault(stage, set())  # updated in place: predicates hold it
         live.clear()
-        live.update(s.url for s in self.roles.get(role, ()) if s.live)
+        live.update(s.url for s in self.stages.get(stage, ()) if s.live)
 
     def states(self) -> list[InstanceState]:
-        return [state for states in self.roles.values() for state in states]
+        return [state for states in self.stages.values() for state in states]
 
-    def state(self, role: str, url: str) -> InstanceState:
-        state = self._index.get((role, url))
+    def state(self, stage: str, url: str) -> InstanceState:
+        state = self._index.get((stage, url))
         if state is None:
-            raise KeyError(f"no {role} instance {url}")
+            raise KeyError(f"no {stage} instance {url}")
         return state
 
-    def state_for(self, role: str, instance: Instance) -> InstanceState:
+    def state_for(self, stage: str, instance: Instance) -> InstanceState:
         """The state of ``instance``, or a detached one if it has just left the roster (a request
         that picked it before finishes there; its counts no longer matter)."""
-        state = self._index.get((role, instance.url))
-        return state if state is not None else InstanceState(instance, role)
+        state = self._index.get((stage, instance.url))
+        return state if state is not None else InstanceState(instance, stage)
 
-    def has(self, role: str) -> bool:
-        return bool(self.roles.get(role))
+    def has(self, stage: str) -> bool:
+        return bool(self.stages.get(stage))
 
-    def usable(self, role: str) -> Callable[[Instance], bool]:
-        """A predicate for routing: may this instance of ``role`` get a request now?
+    def usable(self, stage: str) -> Callable[[Instance], bool]:
+        """A predicate for routing: may this instance of ``stage`` get a request now?
 
-        The live instances, or, when none of the role is live, all of them ("panic mode", as in
+        The live instances, or, when none of the stage is live, all of them ("panic mode", as in
         Envoy): probes can be wrong (a partitioned prober, a too-strict threshold), and trying
-        an instance that may be down beats failing every request of the role for sure.
+        an instance that may be down beats failing every request of the stage for sure.
         """
-        live = self._live.setdefault(role, set())
+        live = self._live.setdefault(stage, set())
         return lambda inst: not live or inst.url in live
 
     def succeeded(self, state: InstanceState) -> None:
@@ -161,9 +159,9 @@ class Registry:
             self._changed(state)
 
     def _changed(self, state: InstanceState) -> None:
-        if self._index.get((state.role, state.url)) is not state:
+        if self._index.get((state.stage, state.url)) is not state:
             return  # it left the roster while a probe or request was under way
-        self._refresh_live(state.role)
+        self._refresh_live(state.stage)
         for listener in self.on_change:
             listener(state)
 
@@ -173,18 +171,18 @@ class Registry:
                 if not s.live and s.evicted_since is not None}
 
     def healthy(self) -> bool:
-        """There is a decode-side instance, and every role has at least one live instance."""
+        """There is a decode-side instance, and every stage has at least one live instance."""
         return self.has("decode") and all(
-            any(s.live for s in states) for states in self.roles.values() if states)
+            any(s.live for s in states) for states in self.stages.values() if states)
 
     def ready(self) -> bool:
-        """There is a decode-side instance, and every role has an instance that answered a probe."""
+        """There is a decode-side instance, and every stage has an instance that answered a probe."""
         return self.has("decode") and all(
-            any(s.probed for s in states) for states in self.roles.values() if states)
+            any(s.probed for s in states) for states in self.stages.values() if states)
 
     def in_flight(self) -> int:
         return sum(s.in_flight for s in self.states())
 
     def report(self) -> dict[str, Any]:
-        return {role: [s.report() for s in states]
-                for role, states in self.roles.items() if states}
+        return {stage: [s.report() for s in states]
+                for stage, states in self.stages.items() if states}

@@ -6,20 +6,27 @@ wrong and would be wrong everywhere), and nothing is retried after a byte reache
 callers only use this before that point). Each retry goes to an instance not yet tried by this
 request, so a hung or dead instance costs one attempt, not ``max_attempts``; when no untried
 usable instance is left, the last failure is raised as it is.
+
+No I/O and no trio here: ``with_failover`` awaits only what it is given (the attempt and the
+choice of the next slot), like h11's ``Connection`` works on the bytes it is handed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+import contextlib
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
-from ._errors import UpstreamError, UpstreamStatusError
-from ._routing import Instance
+from .errors import UpstreamError, UpstreamStatusError
+from .routing import Instance
 
 T = TypeVar("T")
+#: Where one upstream call goes: an instance, and its DP rank (None when ``dp_size`` is 1).
 Slot = tuple[Instance, int | None]
+#: Told about each retry: the stage, the instance that failed, and why.
+OnRetry = Callable[[str, Instance, UpstreamError], None]
 
 
 def is_retryable(error: UpstreamError) -> bool:
@@ -31,27 +38,39 @@ def is_retryable(error: UpstreamError) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Failover:
-    """How one stage retries, and the hooks the proxy uses to count attempts.
-
-    ``track(stage, slot)`` wraps every attempt (the proxy counts in-flight requests and DP-rank
-    hits, and feeds failures to the health registry there); ``on_retry`` is told about each retry.
-    """
+    """How many attempts one stage makes (the first one included)."""
 
     max_attempts: int = 1
-    track: Callable[[str, Slot], AbstractContextManager[object]] | None = None
-    on_retry: Callable[[str, Instance, UpstreamError], None] | None = None
-
-    @contextmanager
-    def tracking(self, stage: str, slot: Slot) -> Iterator[None]:
-        if self.track is None:
-            yield
-        else:
-            with self.track(stage, slot):
-                yield
 
 
-#: One attempt, no hooks: the behaviour when a caller asks for no failover.
+#: One attempt: the behaviour when a caller asks for no failover.
 NO_FAILOVER = Failover()
+
+
+class LegObserver(Protocol):
+    """What an upstream leg reports, and to whom: the one place attempts are accounted.
+
+    ``leg(stage, slot)`` wraps every upstream call (in flight while the block runs, its outcome
+    from how the block ends); ``retried`` is told about each failover. The proxy's
+    ``RequestAccount`` feeds health, metrics and the request's trace from these two calls.
+    """
+
+    def leg(self, stage: str, slot: Slot) -> AbstractContextManager[Any]: ...
+
+    def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None: ...
+
+
+class _Unobserved:
+    """Counts nothing: for callers that embed a stage without the proxy's accounting."""
+
+    def leg(self, stage: str, slot: Slot) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
+        pass
+
+
+UNOBSERVED: LegObserver = _Unobserved()
 
 
 async def with_failover(
@@ -60,6 +79,7 @@ async def with_failover(
     first: Slot,
     attempt: Callable[[Slot], Awaitable[T]],
     pick_next: Callable[[set[Slot]], Awaitable[Slot | None]],
+    on_retry: OnRetry | None = None,
 ) -> T:
     """Run ``attempt`` on ``first``; on a retryable failure, on ``pick_next(tried_slots)``, ...
 
@@ -72,8 +92,7 @@ async def with_failover(
     while True:
         attempts += 1
         try:
-            with policy.tracking(stage, slot):
-                return await attempt(slot)
+            return await attempt(slot)
         except UpstreamError as error:
             if (attempts >= policy.max_attempts or error.stage != stage
                     or not is_retryable(error)):
@@ -82,6 +101,6 @@ async def with_failover(
             following = await pick_next(tried)
             if following is None:
                 raise
-            if policy.on_retry is not None:
-                policy.on_retry(stage, slot[0], error)
+            if on_retry is not None:
+                on_retry(stage, slot[0], error)
             slot = following

@@ -10,15 +10,15 @@ everything else passes through untouched to vLLM, which owns the rest of the sch
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
-from ._errors import BadRequest
-
-Kind = Literal["chat", "completions"]
+from .errors import BadRequest
+from .names import RequestKind
 
 #: Content part types that are media items for the encode stage (each gets a ``uuid``).
 MEDIA_TYPES = frozenset({"image_url", "audio_url", "input_audio", "video_url"})
@@ -46,7 +46,7 @@ PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
 class ParsedRequest:
     """A validated client request: the original body plus where its media items are."""
 
-    kind: Kind
+    kind: RequestKind
     body: dict[str, Any]
     stream: bool
     #: (message index, content part index) of each media item, in order of appearance.
@@ -67,7 +67,7 @@ def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
     return body
 
 
-def parse_request(raw: bytes, kind: Kind) -> ParsedRequest:
+def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
     body = json_object(raw)
     model = body.get("model")
@@ -253,3 +253,11 @@ def upstream_headers(
     if authorization:
         headers["authorization"] = authorization
     return headers
+
+
+def new_request_id(client_value: str | None) -> str:
+    """Keep the client's ``x-request-id`` (it ties our legs to their logs), else a fresh one."""
+    value = (client_value or "").strip()
+    # ASCII only: it goes into upstream headers, and an id that cannot be encoded must not be a 500.
+    keep = value and len(value) <= 256 and value.isascii() and value.isprintable()
+    return value if keep else uuid.uuid4().hex

@@ -9,13 +9,11 @@ backend must never hold a request forever.
 from __future__ import annotations
 
 import math
-import os
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ._routing import Instance, parse_instance
+from .routing import Instance, parse_instance
 
 ENV_PREFIX = "EPD_"
 
@@ -293,26 +291,3 @@ def _parse(key: str, raw: Any, where: str) -> Any:
         return _PARSERS[key](raw)
     except ValueError as exc:
         raise ConfigError(where, str(exc)) from None
-
-
-def load_settings(
-    environ: Mapping[str, str] | None = None,
-    flags: Mapping[str, Any] | None = None,
-    config_path: str | None = None,
-) -> Settings:
-    """Read the config file (``config_path``, else ``EPD_CONFIG``), the environment and flags.
-
-    Raises ``ConfigError`` (one line naming the variable or flag) on any problem.
-    """
-    environ = os.environ if environ is None else environ
-    path = config_path or environ.get(ENV_PREFIX + "CONFIG", "").strip()
-    file_values: dict[str, Any] = {}
-    if path:
-        try:
-            with open(path, "rb") as f:
-                file_values = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(ENV_PREFIX + "CONFIG", f"cannot read {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(ENV_PREFIX + "CONFIG", f"{path} is not valid TOML: {exc}") from None
-    return settings_from(environ, file_values, flags)

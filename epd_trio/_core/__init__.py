@@ -1,0 +1,20 @@
+"""The pure core: routing arithmetic, request rewriting, the roster, settings, errors, auth rules,
+health state, failover rules and the request trace. Values in, values out.
+
+Rule 1: nothing here does I/O or imports trio, httpcore or quart (``tests/test_layout.py``
+enforces the imports). Time and randomness come in as arguments or defaults a caller can
+replace, so every transition is tested with plain asserts.
+Rule 2: a module here imports only the standard library, orjson, and its siblings.
+
+    names       the vocabulary: stages, roles, request kinds and their paths
+    errors      every exception the proxy raises, each knowing its status; ``error_reply``
+    routing     instances, DP slots, the encoder assignment, rotation rebasing
+    rewrite     parsing a client body and building each leg's body and headers
+    roster      which instances exist (configured and registered), as immutable snapshots
+    config      ``Settings``: every setting, its default, and how it is parsed
+    auth        the client-key and admin-key checks
+    health      per-instance health and load state, and the rotation rules
+    failover    which failures are retried where, and the leg-observer protocol
+    trace       what happened to one request: the record behind its metrics and log line
+    counters    what a routing counter is (the shared one lives in the shell)
+"""

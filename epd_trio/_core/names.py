@@ -1,0 +1,28 @@
+"""The proxy's vocabulary: one constant per fact, so a name means one thing everywhere.
+
+A **stage** is a step of a request (encode, prefill, decode); it routes over the instances of
+the same name. A **role** is what an instance was configured or registered as: a stage's name,
+or ``prefill_decode`` for a combined instance, which serves the decode stage of a layout without
+prefill. A **request kind** is which OpenAI endpoint a client called.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+#: The stages of a request, in order; each has its own cursor, health view and metrics.
+STAGES = ("encode", "prefill", "decode")
+#: The roles an instance may be configured or registered with.
+ROLES = (*STAGES, "prefill_decode")
+#: The stage each role serves.
+STAGE_OF_ROLE = {"encode": "encode", "prefill": "prefill", "decode": "decode",
+                 "prefill_decode": "decode"}
+
+RequestKind = Literal["chat", "completions"]
+#: The client-facing path of each request kind (the same path on every upstream leg).
+PATH_OF_KIND: dict[RequestKind, str] = {"chat": "/v1/chat/completions",
+                                        "completions": "/v1/completions"}
+#: Its inverse: the request kind a path is.
+KIND_OF_PATH: dict[str, RequestKind] = {path: kind for kind, path in PATH_OF_KIND.items()}
+#: The path of the chat endpoint (encoder legs always use it).
+CHAT_PATH = PATH_OF_KIND["chat"]

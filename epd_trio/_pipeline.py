@@ -1,0 +1,218 @@
+"""One client request's path: encode -> prefill -> decode (PROTOCOL.md), given what it needs.
+
+Like Hypercorn's ``H11Protocol`` beside its ``TCPServer``, the ``Pipeline`` holds the request
+logic and is handed its I/O and state: the connection pools (``pools``), the routing cursors
+(``routes``), the health view (``registry``: who is usable), the failover rules (from the
+settings) and one observer (``accounting``) that every upstream leg reports to. It owns nothing
+long-lived: the ``Proxy`` builds it once and keeps the roster, the lifecycle and the admin
+routes. Stages run in order; each is skipped when the layout has no such stage (no encoders,
+or a request without media: no encode stage; no prefill instances: decode does the whole
+request).
+
+Failure rules (docs/discussion/guarantees.md): encoder and prefill attempts fail over to another
+instance (``max_attempts``); a decode that fails before its first byte is retried on another
+decode slot, re-running prefill since its KV handle belongs to the failed attempt
+(``decode_retries``); nothing is retried once a byte reached the client, and a 4xx is never
+retried. Cancellation (the client left) is never caught: it closes every open leg.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from ._accounting import Accounting, RequestAccount
+from ._core.config import Settings
+from ._core.errors import NoInstance
+from ._core.failover import Failover, Slot, with_failover
+from ._core.health import Registry
+from ._core.names import PATH_OF_KIND, RequestKind
+from ._core.rewrite import (
+    build_decode_body,
+    build_prefill_body,
+    kv_transfer_params_of,
+    parse_request,
+    upstream_headers,
+    with_item_uuids,
+)
+from ._core.routing import Instance
+from ._cursors import EncoderCursor, SlotCursor
+from ._http import UpstreamPool
+from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the web layer sends back: a status, headers, and either bytes or a byte stream."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Routes:
+    """The routing cursors of one proxy: the global encoder cursor and one slot cursor per
+    DP stage (their own counters: PROTOCOL.md "Decision")."""
+
+    encoders: EncoderCursor
+    prefills: SlotCursor
+    decodes: SlotCursor
+
+
+class Pipeline:
+    """Runs one request through its stages (see the module docstring)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        pools: Callable[[Instance], UpstreamPool],
+        routes: Routes,
+        registry: Registry,
+        accounting: Accounting,
+    ) -> None:
+        self._settings = settings
+        self._pools = pools
+        self._routes = routes
+        self._registry = registry
+        self._accounting = accounting
+        self._stage_failover = Failover(max_attempts=settings.max_attempts)
+        self._decode_failover = Failover(max_attempts=1 + settings.decode_retries)
+
+    async def run(
+        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack
+    ) -> Reply:
+        """Run the request through its stages and produce the reply.
+
+        ``resources`` is the request's owner of anything that outlives this call (the open decode
+        stream): the web layer closes it after the response is sent or the client went away.
+        Raises ``ProxyError`` for anything the client must be told.
+        """
+        path = PATH_OF_KIND[kind]
+        account = self._accounting.begin(path, request_id)
+        resources.callback(account.finish)
+        stage = "encode"
+        try:
+            request = parse_request(raw_body, kind)
+            account.trace.stream = request.stream
+            body, items = with_item_uuids(request)
+            registry = self._registry
+            if not registry.has("decode"):
+                raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
+            with_prefill = registry.has("prefill")
+            if items and registry.has("encode"):
+                account.encoded(await run_encoder_fanout(
+                    self._pools, self._routes.encoders, body=body, items=items,
+                    request_id=request_id, max_batch=self._settings.encoder_max_batch,
+                    deadline=self._settings.encode_timeout, usable=registry.usable("encode"),
+                    failover=self._stage_failover, observer=account,
+                ))
+            stage = "prefill" if with_prefill else "decode"
+            attempts = 0
+
+            async def attempt(slot: Slot) -> Reply:
+                nonlocal attempts, stage
+                leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
+                attempts += 1
+                decode_body: dict[str, Any] = body
+                if with_prefill:
+                    stage = "prefill"
+                    decode_body = await self._prefill(account, body, path, leg_id)
+                stage = "decode"
+                return await self._decode(account, slot, decode_body, request.stream, path,
+                                          leg_id, resources)
+
+            decodes = self._routes.decodes
+            first = await self._next_slot(decodes, "decode", set())
+            if first is None:  # the last decode instance left while this request started
+                raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
+            reply = await with_failover(
+                self._decode_failover, "decode", first, attempt,
+                partial(self._next_slot, decodes, "decode", any_slot=True), account.retried)
+        except BaseException as exc:
+            account.failed(stage, exc)  # a cancellation is counted by stage
+            raise
+        reply.headers["x-request-id"] = request_id
+        account.replied()
+        return reply
+
+    async def _next_slot(
+        self, cursor: SlotCursor, stage: str, tried: set[Slot], any_slot: bool = False
+    ) -> Slot | None:
+        """The next usable slot on an instance not tried yet; with ``any_slot``, failing that,
+        an untried slot (another DP rank) of a tried instance."""
+        usable = self._registry.usable(stage)
+        urls = {inst.url for inst, _ in tried}
+        try:
+            return cursor.next(lambda inst: inst.url not in urls and usable(inst))
+        except LookupError:
+            if not any_slot:
+                return None
+        try:
+            return cursor.next(usable, exclude=tried)
+        except LookupError:
+            return None
+
+    async def _prefill(
+        self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str
+    ) -> dict[str, Any]:
+        """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
+        prefill_body = build_prefill_body(body)
+
+        async def attempt(slot: Slot) -> Answer:
+            instance, rank = slot
+            with account.leg("prefill", slot):
+                return await post_json(
+                    self._pools(instance), stage="prefill", instance=instance, path=path,
+                    body=prefill_body, headers=upstream_headers(request_id, rank),
+                    deadline=self._settings.prefill_timeout,
+                )
+
+        prefills = self._routes.prefills
+        first = await self._next_slot(prefills, "prefill", set())
+        if first is None:
+            raise NoInstance("no prefill instance is configured or registered")
+        response = await with_failover(self._stage_failover, "prefill", first, attempt,
+                                       partial(self._next_slot, prefills, "prefill"),
+                                       account.retried)
+        params = kv_transfer_params_of(response.content)
+        if params is None:
+            account.kv_missing()
+        return build_decode_body(body, params)
+
+    async def _decode(
+        self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool, path: str,
+        request_id: str, resources: AsyncExitStack,
+    ) -> Reply:
+        instance, rank = slot
+        headers = upstream_headers(request_id, rank)
+        settings = self._settings
+        with account.leg("decode", slot) as leg:
+            if not stream:
+                response = await post_json(
+                    self._pools(instance), stage="decode", instance=instance, path=path,
+                    body=body, headers=headers, deadline=settings.decode_timeout,
+                )
+                return Reply(response.status, {"content-type": response.content_type},
+                             body=response.content)
+            relay = await open_stream(
+                self._pools(instance), stage="decode", instance=instance, path=path, body=body,
+                headers=headers, deadline=settings.decode_timeout,
+                idle_timeout=settings.stream_idle_timeout, on_error=leg.stream_failed,
+                on_abandon=partial(account.client_cancelled, "decode"),
+            )
+            # The first bytes are here: from now on the request belongs to this decode
+            # instance, and the leg stays in flight until the web layer closes the request's
+            # resources (the stream is over, or the client left).
+            resources.callback(leg.hold())
+        resources.push_async_callback(relay.aclose)
+        return Reply(
+            relay.response.status,
+            {"content-type": "text/event-stream", "cache-control": "no-cache"},
+            stream=relay.relay(),
+        )
