@@ -140,11 +140,17 @@ class Engine:
         self._wake.set()
 
     async def run(self) -> None:
+        # Steps on a fixed grid (like an engine whose step takes ``interval``), not "sleep after
+        # each step", which would stretch the spacing by the step's own time. Behind schedule
+        # (a busy machine), the next step runs at once: a late token is not made later.
+        deadline = trio.current_time()
         while True:
             if not self.running:
                 await self._wake.wait()
                 self._wake = trio.Event()
-            await trio.sleep(self.interval)
+                deadline = trio.current_time()
+            deadline = max(deadline + self.interval, trio.current_time() - self.interval)
+            await trio.sleep_until(deadline)
             batch, self.running = self.running, []
             for stream in batch:
                 stream.step()
