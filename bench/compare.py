@@ -231,21 +231,22 @@ def render(report: dict[str, Any]) -> str:
              f"{cfg['token_interval'] * 1000:g} ms, lean fakes "
              f"({report['backends']})"]
     lines += [f"  {line}" for line in report["skipped"]]
-    header = (f"{'peer':<15}{'ok':>11}{'req/s':>12}{'lat p50 ms':>14}{'lat p99 ms':>14}"
-              f"{'TTFB p50':>12}{'proxy ms/req':>15}{'µs/token':>12}{'fakes ms/req':>15}"
+    header = (f"{'peer':<15}{'ok':>11}{'req/s':>10}{'lat p50 ms':>15}{'lat p99 ms':>15}"
+              f"{'TTFB p50 ms':>14}{'proxy ms/req':>14}{'µs/token':>10}{'fakes ms/req':>13}"
               f"{'loadgen ms/req':>16}")
     lines += ["", header]
+    lat_digits = 0 if all((r[n]["latency_ms"]["p50"] or 0) >= 100 for r in rounds for n in r) else 1
     for name in names:
         runs = [r[name] for r in rounds if name in r]
         ok = f"{sum(r['ok'] for r in runs)}/{sum(r['requests'] for r in runs)}"
         lines.append(
-            f"{name:<15}{ok:>11}{span([r['rps'] for r in runs], 0):>12}"
-            f"{span([r['latency_ms']['p50'] for r in runs], 1):>14}"
-            f"{span([r['latency_ms']['p99'] for r in runs], 1):>14}"
-            f"{span([r['ttfb_ms']['p50'] for r in runs], 2):>12}"
-            f"{span([r['proxy_cpu_ms_per_request'] for r in runs]):>15}"
-            f"{span([r['proxy_cpu_us_per_token'] for r in runs], 0):>12}"
-            f"{span([r['fakes_cpu_ms_per_request'] for r in runs]):>15}"
+            f"{name:<15}{ok:>11}{span([r['rps'] for r in runs], 0):>10}"
+            f"{span([r['latency_ms']['p50'] for r in runs], lat_digits):>15}"
+            f"{span([r['latency_ms']['p99'] for r in runs], lat_digits):>15}"
+            f"{span([r['ttfb_ms']['p50'] for r in runs], lat_digits):>14}"
+            f"{span([r['proxy_cpu_ms_per_request'] for r in runs]):>14}"
+            f"{span([r['proxy_cpu_us_per_token'] for r in runs], 0):>10}"
+            f"{span([r['fakes_cpu_ms_per_request'] for r in runs]):>13}"
             f"{span([r['load_generator_cpu_ms_per_request'] for r in runs]):>16}")
     if cfg["stream"]:
         lines += ["", "client-side gaps between SSE events (ms), TTFB (ms), events/request:"]
@@ -380,11 +381,9 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     fakes, backends, described = await start_backends(args)
     try:
-        peers, skipped = peer_commands(args, backends)
-        for line in skipped:
-            print(line, file=sys.stderr)
+        peers, skipped = peer_commands(args, backends)  # the report lists the skipped ones
         if not peers:
-            raise SystemExit("no peer to run")
+            raise SystemExit("no peer to run:\n" + "\n".join(skipped))
         rounds: list[dict[str, dict[str, Any]]] = []
         with tempfile.TemporaryDirectory(prefix="epd-compare-") as tmp:
             for index in range(args.rounds):
