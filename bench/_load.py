@@ -1,9 +1,12 @@
-"""The load generator: raw HTTP/1.1 over trio sockets, parsed with h11.
+"""The load generator: raw HTTP/1.1 over trio sockets, read by ``bench._wire``.
 
 Why not httpx: the generator must not be the bottleneck on a 2-core machine, and httpx costs
-milliseconds of CPU per request at high concurrency (its pool is O(n^2) in queued requests).
-Each worker owns one keep-alive connection and sends the next request as soon as the previous
-answer is complete; ``concurrency == requests`` opens every connection at once (a burst).
+milliseconds of CPU per request at high concurrency (its pool is O(n^2) in queued requests);
+why not h11 either: see ``bench._wire``. Each worker owns one keep-alive connection and sends
+the next request as soon as the previous answer is complete; ``concurrency == requests`` opens
+every connection at once (a burst). A stream's body is split into SSE events as it arrives: the
+result counts them, flags an error event, and (``record_gaps``) keeps the client-side gaps
+between consecutive events.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import h11
 import trio
+
+from bench._wire import ResponseReader, SSECounter, WireError
 
 
 @dataclass(slots=True)
@@ -28,6 +32,10 @@ class Result:
     status: int | None
     error: str | None
     size: int = 0
+    #: SSE ``data:`` events other than ``[DONE]`` and errors (streams only).
+    events: int = 0
+    #: Seconds between consecutive SSE events as the client saw them (``record_gaps``).
+    gaps: list[float] | None = None
 
 
 @dataclass
@@ -40,17 +48,14 @@ class Progress:
     results: list[Result] = field(default_factory=list)
 
 
-class _Conn:
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
-
-
 def classify(exc: BaseException) -> str:
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, ConnectionResetError | BrokenPipeError | trio.BrokenResourceError
-                  | h11.RemoteProtocolError | EOFError):
+                  | EOFError):
+        return "connection reset"
+    if isinstance(exc, WireError):
+        return f"bad response: {exc}"
         return "connection reset"
     if isinstance(exc, OSError) and "refused" in str(exc):
         return "connection refused"
@@ -59,40 +64,53 @@ def classify(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-_SSE_ERROR = b'data: {"error"'
+@dataclass(slots=True)
+class _Answer:
+    status: int
+    ttfb: float | None
+    size: int
+    sse: SSECounter | None
+    gaps: list[float] | None
+    keep_alive: bool
 
 
-async def _exchange(conn: _Conn, target: str, host: str, body: bytes, stream: bool,
-                    t0: float) -> tuple[int, float | None, int, bool]:
-    """Send one request and read the whole answer: (status, ttfb, size, sse error seen)."""
-    headers = [("host", host), ("content-type", "application/json"),
-               ("content-length", str(len(body)))]
-    data = conn.h11.send(h11.Request(method="POST", target=target, headers=headers))
-    data += conn.h11.send(h11.Data(data=body)) + conn.h11.send(h11.EndOfMessage())
-    await conn.stream.send_all(data)
-    status, ttfb, size, sse_error = 0, None, 0, False
-    tail = b""  # the end of the previous piece: an error event may straddle two reads
-    while True:
-        event = conn.h11.next_event()
-        if event is h11.NEED_DATA:
-            chunk = await conn.stream.receive_some(65536)
-            if not chunk:
-                raise EOFError("server closed the connection mid-response")
-            conn.h11.receive_data(chunk)
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            if ttfb is None:
-                ttfb = trio.current_time() - t0
-            size += len(event.data)
-            if stream and not sse_error:
-                window = tail + bytes(event.data)
-                sse_error = _SSE_ERROR in window
-                tail = window[-len(_SSE_ERROR):]
-        elif isinstance(event, h11.EndOfMessage):
-            return status, ttfb, size, sse_error
-        elif isinstance(event, h11.ConnectionClosed):
-            raise EOFError("connection closed")
+async def _exchange(stream: trio.SocketStream, head: bytes, body: bytes, sse: bool,
+                    record_gaps: bool, t0: float) -> _Answer:
+    """Send one request and read the whole answer."""
+    await stream.send_all(head + body)
+    reader = ResponseReader()
+    counter = SSECounter() if sse else None
+    gaps: list[float] | None = [] if record_gaps and sse else None
+    ttfb = None
+    last = None
+    size = 0
+    while not reader.done:
+        data = await stream.receive_some(65536)
+        if not data:
+            raise EOFError("server closed the connection mid-response")
+        pieces = reader.feed(data)
+        if not pieces:
+            continue
+        now = trio.current_time()
+        if ttfb is None:
+            ttfb = now - t0
+        for piece in pieces:
+            size += len(piece)
+            if counter is not None:
+                events = counter.feed(piece)
+                if gaps is not None and events:
+                    if last is not None:
+                        gaps.append(now - last)
+                    gaps.extend([0.0] * (events - 1))
+                    last = now
+    assert reader.status is not None
+    return _Answer(reader.status, ttfb, size, counter, gaps, reader.keep_alive)
+
+
+def request_head(method: str, target: str, authority: str, length: int) -> bytes:
+    """The request line and headers, as one bytes object (sent with the body in one write)."""
+    return (f"{method} {target} HTTP/1.1\r\nhost: {authority}\r\n"
+            f"content-type: application/json\r\ncontent-length: {length}\r\n\r\n").encode()
 
 
 async def run_load(
@@ -106,6 +124,7 @@ async def run_load(
     stream: bool,
     request_timeout: float,
     progress: Progress,
+    record_gaps: bool = False,
 ) -> list[Result]:
     """Send ``requests`` requests over ``concurrency`` connections; return every outcome."""
     indices = itertools.count()
@@ -113,41 +132,46 @@ async def run_load(
     start_all = trio.Event()
 
     async def worker() -> None:
-        conn: _Conn | None = None
+        conn: trio.SocketStream | None = None
         await start_all.wait()
         while (i := next(indices)) < requests:
             body = make_body(i)
+            head = request_head("POST", path, authority, len(body))
             t0 = trio.current_time()
-            status = ttfb = error = None
-            size = 0
+            answer: _Answer | None = None
+            error = None
             with trio.move_on_after(request_timeout) as scope:
                 try:
                     if conn is None:
-                        conn = _Conn(await trio.open_tcp_stream(host, port))
-                    status, ttfb, size, sse_error = await _exchange(
-                        conn, path, authority, body, stream, t0)
-                    if sse_error:
+                        conn = await trio.open_tcp_stream(host, port)
+                    answer = await _exchange(conn, head, body, stream, record_gaps, t0)
+                    sse = answer.sse
+                    if sse is not None and sse.errors:
                         error = "error event in stream"
-                    elif status != 200:
-                        error = f"HTTP {status}"
-                    if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE:
-                        conn.h11.start_next_cycle()
-                    else:
-                        await conn.stream.aclose()
+                    elif answer.status != 200:
+                        error = f"HTTP {answer.status}"
+                    elif sse is not None and not sse.done:
+                        error = "stream ended without [DONE]"
+                    if not answer.keep_alive:
+                        await conn.aclose()
                         conn = None
-                except (OSError, EOFError, trio.BrokenResourceError, h11.ProtocolError) as exc:
+                except (OSError, EOFError, trio.BrokenResourceError, WireError) as exc:
                     error = classify(exc)
             if scope.cancelled_caught:
                 error = "timeout"
-            if error is not None and conn is not None and (error == "timeout" or status is None):
-                await conn.stream.aclose()
+            if conn is not None and answer is None:  # the connection's state is unknown
+                await conn.aclose()
                 conn = None
-            result = Result(i, t0, trio.current_time() - t0, ttfb, status, error, size)
+            result = Result(i, t0, trio.current_time() - t0,
+                            answer.ttfb if answer else None, answer.status if answer else None,
+                            error, answer.size if answer else 0,
+                            answer.sse.tokens if answer and answer.sse else 0,
+                            answer.gaps if answer else None)
             progress.results.append(result)
             progress.done += 1
             progress.failed += error is not None
         if conn is not None:
-            await conn.stream.aclose()
+            await conn.aclose()
 
     async with trio.open_nursery() as nursery:
         for _ in range(min(concurrency, requests)):

@@ -5,11 +5,16 @@
     python -m bench.burst --stream --concurrency 64 --compare-direct  # CPU/request vs direct
     python -m bench.burst --target http://host:8000                    # an existing proxy
 
+Side by side with reference proxies, on lean fakes that stream like vLLM: ``bench.compare``.
+
 With no ``--target`` it starts the fake vLLM cluster (``python -m epd_trio.testing --cluster``,
 one process) and the proxy as a real ``epd-trio serve`` subprocess, so the proxy's own CPU time
 (all its processes) is measured, then stops both. Reported: outcomes by kind, throughput,
 latency and time-to-first-byte percentiles, per-instance request/item counts with Jain's
-fairness index, DP ranks covered, and proxy CPU milliseconds per request.
+fairness index, DP ranks covered, and proxy CPU milliseconds per request (and microseconds per
+token for streams). The fakes write every stream chunk separately, ``--token-interval`` apart
+(``epd_trio.testing --chunk-delay``), as vLLM's engine emits tokens: with no spacing a proxy
+reads many tokens per wake-up and looks cheaper per token than it is.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import orjson
 import trio
 
 from bench._load import Progress, Result, run_load
+from bench.lean_fake import DEFAULT_TOKEN_INTERVAL
 from epd_trio.testing.media import png_data_url
 from epd_trio.testing.process import read_until, read_url
 
@@ -204,7 +210,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             fakes = await trio.lowlevel.open_process(
                 [sys.executable, "-m", "epd_trio.testing", "--cluster", args.cluster,
-                 "--tokens", str(args.max_tokens)], stdout=subprocess.PIPE)
+                 "--tokens", str(args.max_tokens), "--chunk-delay", str(args.token_interval)],
+                stdout=subprocess.PIPE)
             processes.append(fakes)
             fakes_pid = fakes.pid
             assert fakes.stdout is not None
@@ -247,6 +254,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if cpu0 is not None and cpu1 is not None:
                 report["proxy"]["cpu_ms_per_request"] = (cpu1 - cpu0) * 1000 / args.requests
                 report["proxy"]["cpu_seconds"] = cpu1 - cpu0
+                if args.stream and result["ok"]:
+                    report["proxy"]["cpu_us_per_token"] = (
+                        (cpu1 - cpu0) * 1e6 / (result["ok"] * args.max_tokens))
             if fakes0 is not None and fakes1 is not None:
                 # The fake backends share the machine: their CPU is part of what a burst costs.
                 report["proxy"]["fakes_cpu_ms_per_request"] = (fakes1 - fakes0) * 1000 / args.requests
@@ -313,7 +323,9 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  load generator CPU: {r['load_generator_cpu_ms_per_request']:.2f} ms "
                      "per request")
         if "cpu_ms_per_request" in r:
-            lines.append(f"  proxy CPU: {r['cpu_ms_per_request']:.2f} ms per request "
+            per_token = (f", {r['cpu_us_per_token']:.0f} µs per token"
+                         if "cpu_us_per_token" in r else "")
+            lines.append(f"  proxy CPU: {r['cpu_ms_per_request']:.2f} ms per request{per_token} "
                          f"({r['cpu_seconds']:.2f} s in all)")
         if "fakes_cpu_ms_per_request" in r:
             lines.append(f"  fake backends CPU: {r['fakes_cpu_ms_per_request']:.2f} ms per request "
@@ -366,6 +378,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--images", type=int, default=1, help="media items per request")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--token-interval", type=float, default=DEFAULT_TOKEN_INTERVAL,
+                   help="seconds between two stream chunks of the fake cluster, one write each "
+                   f"(default {DEFAULT_TOKEN_INTERVAL}, like a real engine's step)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--model", default="fake-model")
     p.add_argument("--cluster", default="3,2x2,2x2", metavar="E,PxDP,DxDP",

@@ -1,15 +1,23 @@
-"""``python -m bench.burst``: its arithmetic, and one small real run end to end."""
+"""The benches: their arithmetic, wire code and lean fake, and small real runs end to end."""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 from pathlib import Path
 
+import orjson
 import pytest
 import trio
+import trio.testing
 
+from bench._load import Result, request_head
+from bench._wire import ResponseReader, SSECounter, WireError
 from bench.burst import jain_index, percentile
+from bench.compare import Backends, peer_commands, rotated, round_ratios, span, summarize_run
+from bench.compare import parse_args as compare_args
+from bench.lean_fake import LeanFake, Stream, chunk
 
 
 @pytest.mark.parametrize(
@@ -56,3 +64,154 @@ async def test_metrics_cost_runs_every_mode() -> None:
     assert [line.split(":")[0].strip() for line in lines] == [
         "off", "one-process", "multiprocess"]
     assert all("us per streamed P->D request" in line for line in lines)
+
+
+# -- bench._wire: the load generator's response reader, fed every possible cut -----------------
+CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+           b"transfer-encoding: chunked\r\n\r\n"
+           b"f\r\ndata: {\"a\":1}\n\n\r\n" b"F;ext=1\r\ndata: {\"b\":2}\n\n\r\n"
+           b"e\r\ndata: [DONE]\n\n\r\n" b"0\r\n\r\n")
+
+
+def _read_in_pieces(raw: bytes, size: int) -> tuple[ResponseReader, SSECounter, bytes]:
+    reader, sse, body = ResponseReader(), SSECounter(), b""
+    for i in range(0, len(raw), size):
+        for piece in reader.feed(raw[i:i + size]):
+            body += piece
+            sse.feed(piece)
+    return reader, sse, body
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 16, len(CHUNKED)])
+def test_chunked_stream_read_in_any_pieces(size: int) -> None:
+    reader, sse, body = _read_in_pieces(CHUNKED, size)
+    assert reader.done and reader.status == 200 and reader.keep_alive
+    assert body == b'data: {"a":1}\n\ndata: {"b":2}\n\ndata: [DONE]\n\n'
+    assert (sse.tokens, sse.errors, sse.done) == (2, 0, True)
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_content_length_body_and_connection_close(size: int) -> None:
+    raw = b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello"
+    reader, _, body = _read_in_pieces(raw, size)
+    assert (reader.done, reader.status, reader.keep_alive, body) == (True, 502, False, b"hello")
+
+
+def test_reader_rejects_what_it_does_not_understand() -> None:
+    with pytest.raises(WireError):
+        ResponseReader().feed(b"HTTP/1.1 200 OK\r\n\r\nbody until close")
+    with pytest.raises(WireError):
+        ResponseReader().feed(b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\n\r\nab")
+    with pytest.raises(WireError):
+        ResponseReader().feed(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n")
+
+
+def test_sse_counter_sees_error_events() -> None:
+    sse = SSECounter()
+    assert sse.feed(b'data: {"x": 1}\n\n: comment\n\ndata: {"error": {"message": "boom"}}') == 1
+    assert sse.feed(b"\n\n") == 1
+    assert (sse.tokens, sse.errors, sse.done) == (1, 1, False)
+
+
+# -- bench.lean_fake: headers first, then one write per token, spaced in time ----------------------
+def test_a_stream_step_is_one_write_per_token() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.setblocking(False)
+        stream = Stream(a, b"data: {", b"}\n\n", b',"end":1}\n\n', b"data: role\n\n", left=3)
+        chunks = []
+        for _ in range(3):
+            stream.step()
+            chunks.append(b.recv(65536))
+        assert chunks[0] == chunk(b"data: role\n\n") + chunk(b'data: {" alpha"}\n\n')
+        assert chunks[1] == chunk(b'data: {" bravo"}\n\n')
+        assert chunks[2] == chunk(b'data: {" charlie","end":1}\n\n') + chunk(b"data: [DONE]\n\n")
+        assert stream.left == 0 and not stream.backlog
+
+
+async def test_the_lean_fake_sends_the_head_first_then_a_token_per_interval(
+        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+    fake = LeanFake("decode", token_interval=1.0)  # virtual seconds: autojump_clock
+    url = await nursery.start(fake.serve)
+    client = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    body = orjson.dumps({"model": "m", "stream": True, "max_tokens": 3, "messages": []})
+    t0 = trio.current_time()
+    arrivals: list[tuple[float, bytes]] = []
+    reader = ResponseReader()
+    with trio.fail_after(30):
+        for _ in range(2):  # the same keep-alive connection twice
+            await client.send_all(request_head("POST", "/v1/chat/completions", "x", len(body))
+                                  + body)
+            reader = ResponseReader()
+            while not reader.done:
+                data = await client.receive_some(65536)
+                reader.feed(data)
+                arrivals.append((trio.current_time() - t0, data))
+    await client.aclose()
+    first = arrivals[:len(arrivals) // 2]
+    # Head at once; then one read per engine step, 1 s apart: role + token, token, token + [DONE],
+    # and the chunked terminator (a write of its own, read on its own or with [DONE]).
+    assert first[0][0] == 0 and first[0][1].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"data:" not in first[0][1]
+    steps = [(t, d) for t, d in first[1:] if b"data:" in d]
+    assert [t for t, _ in steps] == [1.0, 2.0, 3.0]
+    assert [d.count(b"data:") for _, d in steps] == [2, 1, 2]
+    assert reader.status == 200 and fake.answered == 2
+
+
+# -- bench.compare: its arithmetic and its choice of peers ----------------------------------------
+def test_rotated_and_span() -> None:
+    assert rotated([1, 2, 3], 0) == [1, 2, 3] and rotated([1, 2, 3], 4) == [2, 3, 1]
+    assert span([2.0, None, 1.0]) == "1.00-2.00" and span([1.0, 1.001]) == "1.00"
+    assert span([None]) == "-"
+
+
+def test_round_ratios_pair_each_round() -> None:
+    rounds = [{"epd_trio": {"x": 4.0}, "ref": {"x": 2.0}}, {"epd_trio": {"x": 3.0}},
+              {"epd_trio": {"x": 6.0}, "ref": {"x": 2.0}}]
+    assert round_ratios(rounds, "epd_trio", "ref", lambda r: r["x"]) == [2.0, 3.0]
+
+
+def test_summarize_run_per_request_and_per_token() -> None:
+    results = [Result(i, 0.0, 0.010 * (i + 1), 0.001, 200, None, 100, 9, [0.002, 0.004])
+               for i in range(4)] + [Result(4, 0.0, 1.0, None, None, "timeout")]
+    out = summarize_run(results, 2.0, requests=5, stream=True, max_tokens=8, proxy_cpu=0.064,
+                        fakes_cpu=0.005, generator_cpu=0.010)
+    assert out["ok"] == 4 and out["failures"] == {"timeout": 1} and out["rps"] == 2.0
+    assert out["proxy_cpu_ms_per_request"] == pytest.approx(64 / 5)
+    assert out["proxy_cpu_us_per_token"] == pytest.approx(64_000 / 32)  # 4 ok x 8 tokens
+    assert out["latency_ms"]["p50"] == pytest.approx(20.0)
+    assert out["gap_ms"]["max"] == pytest.approx(4.0) and out["events_per_request"] == 9
+
+
+def test_references_are_skipped_with_a_reason(tmp_path: Path) -> None:
+    args = compare_args(["--peers", "epd_trio,vllm-router,vllm-epd-proxy,direct",
+                         "--vllm-router", str(tmp_path / "none"),
+                         "--epd-proxy", str(tmp_path / "none.py")])
+    pd = Backends((), ("http://p",), ("http://d",))
+    peers, skipped = peer_commands(args, pd)
+    assert [p.name for p in peers] == ["epd_trio", "direct"]
+    assert "vllm-router: skipped" in skipped[0] and "not found" in skipped[0]
+    assert "vllm-epd-proxy: skipped" in skipped[1]
+    assert peers[0].command is not None
+    cmd = peers[0].command(8000)
+    assert cmd[cmd.index("--prefill") + 1] == "http://p" and cmd[-1] == "http://d"
+    _, skipped = peer_commands(args, Backends(("http://e",), ("http://p",), ("http://d",)))
+    assert "no encoder stage" in skipped[0]
+
+
+async def test_compare_runs_epd_trio_and_direct_side_by_side(tmp_path: Path) -> None:
+    report_path = tmp_path / "compare.json"
+    with trio.fail_after(120):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.compare", "--peers", "epd_trio,direct", "--stream",
+             "--requests", "20", "--concurrency", "4", "--max-tokens", "5", "--rounds", "1",
+             "--warmup", "4", "--quiet", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "epd_trio / direct (per round):" in out
+    (by_peer,) = json.loads(report_path.read_text())["rounds"]
+    assert by_peer["epd_trio"]["ok"] == 20 and by_peer["direct"]["ok"] == 20
+    assert by_peer["epd_trio"]["proxy_cpu_us_per_token"] > 0
+    assert by_peer["epd_trio"]["events_per_request"] == 6  # the role chunk and 5 tokens

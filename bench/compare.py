@@ -1,0 +1,462 @@
+"""Side by side: the same load through epd_trio and through reference proxies, in one run.
+
+    python -m bench.compare --stream --max-tokens 128 --concurrency 64 --requests 1000
+    python -m bench.compare --stream --max-tokens 16 --concurrency 64 --requests 2000
+    python -m bench.compare --max-tokens 16 --concurrency 64 --requests 3000        # non-stream
+    python -m bench.compare --stream --max-tokens 32 --concurrency 1 --requests 300  # TTFB, gaps
+    python -m bench.compare --requests 4096 --concurrency 4096 --max-tokens 8        # the burst
+    python -m bench.compare --layout epd --stream ...   # E->P->D (the EPD proxy only)
+
+One invocation starts the lean fake backends (``bench.lean_fake``: headers first, one write per
+token, ``--token-interval`` apart) once, then for each round and each peer: starts the peer as a
+subprocess, waits until it is ready, warms it up, sends the measured load, and stops it. The
+peers' order rotates from round to round, so a drift of the machine does not always land on
+the same one. Measured per peer and round:
+
+- proxy CPU (user + system, from /proc, of the peer's whole process tree) per request, and per
+  generated token for streams; the fake backends' CPU (one process, every leg) and the load
+  generator's (this process) per request: all three share the machine;
+- requests/s, latency and time to first byte percentiles, and for streams the gaps between
+  consecutive SSE events as the client saw them.
+
+Peers (``--peers``; the references are optional and skipped, with the reason, when absent):
+
+- ``epd_trio``: ``python -m epd_trio serve`` at its default settings.
+- ``vllm-router``: the Rust router from PyPI (``pip install vllm-router``, in a venv of its own),
+  ``--vllm-pd-disaggregation --prefill URL --decode URL --policy round_robin``. It has no encoder
+  stage: it is skipped in the ``epd`` layout.
+- ``vllm-epd-proxy``: ``examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py`` from
+  vllm-project/vllm (FastAPI + uvicorn + aiohttp), run as upstream ships it, with a Python that
+  has its dependencies. In the P->D layout its required ``--encode-servers-urls`` names the decode
+  instance; text requests never reach it.
+- ``direct``: the load straight to the decode instance (one leg, no proxy): the floor.
+
+docs/performance.md says how to install the references and gives the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from bench._epoll_load import run_load_epoll
+from bench._load import Result
+from bench.burst import make_body_factory, percentile, process_tree_cpu
+from bench.lean_fake import DEFAULT_PREFILL_TIME, DEFAULT_TOKEN_INTERVAL
+from epd_trio.testing.process import read_until
+
+CHAT = "/v1/chat/completions"
+REFS = Path.home() / ".cache" / "epd-refs"
+DEFAULT_VLLM_ROUTER = REFS / "vllm-router-venv" / "bin" / "vllm-router"
+DEFAULT_EPD_PROXY = REFS / "disagg_epd_proxy.py"
+DEFAULT_EPD_PROXY_PYTHON = REFS / "epd-proxy-venv" / "bin" / "python"
+PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
+DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
+#: Seconds a peer gets to answer its readiness probe after it was started.
+READY_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Backends:
+    """The lean fakes' URLs, by role."""
+
+    encode: tuple[str, ...]
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """How to start one peer: its command for a port (None: no process) and its ready path."""
+
+    name: str
+    command: Callable[[int], list[str]] | None
+    ready_path: str = "/health"
+
+
+# -- pure helpers -------------------------------------------------------------------------------
+def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Peer], list[str]]:
+    """The peers to run, in ``--peers`` order, and a line for each one skipped (and why)."""
+    peers: list[Peer] = []
+    skipped: list[str] = []
+    e, p, d = backends.encode, backends.prefill, backends.decode
+    for name in args.peers:
+        if name == "epd_trio":
+            def epd_trio(port: int) -> list[str]:
+                cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
+                       "--port", str(port), "--workers", str(args.workers)]
+                for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
+                    if urls:
+                        cmd += [f"--{role}", *urls]
+                return cmd
+            peers.append(Peer(name, epd_trio, "/ready"))
+        elif name == "vllm-router":
+            if e:
+                skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
+            elif not p:
+                skipped.append("vllm-router: skipped, its P/D mode needs a prefill instance")
+            elif not os.access(args.vllm_router, os.X_OK):
+                skipped.append(f"vllm-router: skipped, {args.vllm_router} not found (see "
+                               "docs/performance.md, or --vllm-router / EPD_BENCH_VLLM_ROUTER)")
+            else:
+                def router(port: int) -> list[str]:
+                    cmd = [str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
+                           "--vllm-pd-disaggregation", "--policy", "round_robin"]
+                    for url in p:
+                        cmd += ["--prefill", url]
+                    for url in d:
+                        cmd += ["--decode", url]
+                    return cmd
+                peers.append(Peer(name, router))
+        elif name == "vllm-epd-proxy":
+            if not Path(args.epd_proxy).is_file():
+                skipped.append(f"vllm-epd-proxy: skipped, {args.epd_proxy} not found (see "
+                               "docs/performance.md, or --epd-proxy / EPD_BENCH_EPD_PROXY)")
+            elif not os.access(args.epd_proxy_python, os.X_OK):
+                skipped.append(f"vllm-epd-proxy: skipped, no Python at {args.epd_proxy_python} "
+                               "(--epd-proxy-python / EPD_BENCH_EPD_PROXY_PYTHON)")
+            else:
+                def epd_proxy(port: int) -> list[str]:
+                    return [str(args.epd_proxy_python), str(args.epd_proxy), "--host",
+                            "127.0.0.1", "--port", str(port),
+                            "--encode-servers-urls", ",".join(e or d),
+                            "--prefill-servers-urls", ",".join(p) or "disable",
+                            "--decode-servers-urls", ",".join(d)]
+                peers.append(Peer(name, epd_proxy))
+        else:  # direct
+            peers.append(Peer(name, None))
+    return peers, skipped
+
+
+def rotated(items: list[Any], by: int) -> list[Any]:
+    """``items`` rotated left by ``by`` (round r starts with peer r)."""
+    if not items:
+        return items
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def summarize_run(results: list[Result], wall: float, *, requests: int, stream: bool,
+                  max_tokens: int, proxy_cpu: float | None, fakes_cpu: float,
+                  generator_cpu: float) -> dict[str, Any]:
+    """One peer's one round, in numbers (CPU arguments in seconds; output in ms and µs)."""
+    ok = [r for r in results if r.error is None]
+    failures: dict[str, int] = {}
+    for r in results:
+        if r.error is not None:
+            failures[r.error] = failures.get(r.error, 0) + 1
+    latencies = sorted(r.latency for r in ok)
+    ttfbs = sorted(r.ttfb for r in ok if r.ttfb is not None)
+    gaps = sorted(g for r in ok for g in (r.gaps or ()))
+    tokens = len(ok) * max_tokens
+    out: dict[str, Any] = {
+        "requests": len(results), "ok": len(ok), "failures": failures,
+        "wall_seconds": wall, "rps": len(ok) / wall if wall > 0 else None,
+        "latency_ms": {f"p{q}": _ms(percentile(latencies, q)) for q in (50, 90, 99)},
+        "ttfb_ms": {f"p{q}": _ms(percentile(ttfbs, q)) for q in (50, 90, 99)},
+        "proxy_cpu_ms_per_request": (None if proxy_cpu is None
+                                     else proxy_cpu * 1000 / max(requests, 1)),
+        "proxy_cpu_us_per_token": (None if proxy_cpu is None or not stream or not tokens
+                                   else proxy_cpu * 1e6 / tokens),
+        "fakes_cpu_ms_per_request": fakes_cpu * 1000 / max(requests, 1),
+        "load_generator_cpu_ms_per_request": generator_cpu * 1000 / max(requests, 1),
+    }
+    if stream:
+        out["gap_ms"] = {f"p{q}": _ms(percentile(gaps, q)) for q in (50, 90, 99)} | {
+            "max": _ms(gaps[-1] if gaps else None)}
+        out["events_per_request"] = (statistics.fmean(r.events for r in ok) if ok else None)
+    return out
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def span(values: list[float | None], digits: int = 2) -> str:
+    """``"a-b"`` for the range of the known values (one value: itself; none: ``-``)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "-"
+    lo, hi = min(known), max(known)
+    if f"{lo:.{digits}f}" == f"{hi:.{digits}f}":
+        return f"{lo:.{digits}f}"
+    return f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
+def round_ratios(rounds: list[dict[str, dict[str, Any]]], ours: str, ref: str,
+                 key: Callable[[dict[str, Any]], float | None]) -> list[float]:
+    """``ours / ref`` of one figure, per round where both have it (same round: same machine)."""
+    out = []
+    for by_peer in rounds:
+        a = key(by_peer[ours]) if ours in by_peer else None
+        b = key(by_peer[ref]) if ref in by_peer else None
+        if a is not None and b:
+            out.append(a / b)
+    return out
+
+
+RATIO_FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
+    ("proxy CPU/request", lambda r: r["proxy_cpu_ms_per_request"]),
+    ("req/s", lambda r: r["rps"]),
+    ("latency p50", lambda r: r["latency_ms"]["p50"]),
+    ("TTFB p50", lambda r: r["ttfb_ms"]["p50"]),
+    ("fakes CPU/request", lambda r: r["fakes_cpu_ms_per_request"]),
+    ("load-gen CPU/request", lambda r: r["load_generator_cpu_ms_per_request"]),
+)
+
+
+def render(report: dict[str, Any]) -> str:
+    cfg = report["config"]
+    rounds: list[dict[str, dict[str, Any]]] = report["rounds"]
+    names = [n for n in cfg["peers"] if any(n in r for r in rounds)]
+    kind = (f"stream, max_tokens {cfg['max_tokens']}" if cfg["stream"]
+            else f"non-stream, max_tokens {cfg['max_tokens']}")
+    lines = [f"compare: layout {cfg['layout']}, {kind}, C={cfg['concurrency']}, "
+             f"{cfg['requests']} requests x {len(rounds)} round(s), token interval "
+             f"{cfg['token_interval'] * 1000:g} ms, lean fakes "
+             f"({report['backends']})"]
+    lines += [f"  {line}" for line in report["skipped"]]
+    header = (f"{'peer':<15}{'ok':>11}{'req/s':>10}{'lat p50 ms':>15}{'lat p99 ms':>15}"
+              f"{'TTFB p50 ms':>14}{'proxy ms/req':>14}{'µs/token':>10}{'fakes ms/req':>13}"
+              f"{'loadgen ms/req':>16}")
+    lines += ["", header]
+    lat_digits = 0 if all((r[n]["latency_ms"]["p50"] or 0) >= 100 for r in rounds for n in r) else 1
+    for name in names:
+        runs = [r[name] for r in rounds if name in r]
+        ok = f"{sum(r['ok'] for r in runs)}/{sum(r['requests'] for r in runs)}"
+        lines.append(
+            f"{name:<15}{ok:>11}{span([r['rps'] for r in runs], 0):>10}"
+            f"{span([r['latency_ms']['p50'] for r in runs], lat_digits):>15}"
+            f"{span([r['latency_ms']['p99'] for r in runs], lat_digits):>15}"
+            f"{span([r['ttfb_ms']['p50'] for r in runs], lat_digits):>14}"
+            f"{span([r['proxy_cpu_ms_per_request'] for r in runs]):>14}"
+            f"{span([r['proxy_cpu_us_per_token'] for r in runs], 0):>10}"
+            f"{span([r['fakes_cpu_ms_per_request'] for r in runs]):>13}"
+            f"{span([r['load_generator_cpu_ms_per_request'] for r in runs]):>16}")
+    if cfg["stream"]:
+        lines += ["", "client-side gaps between SSE events (ms), TTFB (ms), events/request:"]
+        for name in names:
+            runs = [r[name] for r in rounds if name in r]
+            lines.append(
+                f"  {name:<15} gap p50 {span([r['gap_ms']['p50'] for r in runs], 2)}  "
+                f"p90 {span([r['gap_ms']['p90'] for r in runs], 2)}  "
+                f"p99 {span([r['gap_ms']['p99'] for r in runs], 2)}  "
+                f"max {span([r['gap_ms']['max'] for r in runs], 1)}  |  TTFB p50 "
+                f"{span([r['ttfb_ms']['p50'] for r in runs], 2)}  p99 "
+                f"{span([r['ttfb_ms']['p99'] for r in runs], 2)}  |  events "
+                f"{span([r['events_per_request'] for r in runs], 1)}")
+    failures = {n: f for n in names for r in rounds if n in r and (f := r[n]["failures"])}
+    for name, fails in failures.items():
+        lines.append(f"  {name} failures: " + ", ".join(f"{k}: {v}" for k, v in fails.items()))
+    if "epd_trio" in names:
+        refs = [n for n in names if n != "epd_trio"]
+        for ref in refs:
+            parts = []
+            for title, key in RATIO_FIGURES:
+                ratios = round_ratios(rounds, "epd_trio", ref, key)
+                if ratios:
+                    parts.append(f"{title} x{span(ratios)}")
+            if parts:
+                lines.append(f"\nepd_trio / {ref} (per round): " + ", ".join(parts))
+    return "\n".join(lines)
+
+
+# -- processes ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def stop(process: trio.Process, grace: float = 10.0) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def wait_ready(process: trio.Process, url: str, log: Path) -> None:
+    async with httpx.AsyncClient(trust_env=False, timeout=2) as client:
+        with trio.move_on_after(READY_TIMEOUT):
+            while process.returncode is None:
+                try:
+                    if (await client.get(url)).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await trio.sleep(0.1)
+    tail = (await trio.Path(log).read_text(errors="replace"))[-3000:]
+    raise RuntimeError(f"{process.args!r} was not ready at {url} (exit {process.returncode}):"
+                       f"\n{tail}")
+
+
+async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backends, str]:
+    encoders = 1 if args.layout == "epd" else 0
+    cmd = [sys.executable, "-m", "bench.lean_fake", "--encoders", str(encoders),
+           "--prefills", str(args.prefills), "--decodes", str(args.decodes),
+           "--token-interval", str(args.token_interval), "--prefill-time",
+           str(args.prefill_time)]
+    process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    assert process.stdout is not None
+    _, output = await read_until(process.stdout, rb"\bready\b", limit=30)
+    settings = dict(line.split("=", 1) for line in output.decode().splitlines() if "=" in line)
+
+    def urls(role: str) -> tuple[str, ...]:
+        return tuple(u for u in settings.get(f"EPD_{role}_URLS", "").split(",") if u)
+
+    backends = Backends(urls("ENCODE"), urls("PREFILL"), urls("DECODE"))
+    described = ", ".join(f"{len(v)} {k}" for k, v in (
+        ("encode", backends.encode), ("prefill", backends.prefill),
+        ("decode", backends.decode)) if v)
+    return process, backends, described
+
+
+def _self_cpu() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fakes_pid: int,
+                  logdir: Path) -> dict[str, Any]:
+    """Start ``peer``, warm it up, send the measured load, stop it; its figures."""
+    process = None
+    log = logdir / f"{peer.name}.log"
+    try:
+        if peer.command is None:
+            url = backends.decode[0]
+        else:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
+                process = await trio.lowlevel.open_process(
+                    peer.command(port), stdout=out, stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            await wait_ready(process, url + peer.ready_path, log)
+        host, port_ = url.removeprefix("http://").rsplit(":", 1)
+        make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
+
+        async def load(requests: int, concurrency: int) -> list[Result]:
+            # The epoll client runs in a thread: this process has nothing else to do meanwhile,
+            # and its CPU (os.times: every thread) is the load generator's.
+            return await trio.to_thread.run_sync(partial(
+                run_load_epoll, host, int(port_), CHAT, make_body, requests=requests,
+                concurrency=concurrency, stream=args.stream, request_timeout=args.timeout,
+                record_gaps=args.stream))
+
+        await load(args.warmup, min(args.concurrency, 16))
+        proxy0 = process_tree_cpu(process.pid) if process else None
+        fakes0, self0, t0 = process_tree_cpu(fakes_pid), _self_cpu(), trio.current_time()
+        results = await load(args.requests, args.concurrency)
+        wall = trio.current_time() - t0
+        self1, fakes1 = _self_cpu(), process_tree_cpu(fakes_pid)
+        proxy1 = process_tree_cpu(process.pid) if process else None
+        return summarize_run(
+            results, wall, requests=args.requests, stream=args.stream,
+            max_tokens=args.max_tokens,
+            proxy_cpu=None if proxy0 is None or proxy1 is None else proxy1 - proxy0,
+            fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0)
+    finally:
+        if process is not None:
+            await stop(process)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    fakes, backends, described = await start_backends(args)
+    try:
+        peers, skipped = peer_commands(args, backends)  # the report lists the skipped ones
+        if not peers:
+            raise SystemExit("no peer to run:\n" + "\n".join(skipped))
+        rounds: list[dict[str, dict[str, Any]]] = []
+        with tempfile.TemporaryDirectory(prefix="epd-compare-") as tmp:
+            for index in range(args.rounds):
+                by_peer: dict[str, dict[str, Any]] = {}
+                for peer in rotated(peers, index):
+                    if not args.quiet:
+                        print(f"round {index + 1}/{args.rounds}: {peer.name} ...",
+                              file=sys.stderr, flush=True)
+                    by_peer[peer.name] = await measure(args, peer, backends, fakes.pid,
+                                                       Path(tmp))
+                rounds.append(by_peer)
+        config = {k: v for k, v in vars(args).items() if k != "json"}
+        config = {k: str(v) if isinstance(v, Path) else v for k, v in config.items()}
+        return {"config": config, "backends": described, "skipped": skipped, "rounds": rounds}
+    finally:
+        await stop(fakes)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--peers", default=DEFAULT_PEERS,
+                   type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
+                   help=f"comma-separated, of {', '.join(PEERS)} (default {DEFAULT_PEERS})")
+    p.add_argument("--layout", choices=("pd", "epd"), default="pd",
+                   help="pd: text, prefill then decode (default); epd: one image per request, "
+                   "encode, prefill, decode")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--images", type=int, default=None,
+                   help="media items per request (default: 1 in the epd layout, else 0)")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of every peer (default 2)")
+    p.add_argument("--warmup", type=int, default=64, help="requests before each measurement")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    p.add_argument("--token-interval", type=float, default=DEFAULT_TOKEN_INTERVAL,
+                   help=f"the fakes' seconds between tokens (default {DEFAULT_TOKEN_INTERVAL})")
+    p.add_argument("--prefill-time", type=float, default=DEFAULT_PREFILL_TIME,
+                   help=f"the fakes' prefill/encode seconds (default {DEFAULT_PREFILL_TIME})")
+    p.add_argument("--prefills", type=int, default=1)
+    p.add_argument("--decodes", type=int, default=1)
+    p.add_argument("--workers", type=int, default=1, help="epd_trio worker processes")
+    p.add_argument("--model", default="fake-model")
+    p.add_argument("--vllm-router", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_VLLM_ROUTER", DEFAULT_VLLM_ROUTER)))
+    p.add_argument("--epd-proxy", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_EPD_PROXY", DEFAULT_EPD_PROXY)), help="path to disagg_epd_proxy.py")
+    p.add_argument("--epd-proxy-python", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_EPD_PROXY_PYTHON", DEFAULT_EPD_PROXY_PYTHON)),
+        help="a Python with fastapi, uvicorn, uvloop, aiohttp, msgspec")
+    p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    args = p.parse_args(argv)
+    unknown = [x for x in args.peers if x not in PEERS]
+    if unknown:
+        p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
+    if args.images is None:
+        args.images = 1 if args.layout == "epd" else 0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = trio.run(run, args)
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"report written to {args.json}")
+    failed = any(r["ok"] != r["requests"] for rnd in report["rounds"] for r in rnd.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
