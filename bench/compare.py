@@ -30,6 +30,8 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
   has its dependencies. In the P->D layout its required ``--encode-servers-urls`` names the decode
   instance; text requests never reach it.
 - ``direct``: the load straight to the decode instance (one leg, no proxy): the floor.
+- ``epd_trio@DIR``: epd_trio from another checkout (``git worktree add DIR REV``), to measure a
+  change side by side with the commit before it.
 
 docs/performance.md says how to install the references and gives the figures.
 """
@@ -87,6 +89,8 @@ class Peer:
     name: str
     command: Callable[[int], list[str]] | None
     ready_path: str = "/health"
+    #: Where to run it (an ``epd_trio@DIR`` peer: another checkout, first on the import path).
+    cwd: str | None = None
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -96,7 +100,12 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
     skipped: list[str] = []
     e, p, d = backends.encode, backends.prefill, backends.decode
     for name in args.peers:
-        if name == "epd_trio":
+        if name == "epd_trio" or name.startswith("epd_trio@"):
+            checkout = name.partition("@")[2] or None
+            if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
+                skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
+                continue
+
             def epd_trio(port: int) -> list[str]:
                 cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
                        "--port", str(port), "--workers", str(args.workers)]
@@ -104,7 +113,7 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
                     if urls:
                         cmd += [f"--{role}", *urls]
                 return cmd
-            peers.append(Peer(name, epd_trio, "/ready"))
+            peers.append(Peer(name, epd_trio, "/ready", cwd=checkout))
         elif name == "vllm-router":
             if e:
                 skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
@@ -338,7 +347,7 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                   logdir: Path) -> dict[str, Any]:
     """Start ``peer``, warm it up, send the measured load, stop it; its figures."""
     process = None
-    log = logdir / f"{peer.name}.log"
+    log = logdir / f"{peer.name.replace('/', '_')}.log"
     try:
         if peer.command is None:
             url = backends.decode[0]
@@ -347,8 +356,9 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
             url = f"http://127.0.0.1:{port}"
             with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
                 process = await trio.lowlevel.open_process(
-                    peer.command(port), stdout=out, stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                    peer.command(port), stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1",
+                         **({"PYTHONPATH": peer.cwd} if peer.cwd else {})})
             await wait_ready(process, url + peer.ready_path, log)
         host, port_ = url.removeprefix("http://").rsplit(":", 1)
         make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
@@ -438,7 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
-    unknown = [x for x in args.peers if x not in PEERS]
+    unknown = [x for x in args.peers if x not in PEERS and not x.startswith("epd_trio@")]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
