@@ -11,6 +11,12 @@ import orjson
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from epd_trio._core.names import PATH_OF_KIND
+
+#: The client-facing paths the tests call.
+CHAT = PATH_OF_KIND["chat"]
+COMPLETIONS = PATH_OF_KIND["completions"]
+
 
 def image(n: int) -> dict[str, Any]:
     """A distinct small image item (data URL); its uuid is the SHA-256 of the URL."""
@@ -100,3 +106,10 @@ def retries(proxy: Any) -> dict[str, float]:
 
 def client_cancels(proxy: Any) -> dict[str, float]:
     return by_stage(proxy, "epd_trio_client_cancellations_total")
+
+
+async def start_fakes(nursery: trio.Nursery, *fakes: Any) -> list[Any]:
+    """Serve each fake vLLM on its own ephemeral port in ``nursery`` (ready when this returns)."""
+    for fake in fakes:
+        await nursery.start(fake.serve)
+    return list(fakes)

@@ -24,17 +24,14 @@ from epd_trio import BadRequest, Instance, Settings, UpstreamStatusError
 from epd_trio.asyncio_bridge import AsyncioBridge, Encoded, run
 from epd_trio.testing import FakeVLLM
 
-from helpers import chat_body, image, url_uuid
+from helpers import chat_body, image, start_fakes, url_uuid
 
 PREFILLS = (Instance("http://p0:8000", 2), Instance("http://p1:8000", 2))
 DECODES = (Instance("http://d0:8000", 2), Instance("http://d1:8000", 2))
 
 
 async def start_encoders(nursery: trio.Nursery, count: int) -> list[FakeVLLM]:
-    fakes = [FakeVLLM("encode") for _ in range(count)]
-    for fake in fakes:
-        await nursery.start(fake.serve)
-    return fakes
+    return await start_fakes(nursery, *(FakeVLLM("encode") for _ in range(count)))
 
 
 def settings_for(encoders: list[FakeVLLM], **overrides: Any) -> Settings:

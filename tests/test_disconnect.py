@@ -9,9 +9,7 @@ import trio.testing
 
 from epd_trio.testing import Cluster, FakeVLLM, run_cluster
 
-from helpers import chat_body, client_cancels, image, metric
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, client_cancels, image, metric
 
 
 def _stage_target(c: Cluster, stage: str) -> FakeVLLM:

@@ -15,13 +15,11 @@ from epd_trio import (
 )
 from epd_trio.testing import FakeVLLM
 
-from helpers import chat_body, image, url_uuid
+from helpers import chat_body, image, start_fakes, url_uuid
 
 
 async def test_run_encoder_fanout_directly(nursery: trio.Nursery) -> None:
-    fakes = [FakeVLLM("encode") for _ in range(2)]
-    for fake in fakes:
-        await nursery.start(fake.serve)
+    fakes = await start_fakes(nursery, FakeVLLM("encode"), FakeVLLM("encode"))
     cursor = EncoderCursor([Instance(f.url) for f in fakes])
     raw = orjson.dumps(chat_body(image(1), image(2), image(3), mm_processor_kwargs={"x": 1}))
     body, items = with_item_uuids(parse_request(raw, "chat"))

@@ -12,9 +12,7 @@ import trio.testing
 from epd_trio import Instance
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image, retries
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, image, retries
 
 
 async def test_encoder_killed_mid_burst(client: httpx.AsyncClient) -> None:

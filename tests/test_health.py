@@ -10,9 +10,7 @@ from epd_trio import Instance, SlotCursor
 from epd_trio._core.health import InstanceState, Registry
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, image
 
 
 def test_threshold_evicts_and_one_success_restores() -> None:

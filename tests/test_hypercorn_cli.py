@@ -13,7 +13,7 @@ import trio
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_url
 
-from helpers import chat_body, image
+from helpers import chat_body, image, start_fakes
 
 HYPERCORN = [sys.executable, "-m", "hypercorn", "--worker-class", "trio", "epd_trio.app:app"]
 
@@ -57,8 +57,7 @@ async def test_malformed_setting_names_the_variable() -> None:
 
 async def test_serves_an_epd_request_under_hypercorn(nursery: trio.Nursery) -> None:
     encoder, prefill, decode = FakeVLLM("encode"), FakeVLLM("prefill"), FakeVLLM("decode", 2)
-    for fake in (encoder, prefill, decode):
-        await nursery.start(fake.serve)
+    await start_fakes(nursery, encoder, prefill, decode)
     process = await trio.lowlevel.open_process(
         [*HYPERCORN, "--bind", "127.0.0.1:0"],
         env=_env(EPD_ENCODE_URLS=encoder.url, EPD_PREFILL_URLS=prefill.url,

@@ -6,9 +6,7 @@ import httpx
 
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, image
 
 
 async def test_client_keys_guard_the_openai_routes_only(client: httpx.AsyncClient) -> None:

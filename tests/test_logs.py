@@ -17,9 +17,7 @@ from epd_trio._core.trace import Attempt, RequestTrace, layout_of, outcome_of, r
 from epd_trio._logs import JsonFormatter, TextFormatter, configure_logging
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, image
 
 
 # -- pure ---------------------------------------------------------------------------------------

@@ -15,10 +15,8 @@ from epd_trio._core.health import InstanceState
 from epd_trio._metrics import ProxyMetrics
 from epd_trio.testing import FakeVLLM, run_cluster
 
-from helpers import chat_body, image, retries, scrape
+from helpers import CHAT, COMPLETIONS, chat_body, image, retries, scrape
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
 KEY = "admin-secret"
 ADMIN = {"x-api-key": KEY}
 

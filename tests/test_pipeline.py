@@ -13,9 +13,7 @@ import trio.testing
 from epd_trio import Instance
 from epd_trio.testing import run_cluster
 
-from helpers import chat_body, image, url_uuid
-
-CHAT = "/v1/chat/completions"
+from helpers import CHAT, chat_body, image, url_uuid
 
 
 async def test_epd_non_stream_hands_kv_params_to_decode(client: httpx.AsyncClient) -> None:

@@ -11,9 +11,8 @@ from epd_trio import Instance
 from epd_trio.testing import Cluster, FakeVLLM, run_cluster
 from epd_trio.testing.fake_vllm import Role
 
-from helpers import chat_body, image
+from helpers import CHAT, chat_body, image, start_fakes
 
-CHAT = "/v1/chat/completions"
 KEY = "admin-secret"
 ADMIN = {"x-api-key": KEY}
 
@@ -22,17 +21,12 @@ def registration(role: str, fake: FakeVLLM, **extra: Any) -> dict[str, Any]:
     return {"role": role, "url": fake.url, **extra}
 
 
-async def start(nursery: trio.Nursery, *fakes: FakeVLLM) -> None:
-    for fake in fakes:
-        await nursery.start(fake.serve)
-
-
 async def register_new(
     client: httpx.AsyncClient, c: Cluster, nursery: trio.Nursery, role: Role
 ) -> FakeVLLM:
     """Start a fake instance and register it (as vLLM would itself)."""
     fake = FakeVLLM(role)
-    await start(nursery, fake)
+    await start_fakes(nursery, fake)
     r = await client.post(c.proxy_url + "/instances", headers=ADMIN, json=registration(role, fake))
     assert r.status_code == 200 and r.json() == {"registered": True}
     return fake
@@ -159,7 +153,7 @@ async def test_a_registration_continues_the_encoder_rotation(
 ) -> None:
     async with run_cluster(encoders=2, decodes=1, admin_key=KEY) as c:
         late = FakeVLLM("encode")
-        await start(nursery, late)
+        await start_fakes(nursery, late)
         encoders = [*c.encoders, late]
 
         async def owners(first: int, count: int) -> list[int]:

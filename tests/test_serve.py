@@ -19,10 +19,9 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_until, read_url
 
-from helpers import Samples, chat_body, image, open_stuck_stream, scrape
+from helpers import CHAT, Samples, chat_body, image, open_stuck_stream, scrape, start_fakes
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
-CHAT = "/v1/chat/completions"
 
 
 @asynccontextmanager
@@ -42,15 +41,10 @@ async def serving(
             await process.wait()
 
 
-async def _start(nursery: trio.Nursery, *fakes: FakeVLLM) -> None:
-    for fake in fakes:
-        await nursery.start(fake.serve)
-
-
 async def test_flags_configure_the_proxy_and_sigterm_stops_it(nursery: trio.Nursery) -> None:
     enc = [FakeVLLM("encode") for _ in range(2)]
     prefill, decode = FakeVLLM("prefill", dp_size=2), FakeVLLM("decode", dp_size=2)
-    await _start(nursery, *enc, prefill, decode)
+    await start_fakes(nursery, *enc, prefill, decode)
     async with serving("--encode", enc[0].url, enc[1].url, "--prefill", f"{prefill.url}#dp=2",
                        "--decode", f"{decode.url}#dp=2", "--encoder-max-batch", "1",
                        "--graceful-timeout", "1", "--no-metrics") as (process, url):
@@ -70,7 +64,7 @@ async def test_flags_configure_the_proxy_and_sigterm_stops_it(nursery: trio.Nurs
 
 async def test_request_log_flags_give_json_lines_on_stderr(nursery: trio.Nursery) -> None:
     decode = FakeVLLM("prefill_decode")
-    await _start(nursery, decode)
+    await start_fakes(nursery, decode)
     async with serving("--decode", decode.url, "--request-log", "--log-format",
                        "json") as (process, url):
         async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
@@ -91,7 +85,7 @@ async def test_shutdown_is_bounded_when_a_client_stops_reading(
 ) -> None:
     decode = FakeVLLM("prefill_decode")
     decode.behaviour.tokens = 10**6  # a stream far larger than the socket buffers
-    await _start(nursery, decode)
+    await start_fakes(nursery, decode)
     graceful = 1.0
     async with serving("--decode", decode.url, "--workers", workers,
                        "--graceful-timeout", str(graceful)) as (process, url), await open_stuck_stream(url):
@@ -110,7 +104,7 @@ async def test_shutdown_is_bounded_when_a_client_stops_reading(
 async def test_workers_share_the_encoder_cursor(nursery: trio.Nursery) -> None:
     encoders = [FakeVLLM("encode") for _ in range(3)]
     decode = FakeVLLM("prefill_decode")
-    await _start(nursery, *encoders, decode)
+    await start_fakes(nursery, *encoders, decode)
     async with serving("--encode", *[e.url for e in encoders], "--decode", decode.url,
                        "--workers", "2") as (process, url):
         statuses: list[int] = []
@@ -137,7 +131,7 @@ async def test_a_registration_reaches_every_worker(nursery: trio.Nursery) -> Non
     """A POST /instances reaches one worker; every worker routes over it, in one rotation."""
     encoders = [FakeVLLM("encode") for _ in range(3)]
     decode = FakeVLLM("prefill_decode")
-    await _start(nursery, *encoders, decode)
+    await start_fakes(nursery, *encoders, decode)
     admin = {"x-api-key": "admin-secret"}
     async with serving("--workers", "2", env={"EPD_ADMIN_KEY": "admin-secret"}) as (process, url):
 
@@ -217,7 +211,7 @@ async def _wait_gone(pids: list[int]) -> None:
 
 async def test_a_dead_worker_stops_the_others(nursery: trio.Nursery) -> None:
     decode = FakeVLLM("prefill_decode")
-    await _start(nursery, decode)
+    await start_fakes(nursery, decode)
     async with serving("--decode", decode.url, "--workers", "2",
                        "--graceful-timeout", "1") as (process, url):
         async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
@@ -232,7 +226,7 @@ async def test_a_dead_worker_stops_the_others(nursery: trio.Nursery) -> None:
 
 async def test_workers_do_not_outlive_a_killed_parent(nursery: trio.Nursery) -> None:
     decode = FakeVLLM("prefill_decode")
-    await _start(nursery, decode)
+    await start_fakes(nursery, decode)
     async with serving("--decode", decode.url, "--workers", "2") as (process, url):
         async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
             assert (await client.get(url + "/health")).status_code == 200
@@ -262,7 +256,7 @@ def _requests_per_process(metrics_dir: str) -> dict[str, float]:
 
 async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
     decode = FakeVLLM("prefill_decode", dp_size=2)
-    await _start(nursery, decode)
+    await start_fakes(nursery, decode)
     n = 40
     async with serving("--decode", f"{decode.url}#dp=2", "--workers", "2") as (process, url):
         statuses: list[int] = []
