@@ -92,7 +92,7 @@ def _usable(instances: Sequence[Instance], usable: Usable | None) -> Sequence[In
 
 
 class SlotCursor:
-    """Flat interleaved ``(instance, dp_rank)`` routing for one role (prefill or decode).
+    """Flat interleaved ``(instance, dp_rank)`` routing for one stage (prefill or decode).
 
     Request ``k`` (from 1) gets ``slots[(k - 1) % len(slots)]``; see ``dp_slots`` for the order.
     Advancing is synchronous (no checkpoint between read and write), so it is atomic under trio.
@@ -146,13 +146,13 @@ class SlotCursor:
         """
         slots = self._candidates(usable, exclude)
         if not slots:
-            raise LookupError("no usable instance for this role")
+            raise LookupError("no usable instance for this stage")
         generation = self._generation
         k = self._counter.fetch_add(1)  # may sync a changed instance list (see EncoderCursor)
         if generation != self._generation:
             slots = self._candidates(usable, exclude)
             if not slots:
-                raise LookupError("no usable instance for this role")
+                raise LookupError("no usable instance for this stage")
         k0, i0 = self._epoch
         index, rank = slots[(i0 + k - k0) % len(slots)]
         return self._instances[index], rank

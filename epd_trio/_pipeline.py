@@ -18,6 +18,7 @@ retried. Cancellation (the client left) is never caught: it closes every open le
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamPool
 from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
+
+log = logging.getLogger("epd_trio")
 
 
 @dataclass(slots=True)
@@ -99,6 +102,9 @@ class Pipeline:
         stage = "encode"
         try:
             request = parse_request(raw_body, kind)
+            if request.dropped:
+                log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
+                          request_id, ", ".join(request.dropped))
             account.trace.stream = request.stream
             body, items = with_item_uuids(request)
             registry = self._registry

@@ -140,3 +140,16 @@ def test_upstream_headers() -> None:
                                             "x-request-id": "r1"}
     assert upstream_headers("r1", 3, "Bearer k")["x-data-parallel-rank"] == "3"
     assert upstream_headers("r1", 0)["x-data-parallel-rank"] == "0"
+
+
+def test_the_clients_hand_off_fields_are_dropped_at_parse_time() -> None:
+    raw = orjson.dumps({"model": "m", "prompt": "x", "kv_transfer_params": {"remote_host": "h"},
+                        "ec_transfer_params": {"a": {}}, "temperature": 0})
+    request = parse_request(raw, "completions")
+    assert request.dropped == ("kv_transfer_params", "ec_transfer_params")
+    assert request.body == {"model": "m", "prompt": "x", "temperature": 0}
+    assert parse_request(b'{"model": "m", "prompt": "x"}', "completions").dropped == ()
+
+
+def test_an_empty_kv_handle_is_no_handle() -> None:
+    assert kv_transfer_params_of(b'{"kv_transfer_params": {}}') is None

@@ -31,6 +31,14 @@ _URL_FIELD = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "
 #: processed, so the encoder must see them to produce the cache entry decode will look up).
 ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority")
 
+#: Body fields that steer a transfer: the proxy's alone (PROTOCOL.md "The hand-off is the
+#: proxy's"). A client that sends them could make an instance pull KV or encoder-cache entries
+#: from an address it names (llm-d #242 was this class of bug), so they are dropped from the
+#: client's body before any leg is built, in every layout and on both endpoints. Dropped, not
+#: refused: the official clients never send them, and a client that replays a vLLM response's
+#: fields must not be broken by the proxy for it.
+PROXY_OWNED_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+
 #: The ``kv_transfer_params`` that asks a prefill instance to keep the KV for a remote decode.
 PREFILL_KV_TRANSFER_PARAMS: Mapping[str, Any] = {
     "do_remote_decode": True,
@@ -51,6 +59,8 @@ class ParsedRequest:
     stream: bool
     #: (message index, content part index) of each media item, in order of appearance.
     media: tuple[tuple[int, int], ...]
+    #: The ``PROXY_OWNED_FIELDS`` the client sent, removed from ``body``.
+    dropped: tuple[str, ...] = ()
 
 
 def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
@@ -83,7 +93,10 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     else:
         _check_prompt(body.get("prompt"))
         media = ()
-    return ParsedRequest(kind=kind, body=body, stream=stream, media=media)
+    dropped = tuple(name for name in PROXY_OWNED_FIELDS if name in body)
+    if dropped:
+        body = {key: value for key, value in body.items() if key not in PROXY_OWNED_FIELDS}
+    return ParsedRequest(kind=kind, body=body, stream=stream, media=media, dropped=dropped)
 
 
 def _find_media(messages: Any) -> tuple[tuple[int, int], ...]:
@@ -223,7 +236,8 @@ def build_decode_body(
     """The decode leg after a prefill: the client's body plus the prefill's KV handle.
 
     Without a handle, decode recomputes the prefill itself: slower, but the answer is the same.
-    Any ``kv_transfer_params`` the client sent are dropped: they cannot describe this prefill.
+    Any ``kv_transfer_params`` in ``body`` are dropped (``parse_request`` already removed the
+    client's; this keeps a caller that skipped it from forwarding a stale handle).
     """
     decode = {key: value for key, value in body.items() if key != "kv_transfer_params"}
     if kv_transfer_params is not None:
@@ -232,7 +246,8 @@ def build_decode_body(
 
 
 def kv_transfer_params_of(prefill_response: bytes) -> dict[str, Any] | None:
-    """The top-level ``kv_transfer_params`` object of a prefill response, if it has one."""
+    """The top-level ``kv_transfer_params`` object of a prefill response, if it has a non-empty
+    one."""
     try:
         parsed = orjson.loads(prefill_response)
     except orjson.JSONDecodeError:
@@ -240,7 +255,8 @@ def kv_transfer_params_of(prefill_response: bytes) -> dict[str, Any] | None:
     if not isinstance(parsed, dict):
         return None
     params = parsed.get("kv_transfer_params")
-    return params if isinstance(params, dict) else None
+    # An empty handle is no handle: upstream leaves the key out of decode's body then.
+    return params if isinstance(params, dict) and params else None
 
 
 def upstream_headers(
