@@ -151,7 +151,13 @@ class Pipeline:
         self, cursor: SlotCursor, stage: str, tried: set[Slot], any_slot: bool = False
     ) -> Slot | None:
         """The next usable slot on an instance not tried yet; with ``any_slot``, failing that,
-        an untried slot (another DP rank) of a tried instance."""
+        an untried slot (another DP rank) of a tried instance, and failing that, when the stage
+        has a single slot, that slot again.
+
+        Why the same slot: with one decode slot there is no *other* to fail over to, and the
+        failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
+        upstream's proxy retries its only decode instance; the retry stays within
+        ``decode_retries`` and re-runs prefill."""
         usable = self._registry.usable(stage)
         urls = {inst.url for inst, _ in tried}
         try:
@@ -162,7 +168,13 @@ class Pipeline:
         try:
             return cursor.next(usable, exclude=tried)
         except LookupError:
-            return None
+            pass
+        if cursor.slot_count == 1:
+            try:
+                return cursor.next()
+            except LookupError:
+                return None
+        return None
 
     async def _prefill(
         self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str

@@ -193,6 +193,7 @@ class Proxy:
             self._probe_client = UpstreamClient(
                 max_connections=4, connect_timeout=self.settings.health_timeout,
                 queue_timeout=self.settings.health_timeout,
+                keepalive_expiry=self.settings.upstream_keepalive,
                 headers=upstream_auth_headers(self.settings))
             self._probe_client.follow(m.instance for m in self.roster.members)
             self._prober = await nursery.start(self._run_prober, self._probe_client)

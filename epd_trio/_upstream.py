@@ -59,6 +59,7 @@ def make_client(settings: Settings) -> UpstreamClient:
     return UpstreamClient(max_connections=settings.max_connections,
                           connect_timeout=settings.connect_timeout,
                           queue_timeout=settings.queue_timeout,
+                          keepalive_expiry=settings.upstream_keepalive,
                           headers=upstream_auth_headers(settings))
 
 

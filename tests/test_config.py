@@ -113,3 +113,33 @@ def test_the_served_app_tunes_the_garbage_collector(value: str | None, expected:
         [sys.executable, "-c", "import gc, epd_trio.app; print(gc.get_threshold()[0])"],
         env=env, capture_output=True, text=True, check=True, timeout=60)
     assert int(out.stdout) == expected
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, 4.0),
+    ({"EPD_UPSTREAM_KEEPALIVE": "2.5"}, 2.5),
+    ({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "5"}, 4.0),  # vLLM's default: ours stays below it
+    ({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2"}, 1.6),  # an operator lowered vLLM's: so is ours
+    ({"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "2", "EPD_UPSTREAM_KEEPALIVE": "3"}, 3.0),  # ours wins
+])
+def test_upstream_keepalive_stays_below_vllms(env: dict[str, str], expected: float) -> None:
+    settings = settings_from({"EPD_DECODE_URLS": "http://d:1", **env})
+    assert settings.upstream_keepalive == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("variable", ["EPD_UPSTREAM_KEEPALIVE", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "inf"])
+def test_a_keepalive_that_is_not_positive_is_refused_naming_it(variable: str, value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        settings_from({"EPD_DECODE_URLS": "http://d:1", variable: value})
+    assert str(info.value).startswith(f"{variable}:")
+
+
+async def test_the_upstream_pools_use_the_keepalive_setting() -> None:
+    from epd_trio import Proxy, Settings
+    proxy = Proxy(Settings(decode_urls=(Instance("http://d:1"),), upstream_keepalive=1.5))
+    await proxy.start()
+    try:
+        assert proxy._upstream is not None and proxy._upstream._keepalive_expiry == 1.5
+    finally:
+        await proxy.aclose()

@@ -272,3 +272,20 @@ async def test_a_queue_wait_past_its_limit_is_a_503_that_blames_nobody(
             state = c.proxy.registry.state("decode", c.decodes[0].url)
             assert state.live and state.errors == 0 and retries(c.proxy) == {}
             nursery.cancel_scope.cancel()
+
+
+async def test_a_single_decode_slot_is_retried_on_itself(client: httpx.AsyncClient) -> None:
+    """No other decode slot exists: the only one is tried again (prefill re-run), as upstream's
+    proxy does, within decode_retries; a second failure is the client's 502."""
+    async with run_cluster(prefills=1, decodes=1, decode_retries=1) as c:
+        (d0,) = c.decodes
+        d0.behaviour.fail_status, d0.behaviour.fail_count = 500, 1
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers={"x-request-id": "a"})
+        assert r.status_code == 200, r.text
+        assert [x.request_id for x in d0.requests()] == ["a", "a-retry1"]
+        assert [x.request_id for x in c.prefills[0].requests()] == ["a", "a-retry1"]
+        assert retries(c.proxy) == {"decode": 1}
+        d0.behaviour.fail_status, d0.behaviour.fail_count = 500, 2
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers={"x-request-id": "b"})
+        assert r.status_code == 502 and r.json()["error"]["stage"] == "decode"
+        assert [x.request_id for x in d0.requests()][2:] == ["b", "b-retry1"]  # no third try

@@ -155,7 +155,7 @@ async def test_failed_request_line_names_the_error(
     client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="epd_trio")
-    async with run_cluster(prefills=1, decodes=1, request_log=True) as c:
+    async with run_cluster(prefills=1, decodes=1, request_log=True, decode_retries=0) as c:
         c.decodes[0].behaviour.fail_status = 500
         r = await client.post(c.proxy_url + CHAT, json=chat_body(),
                               headers={"x-request-id": "log-2"})

@@ -206,7 +206,7 @@ async def test_text_request_skips_the_encoders(client: httpx.AsyncClient) -> Non
 async def test_upstream_errors_name_stage_and_keep_client_errors(
     client: httpx.AsyncClient,
 ) -> None:
-    async with run_cluster(encoders=1, prefills=1, decodes=1) as c:
+    async with run_cluster(encoders=1, prefills=1, decodes=1, decode_retries=0) as c:
         # A prompt the model rejects: vLLM's 400 reaches the client unchanged.
         c.prefills[0].behaviour.max_model_len = 3
         r = await client.post(c.proxy_url + CHAT, json=chat_body(text="far too many words here"))

@@ -153,3 +153,16 @@ def test_the_clients_hand_off_fields_are_dropped_at_parse_time() -> None:
 
 def test_an_empty_kv_handle_is_no_handle() -> None:
     assert kv_transfer_params_of(b'{"kv_transfer_params": {}}') is None
+
+
+def test_encoder_legs_carry_the_media_processing_fields_and_the_session() -> None:
+    """As upstream's EPD proxy: mm_processor_kwargs, media_io_kwargs, priority, session_id."""
+    part = {"type": "image_url", "image_url": {"url": "data:x"}, "uuid": "u"}
+    body = {"model": "m", "messages": [], "mm_processor_kwargs": {"a": 1},
+            "media_io_kwargs": {"b": 2}, "priority": 3, "session_id": "s-1", "temperature": 0}
+    encoder = build_encoder_body(body, [part])
+    assert {k: encoder[k] for k in ("mm_processor_kwargs", "media_io_kwargs", "priority",
+                                    "session_id")} == {"mm_processor_kwargs": {"a": 1},
+                                                       "media_io_kwargs": {"b": 2},
+                                                       "priority": 3, "session_id": "s-1"}
+    assert "temperature" not in encoder

@@ -54,6 +54,12 @@ class Settings:
     client_write_timeout: float = 60.0
     #: Seconds a request may wait in the proxy for a free upstream place before it gets a 503.
     queue_timeout: float = 30.0
+    #: Seconds an idle upstream connection is kept for reuse. It must stay below vLLM's own
+    #: keep-alive (``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default): a request written to a
+    #: connection the server is closing fails unread. Unset, it is 4 s, or 80 % of
+    #: ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` when that is set lower (operators set it once for the
+    #: whole deployment).
+    upstream_keepalive: float = 4.0
     #: Upstream requests in flight per (instance, DP rank) slot; more wait in the proxy's queue.
     #: Size it like vLLM's ``--max-num-seqs``: more connections than the engine batches only
     #: cost the proxy CPU (README "Performance").
@@ -112,6 +118,10 @@ class Settings:
             return "none"
         serving = "P+D" if self.prefill_urls else "PD"
         return f"E+{serving}" if self.encode_urls else serving
+
+
+#: vLLM's server keep-alive, read so the proxy's idle upstream connections expire before it.
+VLLM_KEEPALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
 
 
 def env_name(field: str) -> str:
@@ -217,6 +227,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "stream_idle_timeout": _seconds,
     "client_write_timeout": _seconds,
     "queue_timeout": _seconds,
+    "upstream_keepalive": _seconds,
     "max_connections": _positive_int,
     "max_body_bytes": _positive_int,
     "max_attempts": _positive_int,
@@ -277,6 +288,11 @@ def settings_from(
     for key, raw in (flags or {}).items():
         if raw is not None:
             values[key] = _parse(key, raw, flag_name(key))
+    if "upstream_keepalive" not in values and environ.get(VLLM_KEEPALIVE_ENV, "").strip():
+        vllm_keepalive = _parse("upstream_keepalive", environ[VLLM_KEEPALIVE_ENV],
+                                VLLM_KEEPALIVE_ENV)
+        values["upstream_keepalive"] = min(SETTING_DEFAULTS["upstream_keepalive"],
+                                           0.8 * vllm_keepalive)
     try:
         return Settings(**values)
     except ConfigError as exc:

@@ -29,7 +29,7 @@ _URL_FIELD = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "
 
 #: Fields copied from the client body into each encoder sub-request (they change how media is
 #: processed, so the encoder must see them to produce the cache entry decode will look up).
-ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority")
+ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
 #: Body fields that steer a transfer: the proxy's alone (PROTOCOL.md "The hand-off is the
 #: proxy's"). A client that sends them could make an instance pull KV or encoder-cache entries
