@@ -93,8 +93,10 @@ def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> 
 
     @app.get("/health")
     async def health() -> Response:
-        ok, report = proxy.health()
-        return _json(200 if ok else 503, report)
+        # Liveness: 200 while the process serves, whatever the instances' state. A 503 here
+        # restart-loops a proxy whose instances only self-register (Kubernetes, docs/how-to/
+        # kubernetes.md); readiness, which may say no, is /ready.
+        return _json(200, proxy.health())
 
     @app.get("/ready")
     async def ready() -> Response:

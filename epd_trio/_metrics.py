@@ -29,7 +29,14 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from ._core.errors import ProxyError
@@ -38,6 +45,11 @@ from ._core.names import STAGES
 from ._core.trace import outcome_of
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# No ``*_created`` series: one per counter and histogram child, they double the series count and
+# say only when the process started counting, which ``process_start_time_seconds`` already does.
+# (prometheus-client's switch is process-wide; this module is its only user here.)
+disable_created_metrics()
 #: Seconds; prefill of a long prompt and a long generation take minutes, so the buckets go to 10.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)

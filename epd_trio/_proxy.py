@@ -253,13 +253,12 @@ class Proxy:
         assert last_error is not None
         raise last_error
 
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        """200-worthy when there is a decode-side instance and every role has a live one; the
-        per-instance report."""
+    def health(self) -> dict[str, Any]:
+        """``GET /health``, the liveness report: overall ``status``, readiness, and each
+        instance's state (the HTTP status is always 200 while the process serves)."""
         self._store.poll()
-        ok = self.registry.healthy()
-        return ok, {"status": "ok" if ok else "unavailable", "layout": layout_name(self.roster),
-                    "ready": self.registry.ready(), "roles": self.registry.report()}
+        return {"status": self.registry.status(), "layout": layout_name(self.roster),
+                "ready": self.registry.ready(), "roles": self.registry.report()}
 
     def ready(self) -> bool:
         self._store.poll()

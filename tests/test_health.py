@@ -64,6 +64,7 @@ async def test_prober_evicts_and_restores(client: httpx.AsyncClient) -> None:
         assert changes == [(e1.url, False)]
         r = await client.get(c.proxy_url + "/health")
         assert r.status_code == 200  # the role still has live encoders
+        assert r.json()["status"] == "degraded"
         assert [s["state"] for s in r.json()["roles"]["encode"]] == [
             "healthy", "unhealthy", "healthy"]
 
@@ -84,7 +85,7 @@ async def test_prober_evicts_and_restores(client: httpx.AsyncClient) -> None:
         assert changes[-1] == (e1.url, True)
 
 
-async def test_health_is_503_when_a_role_has_no_live_instance(
+async def test_health_stays_200_and_says_unavailable_when_a_stage_has_no_live_instance(
     client: httpx.AsyncClient,
 ) -> None:
     async with run_cluster(prefills=1, decodes=1, health_interval=0.05,
@@ -95,7 +96,9 @@ async def test_health_is_503_when_a_role_has_no_live_instance(
         with trio.fail_after(10):
             await gone.wait()
         r = await client.get(c.proxy_url + "/health")
-        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        assert r.status_code == 200 and r.json()["status"] == "unavailable"
+        r = await client.get(c.proxy_url + "/ready")
+        assert r.status_code == 503
         # Panic mode: requests are still tried (the instance may be fine; only /health says no).
         r = await client.post(c.proxy_url + CHAT, json=chat_body())
         assert r.status_code == 200

@@ -217,3 +217,10 @@ def test_an_instance_that_registers_again_gets_its_health_series_back() -> None:
     gauge.dec()
     metrics.set_members([])
     assert metrics.registry.get_sample_value("epd_trio_upstream_in_flight", labels) is None
+
+
+async def test_no_created_series_are_exported(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1) as c:
+        assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
+        text = (await client.get(c.proxy_url + "/metrics")).text
+        assert "epd_trio_requests_total" in text and "_created" not in text

@@ -260,7 +260,7 @@ async def test_models_and_health(client: httpx.AsyncClient) -> None:
         r = await client.get(c.proxy_url + "/health")
         assert r.status_code == 200
         report = r.json()
-        assert report["layout"] == "E+P+D"
+        assert report["layout"] == "E+P+D" and report["status"] == "ok"
         assert [i["state"] for i in report["roles"]["decode"]] == ["healthy", "healthy"]
 
 

@@ -53,7 +53,10 @@ async def test_zero_static_instances_until_one_registers(
     async with run_cluster(decodes=0, admin_key=KEY, health_interval=0.05) as c:
         assert (await client.get(c.proxy_url + "/ready")).status_code == 503
         health = await client.get(c.proxy_url + "/health")
-        assert health.status_code == 503 and health.json()["layout"] == "none"
+        # Liveness: the process serves, so 200, saying nothing is there yet (a 503 here would
+        # restart-loop a proxy whose instances only self-register).
+        assert health.status_code == 200 and health.json()["layout"] == "none"
+        assert health.json()["status"] == "unavailable"
         error = assert_openai_error(await client.post(c.proxy_url + CHAT, json=chat_body()),
                                     503, "service_unavailable")
         assert error["code"] == "no_instance" and "no decode instance" in error["message"]
@@ -69,6 +72,7 @@ async def test_zero_static_instances_until_one_registers(
         await wait_ready(client, c, pd)
         health = await client.get(c.proxy_url + "/health")
         assert health.status_code == 200 and health.json()["layout"] == "PD"
+        assert health.json()["status"] == "ok"
 
 
 async def test_admin_routes_are_off_without_a_key_and_need_the_right_one(

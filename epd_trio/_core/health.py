@@ -170,6 +170,14 @@ class Registry:
         return {s.url: s.evicted_since for s in self.states()
                 if not s.live and s.evicted_since is not None}
 
+    def status(self) -> str:
+        """The overall state for ``/health``: ``ok`` (every instance in rotation), ``degraded``
+        (some out, but every stage still has a live one), ``unavailable`` (no decode-side
+        instance, or a stage with none live: its requests run on panic mode, or fail)."""
+        if not self.healthy():
+            return "unavailable"
+        return "ok" if all(s.live for s in self.states()) else "degraded"
+
     def healthy(self) -> bool:
         """There is a decode-side instance, and every stage has at least one live instance."""
         return self.has("decode") and all(
