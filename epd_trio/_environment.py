@@ -6,12 +6,15 @@ The rules (which source wins, how each value is parsed, what is refused) are pur
 
 from __future__ import annotations
 
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
 from typing import Any
 
-from ._core.config import ENV_PREFIX, ConfigError, Settings, settings_from
+from ._core.config import ENV_PREFIX, ConfigError, Settings, settings_from, unknown_settings
+
+log = logging.getLogger("epd_trio")
 
 
 def load_settings(
@@ -34,4 +37,9 @@ def load_settings(
             raise ConfigError(ENV_PREFIX + "CONFIG", f"cannot read {path}: {exc.strerror}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(ENV_PREFIX + "CONFIG", f"{path} is not valid TOML: {exc}") from None
-    return settings_from(environ, file_values, flags)
+    settings = settings_from(environ, file_values, flags)
+    for name, close in unknown_settings(environ):
+        hint = f"; did you mean {close}?" if close else ""
+        log.warning("unknown setting %s is ignored%s (epd-trio serve --help lists them all)",
+                    name, hint)
+    return settings

@@ -143,3 +143,19 @@ async def test_the_upstream_pools_use_the_keepalive_setting() -> None:
         assert proxy._upstream is not None and proxy._upstream._keepalive_expiry == 1.5
     finally:
         await proxy.aclose()
+
+
+def test_unknown_epd_variables_are_named_with_the_closest_known_one() -> None:
+    from epd_trio._core.config import unknown_settings
+    environ = {"EPD_PREFIL_URLS": "http://p:1", "EPD_DECODE_POLICY": "least_loaded",
+               "EPD_DECODE_URLS": "http://d:1", "EPD_CONFIG": "", "EPD_BENCH_EPD_PROXY": "x",
+               "EPD_E2E_HOME": "/tmp", "EPD_VLLM_HOME": "/tmp", "VLLM_X": "1"}
+    assert unknown_settings(environ) == [("EPD_DECODE_POLICY", None),
+                                         ("EPD_PREFIL_URLS", "EPD_PREFILL_URLS")]
+
+
+def test_the_start_up_warns_about_unknown_settings(caplog: pytest.LogCaptureFixture) -> None:
+    settings = load_settings({"EPD_DECODE_URLS": "http://d:1", "EPD_PREFIL_URLS": "http://p:1"})
+    assert settings.prefill_urls == ()  # ignored, as before, but no longer silently
+    (record,) = [r for r in caplog.records if "EPD_PREFIL_URLS" in r.getMessage()]
+    assert record.levelname == "WARNING" and "did you mean EPD_PREFILL_URLS?" in record.getMessage()

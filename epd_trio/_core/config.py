@@ -8,6 +8,7 @@ backend must never hold a request forever.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
@@ -247,6 +248,28 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "gc_threshold": _non_negative_int,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
+
+
+#: Prefixes of ``EPD_*`` variables that belong to the project's tools, not to the proxy (the
+#: benchmark, the real-vLLM test harness, ``shared/vllm-cpu``): never reported as unknown.
+FOREIGN_ENV_PREFIXES = ("EPD_BENCH_", "EPD_E2E_", "EPD_VLLM_")
+
+
+def unknown_settings(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """The ``EPD_*`` variables that name no setting, each with the closest known name (or None).
+
+    Why: an unknown variable is ignored, so a typo (``EPD_PREFIL_URLS``) or a setting this
+    version does not have (``EPD_DECODE_POLICY``) would start the proxy as if nothing had been
+    said. vLLM warns about unknown ``VLLM_*`` variables the same way.
+    """
+    known = {env_name(name) for name in _PARSERS} | {ENV_PREFIX + "CONFIG"}
+    found = []
+    for name in sorted(environ):
+        if (name.startswith(ENV_PREFIX) and name not in known
+                and not name.startswith(FOREIGN_ENV_PREFIXES)):
+            close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.85)
+            found.append((name, close[0] if close else None))
+    return found
 
 
 def flag_name(field: str) -> str:
