@@ -150,9 +150,14 @@ class Pipeline:
     async def _next_slot(
         self, cursor: SlotCursor, stage: str, tried: set[Slot], any_slot: bool = False
     ) -> Slot | None:
-        """The next usable slot on an instance not tried yet; with ``any_slot``, failing that,
-        an untried slot (another DP rank) of a tried instance, and failing that, when the stage
+        """The next slot for a request that already tried ``tried``, in this order: a usable
+        instance not tried yet; an instance not tried yet that is out of rotation; with
+        ``any_slot``, an untried slot (another DP rank) of a tried instance, and when the stage
         has a single slot, that slot again.
+
+        Why an instance out of rotation: it may be back already (restarted and listening, its
+        next probe not yet due), and trying it beats failing the request for sure, as panic
+        mode does for a whole stage.
 
         Why the same slot: with one decode slot there is no *other* to fail over to, and the
         failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
@@ -163,8 +168,14 @@ class Pipeline:
         try:
             return cursor.next(lambda inst: inst.url not in urls and usable(inst))
         except LookupError:
-            if not any_slot:
-                return None
+            pass
+        if tried:
+            try:
+                return cursor.next(lambda inst: inst.url not in urls)
+            except LookupError:
+                pass
+        if not any_slot:
+            return None
         try:
             return cursor.next(usable, exclude=tried)
         except LookupError:

@@ -351,12 +351,15 @@ async def run_encoder_fanout(
 
         async def pick_next(tried: set[Slot]) -> Slot | None:
             urls = {inst.url for inst, _ in tried}
-            try:
-                (instance,) = await cursor.assign(1, lambda e: e.url not in urls and (
-                    usable is None or usable(e)))
-            except LookupError:
-                return None
-            return instance, None
+            # An untried encoder in rotation, else one out of it (it may be back already).
+            for allowed in (lambda e: e.url not in urls and (usable is None or usable(e)),
+                            lambda e: e.url not in urls):
+                try:
+                    (instance,) = await cursor.assign(1, allowed)
+                except LookupError:
+                    continue
+                return instance, None
+            return None
 
         return await with_failover(failover, "encode", (call.instance, None), attempt, pick_next,
                                    observer.retried)

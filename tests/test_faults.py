@@ -289,3 +289,25 @@ async def test_a_single_decode_slot_is_retried_on_itself(client: httpx.AsyncClie
         r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers={"x-request-id": "b"})
         assert r.status_code == 502 and r.json()["error"]["stage"] == "decode"
         assert [x.request_id for x in d0.requests()][2:] == ["b", "b-retry1"]  # no third try
+
+
+async def test_a_retry_falls_back_to_an_untried_instance_out_of_rotation(
+    client: httpx.AsyncClient,
+) -> None:
+    """P1 serves but is out of rotation (its probes fail); P0, in rotation, fails: the retry
+    goes to P1 rather than failing for sure (the churn soak's two 502s)."""
+    async with run_cluster(prefills=2, decodes=1, health_interval=0.05,
+                           health_threshold=1) as c:
+        p0, p1 = c.prefills
+        p1.behaviour.healthy = False
+        evicted = trio.Event()
+        c.proxy.registry.on_change.append(lambda s: s.url == p1.url and evicted.set())
+        with trio.fail_after(10):
+            await evicted.wait()
+        assert not c.proxy.registry.state("prefill", p1.url).live
+        p0.behaviour.fail_status, p0.behaviour.fail_count = 500, 1
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers={"x-request-id": "x"})
+        assert r.status_code == 200, r.text
+        assert [x.request_id for x in p0.requests()] == ["x"]
+        assert [x.request_id for x in p1.requests()] == ["x"]
+        assert retries(c.proxy) == {"prefill": 1}
