@@ -18,6 +18,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from ._admission import Admission
 from ._asgi import ProxyASGI
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
@@ -67,7 +68,9 @@ def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> 
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
-                     endpoints=CompletionEndpoints(proxy, settings.max_body_bytes, client_keys))
+                     endpoints=CompletionEndpoints(
+                         proxy, settings.max_body_bytes, client_keys,
+                         Admission(settings.max_inflight, settings.admission_timeout)))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
 

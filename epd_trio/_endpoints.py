@@ -22,6 +22,7 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
+from ._admission import Admission
 from ._core.auth import ClientKeys
 from ._core.errors import (
     INTERNAL_ERROR,
@@ -48,8 +49,10 @@ class CompletionEndpoints:
     """Serves the paths of ``KIND_OF_PATH`` for one ``Proxy``; ``ProxyASGI`` routes them here."""
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
-                 client_keys: ClientKeys | None = None) -> None:
+                 client_keys: ClientKeys | None = None,
+                 admission: Admission | None = None) -> None:
         self._proxy = proxy
+        self._admission = admission
         self._max_body_bytes = max_body_bytes
         self._client_keys = client_keys if client_keys is not None and client_keys.enabled \
             else None
@@ -65,6 +68,8 @@ class CompletionEndpoints:
         try:
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
                 self._client_keys.check(_header(headers, b"authorization"))
+            if self._admission is not None:  # before reading it too: the cap bounds memory
+                await self._admission.enter(resources)
             raw = await self._read_body(headers, receive)
         except _ClientGone:
             return

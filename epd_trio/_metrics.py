@@ -39,7 +39,7 @@ from prometheus_client import (
 )
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from ._core.errors import ProxyError
+from ._core.errors import AtCapacity, ProxyError
 from ._core.health import InstanceState
 from ._core.names import STAGES
 from ._core.trace import outcome_of
@@ -155,6 +155,8 @@ class ProxyMetrics:
                                ["stage"])
         self._kv_missing = metric(Counter, "epd_trio_prefill_kv_transfer_params_missing",
                                   "Prefill answers without kv_transfer_params (decode recomputed)")
+        self._refused = metric(Counter, "epd_trio_admission_refusals",
+                               "Client requests refused at EPD_MAX_INFLIGHT (503, Retry-After)")
         # Children cached by label values (see "Cost" above).
         self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
         #: The instances in the roster now (``set_members``).
@@ -246,8 +248,11 @@ class ProxyMetrics:
         child.inc()
 
     def rejected(self, endpoint: str, error: ProxyError) -> None:
-        """A request refused before it reached the pipeline (a bad key, a body over the limit)."""
+        """A request refused before it reached the pipeline (a bad key, a body over the limit,
+        the admission cap)."""
         self.request_done(endpoint, outcome_of(error))
+        if isinstance(error, AtCapacity):
+            self._refused.inc()
 
     def health_changed(self, state: InstanceState) -> None:
         """Listener for ``Registry.on_change`` (not on the request path)."""

@@ -65,6 +65,12 @@ class Settings:
     #: Size it like vLLM's ``--max-num-seqs``: more connections than the engine batches only
     #: cost the proxy CPU (README "Performance").
     max_connections: int = 256
+    #: Client requests in flight at once (streams included); more wait ``admission_timeout``
+    #: for a place, then get a 503 with ``Retry-After``. It bounds the proxy's memory under a
+    #: flood; sized for a large cluster.
+    max_inflight: int = 10_000
+    #: Seconds a request over ``max_inflight`` waits for a place (0: refused at once).
+    admission_timeout: float = 1.0
     #: Largest client body accepted, in bytes (base64 media makes bodies big).
     max_body_bytes: int = 64 * 1024 * 1024
     #: Attempts per encoder sub-request and per prefill call (each on a different instance).
@@ -216,6 +222,12 @@ def _seconds(raw: Any) -> float:
     return value
 
 
+def _non_negative_seconds(raw: Any) -> float:
+    if (isinstance(raw, str) and raw.strip() in ("0", "0.0")) or raw == 0:
+        return 0.0
+    return _seconds(raw)
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "encode_urls": _instances,
     "prefill_urls": _instances,
@@ -230,6 +242,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "queue_timeout": _seconds,
     "upstream_keepalive": _seconds,
     "max_connections": _positive_int,
+    "max_inflight": _positive_int,
+    "admission_timeout": _non_negative_seconds,
     "max_body_bytes": _positive_int,
     "max_attempts": _positive_int,
     "decode_retries": _non_negative_int,

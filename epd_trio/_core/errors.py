@@ -10,6 +10,7 @@
     +-- RosterFull             the shared roster area has no room for a change (503)
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
+    |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
         +-- UpstreamTransportError connect/read failure (502)
@@ -136,6 +137,14 @@ class ProxyOverloaded(ProxyError):
 
     status = 503
     type = "proxy_overloaded"
+
+
+class AtCapacity(ProxyOverloaded):
+    """The proxy already serves ``EPD_MAX_INFLIGHT`` client requests and no place freed within
+    ``EPD_ADMISSION_TIMEOUT``: blamed on nobody, so the client is told when to come back."""
+
+    code = "proxy_at_capacity"
+    headers = {"retry-after": "1"}  # noqa: RUF012 (never mutated)
 
 
 class UpstreamError(ProxyError):
