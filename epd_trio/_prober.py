@@ -7,7 +7,7 @@ per round, so a slow instance delays nobody else's verdict) and feeds the result
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 
 import trio
@@ -40,20 +40,16 @@ async def run_prober(
     interval: float,
     probe_timeout: float,
     before_round: Callable[[], None] | None = None,
-    after_round: Callable[[], Awaitable[None]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Probe forever (until cancelled); the first round starts at once.
 
     ``before_round`` runs before each round (the proxy syncs its roster there, so instances
-    registered through another worker get probed), ``after_round`` after it (forgetting
-    long-gone instances, closing unused clients).
+    registered through another worker get probed).
     """
     task_status.started()
     while True:
         if before_round is not None:
             before_round()
         await probe_once(client, registry, probe_timeout)
-        if after_round is not None:
-            await after_round()
         await trio.sleep(interval)

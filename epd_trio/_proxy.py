@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import trio
@@ -201,17 +202,27 @@ class Proxy:
     async def _run_prober(
         self, client: UpstreamClient, task_status: trio.TaskStatus[trio.CancelScope]
     ) -> None:
+        """The proxy's background work, until cancelled: the health prober, and housekeeping
+        on the keep-alive clock."""
         with trio.CancelScope() as scope:
             task_status.started(scope)
-            await run_prober(client, self.registry, interval=self.settings.health_interval,
-                             probe_timeout=self.settings.health_timeout,
-                             before_round=self._store.poll, after_round=self._housekeeping)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(
+                    run_prober, client, self.registry, interval=self.settings.health_interval,
+                    probe_timeout=self.settings.health_timeout, before_round=self._store.poll))
+                nursery.start_soon(self._housekeeping)
 
     async def _housekeeping(self) -> None:
-        """After each probe round: forget the long-gone registered instances, close the pools
-        nobody uses any more."""
-        self.expire()
-        await self.reap_clients()
+        """Twice per upstream keep-alive: close the idle connections past it and the pools
+        nobody uses any more, and forget the long-gone registered instances.
+
+        Why its own clock and not the prober's: with a long ``EPD_HEALTH_INTERVAL`` a dead
+        instance's idle connections stayed open for the whole interval (the churn soak: 88 fds
+        10 s after the load, at 600 s), far past the keep-alive they exist within."""
+        while True:
+            await trio.sleep(self.settings.upstream_keepalive / 2)
+            self.expire()
+            await self.reap_clients()
 
     async def aclose(self) -> None:
         if self._prober is not None:

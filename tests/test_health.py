@@ -138,3 +138,19 @@ async def test_live_transport_failures_count_as_failed_probes(
             r = await client.post(c.proxy_url + CHAT, json=chat_body())
             assert r.status_code == 200  # each failure fails over to the other decode
         assert not state.live and state.errors == 2 and state.sent == 2
+
+
+async def test_idle_upstream_connections_close_on_the_keepalive_clock(
+    client: httpx.AsyncClient,
+) -> None:
+    """Housekeeping runs on the keep-alive clock, not after each probe round: with a 600 s
+    probe interval an idle connection still closes about one keep-alive after its request."""
+    async with run_cluster(decodes=1, health_interval=600, upstream_keepalive=0.2) as c:
+        assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
+        pool = c.proxy.client(c.proxy.roster.of("decode")[0])
+        assert len(pool._idle) == 1  # kept for reuse after the request
+        started = trio.current_time()
+        with trio.fail_after(5):  # the keep-alive is wall-clock time: wait for it to pass
+            while pool._idle:
+                await trio.sleep(0.05)
+        assert trio.current_time() - started >= 0.1
