@@ -151,6 +151,6 @@ async def test_idle_upstream_connections_close_on_the_keepalive_clock(
         assert len(pool._idle) == 1  # kept for reuse after the request
         started = trio.current_time()
         with trio.fail_after(5):  # the keep-alive is wall-clock time: wait for it to pass
-            while pool._idle:
-                await trio.sleep(0.05)  # noqa: ASYNC110 (no event marks a close: poll)
+            while pool._idle:  # noqa: ASYNC110 (no event marks an idle close: poll)
+                await trio.sleep(0.05)
         assert trio.current_time() - started >= 0.1
