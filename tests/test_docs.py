@@ -1,0 +1,386 @@
+"""The docs stay true: reference tables checked against the code, examples run, links resolve.
+
+What is checked, and against what:
+
+- ``docs/reference/settings.md`` against ``epd_trio.Settings`` (every field, its ``EPD_*``
+  variable as ``settings_from`` reads it, its default) and ``epd-trio serve --help`` (every flag);
+- ``docs/reference/metrics.md`` against what a running proxy exports on ``/metrics`` (family
+  names, types, labels);
+- ``docs/reference/errors.md`` against ``epd_trio.ProxyError`` and its subclasses;
+- every fenced ``python`` block of ``README.md`` and ``docs/`` runs in a subprocess and exits 0,
+  unless a ``<!-- not-run: reason -->`` line precedes it (those are counted, never skipped
+  silently);
+- every relative link (and its ``#anchor``) resolves;
+- the README's two commands are the ones ``.ci/run`` and ``pyproject.toml`` provide.
+
+The examples import only public names, so this test does not depend on the private layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
+
+import epd_trio
+from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
+from epd_trio.testing import run_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
+
+#: The README's two commands, exactly as a newcomer pastes them.
+DEMO_COMMAND = 'python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/epd-trio demo'
+TEST_COMMAND = ('python3 -m venv .venv && .venv/bin/pip install -q -e ".[test]" '
+                '&& .venv/bin/python -m pytest')
+
+#: Python blocks deliberately not run (they need something a fresh machine lacks). Raise this
+#: only together with a ``<!-- not-run: reason -->`` line above the new block.
+EXPECTED_NOT_RUN = 0
+#: Languages a fenced block may have; a ``py`` block would otherwise escape the example runner.
+FENCE_LANGUAGES = {"python", "bash", "json", "toml", "yaml", ""}
+
+
+def rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+# -- Markdown, just enough of it -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    language: str
+    code: str
+    not_run: str | None  # the reason, when marked
+
+
+def fenced_blocks(page: Path) -> list[Block]:
+    lines = page.read_text().splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        opening = re.match(r"^```(\S*)\s*$", lines[i])
+        if not opening:
+            i += 1
+            continue
+        start = i
+        i += 1
+        while i < len(lines) and lines[i].strip() != "```":
+            i += 1
+        assert i < len(lines), f"{rel(page)}:{start + 1}: unclosed code fence"
+        previous = next((line for line in reversed(lines[:start]) if line.strip()), "")
+        marker = re.match(r"^<!--\s*not-run:\s*(.*?)\s*-->$", previous.strip())
+        blocks.append(Block(page, start + 1, opening.group(1), "\n".join(lines[start + 1:i]) + "\n",
+                            marker.group(1) if marker else None))
+        i += 1
+    return blocks
+
+
+def prose(page: Path) -> str:
+    """The page without its fenced blocks (links and tables live in the prose)."""
+    text = page.read_text()
+    return re.sub(r"^```.*?^```\s*$", "", text, flags=re.M | re.S)
+
+
+def table_rows(page: Path) -> list[list[str]]:
+    """Every table body row of the page, as cells (header and separator rows left out)."""
+    rows = []
+    lines = prose(page).splitlines()
+    for n, line in enumerate(lines):
+        if not line.startswith("|") or re.match(r"^\|[\s|:-]+\|$", line):
+            continue
+        if n + 1 < len(lines) and re.match(r"^\|[\s|:-]+\|$", lines[n + 1]):
+            continue  # a header row
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def code_spans(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    return {slug(m.group(1)) for m in re.finditer(r"^#+\s+(.*)$", prose(page), flags=re.M)}
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+SETTINGS_PAGE = DOCS / "reference" / "settings.md"
+
+
+def env_var(field: str) -> str:
+    """The rule the ``Settings`` docstring states: field ``x`` is ``EPD_X``."""
+    return "EPD_" + field.upper()
+
+
+def rendered_default(value: Any) -> str:
+    """A default as the settings page writes it."""
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def sample_value(field: dataclasses.Field[Any]) -> str:
+    """A raw environment value for ``field`` different from its default."""
+    default = field.default
+    if field.name.endswith("_urls"):
+        return "http://sample:1#dp=2"
+    if default is None or default == ():
+        return "sample-key"
+    if isinstance(default, bool):
+        return "false" if default else "true"
+    if isinstance(default, int | float):
+        return str(default + 1)
+    samples = {"INFO": "DEBUG", "text": "json"}
+    assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
+    return samples[default]
+
+
+def documented_settings() -> dict[str, list[str]]:
+    """The rows of the settings page whose first cell is an ``EPD_*`` variable."""
+    rows = {}
+    for cells in table_rows(SETTINGS_PAGE):
+        name = code_spans(cells[0])
+        if name and name[0].startswith("EPD_"):
+            assert len(cells) == 4, f"settings row {cells[0]} has {len(cells)} cells, not 4"
+            assert name[0] not in rows, f"{name[0]} is listed twice"
+            rows[name[0]] = cells
+    return rows
+
+
+def serve_help() -> str:
+    result = subprocess.run([sys.executable, "-m", "epd_trio", "serve", "--help"],
+                            capture_output=True, text=True, check=True, env=clean_env())
+    return result.stdout
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+
+
+def test_settings_page_lists_every_setting_with_its_variable_and_default() -> None:
+    rows = documented_settings()
+    fields = dataclasses.fields(Settings)
+    expected = {env_var(f.name) for f in fields} | {"EPD_CONFIG"}
+    assert set(rows) == expected, (
+        f"missing from the page: {sorted(expected - set(rows))}; "
+        f"on the page but not settings: {sorted(set(rows) - expected)}")
+    base = {"EPD_DECODE_URLS": "http://d0:1"}
+    for field in fields:
+        name = env_var(field.name)
+        # The variable really is the one the code reads.
+        value = getattr(settings_from({**base, name: sample_value(field)}), field.name)
+        assert value != field.default, f"{name} does not change Settings.{field.name}"
+        default_cell = rows[name][2]
+        shown = "none" if default_cell.startswith("none") else (code_spans(default_cell) or [""])[0]
+        assert shown == rendered_default(field.default), (
+            f"{name}: the page says the default is {default_cell!r}, the code "
+            f"{rendered_default(field.default)!r}")
+        assert rows[name][3], f"{name} has no meaning"
+
+
+def test_epd_config_names_a_settings_file(tmp_path: Path) -> None:
+    config = tmp_path / "epd.toml"
+    config.write_text('decode_urls = ["http://from-file:1#dp=2"]\nhealth_threshold = 7\n')
+    settings = load_settings({"EPD_CONFIG": str(config)})
+    assert settings.decode_urls == (Instance("http://from-file:1", 2),)
+    assert settings.health_threshold == 7
+
+
+def test_settings_page_flags_are_the_cli_flags() -> None:
+    help_text = serve_help()
+    cli_flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", help_text)) - {"--help"}
+    rows = documented_settings()
+    documented: set[str] = set()
+    for name, cells in rows.items():
+        flags = code_spans(cells[1])
+        if cells[1] == "none":
+            # A key: no flag at all (it would show in ps).
+            field = name.removeprefix("EPD_").lower().replace("_", "-")
+            assert f"--{field}" not in cli_flags, f"{name} has a flag but the page says none"
+            continue
+        assert flags and all(f.startswith("--") for f in flags), f"{name}: bad flag cell {cells[1]!r}"
+        documented |= set(flags)
+    serving = {code_spans(cells[0])[0].split()[0] for cells in table_rows(SETTINGS_PAGE)
+               if code_spans(cells[0]) and code_spans(cells[0])[0].startswith("--")}
+    documented |= serving
+    assert documented == cli_flags, (
+        f"in `epd-trio serve --help` but not on the page: {sorted(cli_flags - documented)}; "
+        f"on the page but not a flag: {sorted(documented - cli_flags)}")
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+METRICS_PAGE = DOCS / "reference" / "metrics.md"
+SAMPLE_SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}
+
+
+def documented_metrics() -> dict[str, tuple[str, set[str]]]:
+    metrics = {}
+    for cells in table_rows(METRICS_PAGE):
+        name = code_spans(cells[0])
+        if name and name[0].startswith("epd_trio_"):
+            metrics[name[0]] = (cells[1], set(code_spans(cells[2])))
+    return metrics
+
+
+async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClient) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo1"}}
+    body = {"model": "fake-model", "max_tokens": 3,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+    # Two encoders, the first one dead: the first request fails over (a retry, an upstream error)
+    # and, at threshold 1, evicts it; so every family has a sample to read labels from.
+    async with run_cluster(encoders=2, prefills=1, prefill_dp=2, decodes=1, decode_dp=2,
+                           health_threshold=1) as c:
+        c.encoders[0].stop()
+        await trio.testing.wait_all_tasks_blocked()
+        for stream in (False, True):
+            r = await client.post(c.proxy_url + "/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 200, r.text
+        r = await client.post(c.proxy_url + "/v1/completions",
+                              json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        await trio.testing.wait_all_tasks_blocked()
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    types = dict(re.findall(r"^# TYPE (epd_trio_\w+) (\w+)$", text, flags=re.M))
+    # prometheus-client adds a ``<name>_created`` gauge for counters and histograms.
+    exported = {name: kind for name, kind in types.items()
+                if not (name.endswith("_created") and kind == "gauge" and any(
+                    other in types for other in (name[:-8], name[:-8] + "_total")))}
+    documented = documented_metrics()
+    assert set(documented) == set(exported), (
+        f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
+        f"on the page but not exported: {sorted(set(documented) - set(exported))}")
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(set(sample.labels) - {"le"})
+    for name, (kind, doc_labels) in documented.items():
+        assert kind == exported[name], f"{name}: the page says {kind}, /metrics {exported[name]}"
+        seen = [labels[name + suffix] for suffix in SAMPLE_SUFFIXES[kind] if name + suffix in labels]
+        assert seen, f"{name} had no sample after the test's requests: extend them"
+        assert seen[0] == doc_labels, f"{name}: the page lists {doc_labels}, /metrics has {seen[0]}"
+
+
+# -- errors --------------------------------------------------------------------------------------
+
+ERRORS_PAGE = DOCS / "reference" / "errors.md"
+
+
+def proxy_errors() -> list[type[ProxyError]]:
+    found, todo = [], [ProxyError]
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.startswith("epd_trio"):
+            found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def test_errors_page_lists_every_proxy_error_with_its_status_and_type() -> None:
+    rows = {}
+    for cells in table_rows(ERRORS_PAGE):
+        name = code_spans(cells[0])
+        if len(cells) == 5 and name and name[0][0].isupper():
+            rows[name[0]] = cells
+    classes = {cls.__name__: cls for cls in proxy_errors()}
+    assert set(rows) == set(classes), (
+        f"not on the page: {sorted(set(classes) - set(rows))}; "
+        f"not an exception: {sorted(set(rows) - set(classes))}")
+    for name, cls in classes.items():
+        exception, status, kind, code, _ = rows[name]
+        assert code_spans(status)[0] == str(cls.status), f"{name}: status"
+        assert code_spans(kind) == [cls.type], f"{name}: type"
+        assert (code_spans(code) or ["the status"])[0] == (cls.code or "the status"), f"{name}: code"
+        assert ("*public*" in exception) == (name in epd_trio.__all__), f"{name}: public marker"
+
+
+# -- examples ------------------------------------------------------------------------------------
+
+ALL_BLOCKS = [block for page in PAGES for block in fenced_blocks(page)]
+PYTHON_BLOCKS = [b for b in ALL_BLOCKS if b.language == "python" and b.not_run is None]
+
+
+def test_every_python_block_runs_or_says_why_not() -> None:
+    odd = [(rel(b.page), b.line, b.language) for b in ALL_BLOCKS if b.language not in FENCE_LANGUAGES]
+    assert not odd, f"a fenced block with another language would escape the example runner: {odd}"
+    not_run = [b for b in ALL_BLOCKS if b.not_run is not None]
+    for block in not_run:
+        assert block.language == "python", f"{rel(block.page)}:{block.line}: not-run on a non-python block"
+        assert block.not_run, f"{rel(block.page)}:{block.line}: not-run needs a reason"
+    assert len(not_run) == EXPECTED_NOT_RUN, (
+        "python blocks marked not-run: "
+        + ", ".join(f"{rel(b.page)}:{b.line} ({b.not_run})" for b in not_run))
+    assert len(PYTHON_BLOCKS) >= 10  # the README's and docs' examples are all collected
+    markers = sum(len(re.findall(r"^<!--\s*not-run:", page.read_text(), flags=re.M)) for page in PAGES)
+    assert markers == len(not_run), "a not-run marker that precedes no python block"
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[f"{rel(b.page)}:{b.line}" for b in PYTHON_BLOCKS])
+def test_python_block_runs(block: Block, tmp_path: Path) -> None:
+    script = tmp_path / "example.py"
+    script.write_text(block.code)
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env=clean_env(), check=False)
+    assert result.returncode == 0, (
+        f"{rel(block.page)}:{block.line} exited {result.returncode}\n{result.stdout}{result.stderr}")
+
+
+# -- links and commands --------------------------------------------------------------------------
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    checked = 0
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"^[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            checked += 1
+            if not file.exists():
+                broken.append(f"{rel(page)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{rel(page)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+    assert checked > 50
+
+
+def test_readme_commands_are_what_ci_and_the_package_run() -> None:
+    readme = [b.code.strip() for b in fenced_blocks(ROOT / "README.md") if b.language == "bash"]
+    assert readme[:2] == [DEMO_COMMAND, TEST_COMMAND], "the README's two commands changed"
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert any(line.startswith(TEST_COMMAND + " ") or line == TEST_COMMAND for line in ci), (
+        ".ci/run no longer runs the README's test command verbatim")
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["epd-trio"] == "epd_trio.__main__:main"
+    # Every copy of the test command in the docs is the README's.
+    for block in ALL_BLOCKS:
+        if block.language == "bash" and 'install -q -e ".[test]"' in block.code:
+            assert block.code.strip() == TEST_COMMAND, f"{rel(block.page)}:{block.line}"
