@@ -106,7 +106,7 @@ def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> 
         ok = proxy.ready()
         return _json(200 if ok else 503, {"ready": ok, "roles": proxy.registry.report()})
 
-    # -- admin routes: X-API-Key (README "Operations") -----------------------------------------
+    # -- admin routes: X-API-Key (docs/how-to/operations.md) -----------------------------------------
     @app.post("/instances")
     async def register_instance() -> Response:
         admin_key.check(request.headers.get("x-api-key"), required=True)

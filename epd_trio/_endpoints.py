@@ -4,7 +4,7 @@ Why below Quart: these two routes are nearly all the traffic, and they need noth
 offers (no form parsing, sessions, templates or hooks): the body is read as bytes, handed to
 ``Proxy.handle`` and the ``Reply`` is sent as it is. Going through Quart's request and response
 objects, its contexts and its per-chunk body wrapper cost measurable CPU per request and per
-relayed chunk (README "Performance"). Every other route (models, health, admin) stays a Quart
+relayed chunk (docs/discussion/performance.md). Every other route (models, health, admin) stays a Quart
 route, where convenience matters more than microseconds.
 
 The contract is Quart's for the client: an OpenAI-style JSON error for every failure (413 over

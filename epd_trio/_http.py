@@ -1,6 +1,6 @@
 """The upstream HTTP client: httpcore2 connections (httpx2's transport core) in a lean per-instance pool.
 
-Why not ``httpx.AsyncClient``: measured on the proxy's hot path (README "Performance"), the
+Why not ``httpx.AsyncClient``: measured on the proxy's hot path (docs/discussion/performance.md), the
 client layers above the connection were most of the proxy's CPU per request. httpx 0.28's pool
 assigns queued requests in O(n^2) (encode/httpx#3215); its maintained fork ``httpx2`` fixed that,
 but its pool still re-checks every connection it holds (a ``poll`` syscall per idle one) each

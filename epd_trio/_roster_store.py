@@ -20,7 +20,7 @@ with them, and nothing outlives the runner (no stale file after a crash). The ro
 and a change that would not fit is refused with a 503.
 
 Plain ``hypercorn --workers N`` has no parent process of ours to own this memory: each worker
-then has its own roster (README "Operations" says so).
+then has its own roster (docs/how-to/operations.md says so).
 """
 
 from __future__ import annotations

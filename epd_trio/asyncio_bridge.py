@@ -210,7 +210,7 @@ class AsyncioBridge:
 
     # -- plain calls (no Trio needed) ------------------------------------------------------------
     def next_prefill(self) -> tuple[Instance, int | None]:
-        """The next prefill ``(instance, dp_rank)`` slot, flat interleaved (README "DP routing").
+        """The next prefill ``(instance, dp_rank)`` slot, flat interleaved (docs/discussion/protocol.md).
 
         Send the rank as ``X-data-parallel-rank`` when it is not ``None``. A plain call: the
         cursor advances without a checkpoint, so it is atomic under asyncio too. Raises

@@ -63,7 +63,7 @@ class Settings:
     upstream_keepalive: float = 4.0
     #: Upstream requests in flight per (instance, DP rank) slot; more wait in the proxy's queue.
     #: Size it like vLLM's ``--max-num-seqs``: more connections than the engine batches only
-    #: cost the proxy CPU (README "Performance").
+    #: cost the proxy CPU (docs/discussion/performance.md).
     max_connections: int = 256
     #: Client requests in flight at once (streams included); more wait ``admission_timeout``
     #: for a place, then get a 503 with ``Retry-After``. It bounds the proxy's memory under a
@@ -108,7 +108,7 @@ class Settings:
     log_format: str = "text"
     #: Allocations between two young-generation garbage collections in a serving process (0:
     #: Python's default, 700). Python's default made the collector about 10 % of the proxy's CPU
-    #: (README "Performance"); the proxy's garbage is short-lived, so collecting less often
+    #: (docs/discussion/performance.md); the proxy's garbage is short-lived, so collecting less often
     #: costs little memory.
     gc_threshold: int = 10_000
 

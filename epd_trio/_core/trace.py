@@ -20,7 +20,7 @@ from .errors import (
     UpstreamTimeout,
 )
 
-#: Values of the ``outcome`` label of ``epd_trio_requests_total`` (README "Operations").
+#: Values of the ``outcome`` label of ``epd_trio_requests_total`` (docs/how-to/operations.md).
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "overloaded", "no_instance",
             "stream_error", "cancelled", "internal_error")
 

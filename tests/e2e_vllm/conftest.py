@@ -61,7 +61,7 @@ def cluster(vllm_cluster: Cluster) -> Cluster:
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     """A client with room for vLLM's slow moments: on a loaded 2-core machine a request was seen
-    to wait up to ~47 s inside vLLM before its engine got it (README "Real vLLM tests")."""
+    to wait up to ~47 s inside vLLM before its engine got it (docs/contributing/tests.md)."""
     async with httpx.AsyncClient(timeout=120.0, trust_env=False) as c:
         yield c
 
