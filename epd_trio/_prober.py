@@ -1,55 +1,80 @@
 """The background health prober: one task per proxy, owned by the app's lifespan nursery.
 
-Every ``interval`` seconds it probes every instance's ``GET /health`` concurrently (one nursery
-per round, so a slow instance delays nobody else's verdict) and feeds the results to the
-``Registry``. Any failure counts: refused, timed out, or a non-2xx answer.
+Each instance is probed on its own schedule: its next ``GET /health`` is due ``interval`` seconds
+after its previous one ended. Why not rounds: a round waits for its slowest probe, so one hung
+instance (answering nothing until ``probe_timeout``) paced every verdict, and a restarted
+instance came back in rotation only at the round after the hung one's timeout (the churn soak:
+1.5 s rounds while one decode was stopped). Any failure counts: refused, timed out, or a non-2xx
+answer; results go to the ``Registry``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Awaitable, Callable
 
 import trio
 
 from ._core.errors import UpstreamError
 from ._core.health import InstanceState, Registry
-from ._fanout import fan_out
 from ._http import UpstreamClient
 from ._upstream import get
 
+#: One probe of one instance: returns when it answered, raises ``UpstreamError`` when it failed.
+Check = Callable[[InstanceState], Awaitable[object]]
 
-async def probe_once(client: UpstreamClient, registry: Registry, probe_timeout: float) -> None:
-    """One probe of every instance (returns when all have answered or timed out)."""
 
-    async def probe(state: InstanceState) -> None:
+def health_check(client: UpstreamClient, probe_timeout: float) -> Check:
+    """``GET /health`` through ``client``, within ``probe_timeout`` seconds."""
+
+    async def check(state: InstanceState) -> object:
+        return await get(client.pool(state.instance), state.stage, state.instance, "/health",
+                         probe_timeout)
+
+    return check
+
+
+async def run_prober(
+    check: Check,
+    registry: Registry,
+    *,
+    interval: float,
+    before_round: Callable[[], None] | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Probe forever (until cancelled); every instance's first probe starts at once.
+
+    ``before_round`` runs each time the schedule is looked at (the proxy syncs its roster
+    there, so instances registered through another worker get probed within ``interval``).
+    The probes run in this task's nursery, so cancelling it cancels them.
+    """
+    probing: set[tuple[str, str]] = set()
+    due: dict[tuple[str, str], float] = {}
+
+    async def probe(state: InstanceState, key: tuple[str, str]) -> None:
         try:
-            await get(client.pool(state.instance), state.stage, state.instance, "/health", probe_timeout)
+            await check(state)
         except UpstreamError:
             registry.failed(state)
         else:
             registry.succeeded(state)
+        finally:
+            probing.discard(key)
+            due[key] = trio.current_time() + interval
 
-    await fan_out([partial(probe, state) for state in registry.states()])
-
-
-async def run_prober(
-    client: UpstreamClient,
-    registry: Registry,
-    *,
-    interval: float,
-    probe_timeout: float,
-    before_round: Callable[[], None] | None = None,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-) -> None:
-    """Probe forever (until cancelled); the first round starts at once.
-
-    ``before_round`` runs before each round (the proxy syncs its roster there, so instances
-    registered through another worker get probed).
-    """
     task_status.started()
-    while True:
-        if before_round is not None:
-            before_round()
-        await probe_once(client, registry, probe_timeout)
-        await trio.sleep(interval)
+    async with trio.open_nursery() as nursery:
+        while True:
+            if before_round is not None:
+                before_round()
+            now = trio.current_time()
+            states = {(s.stage, s.url): s for s in registry.states()}
+            for key in [key for key in due if key not in states]:
+                del due[key]  # it left the roster
+            for key, state in states.items():
+                if key not in probing and due.get(key, now) <= now:
+                    probing.add(key)
+                    due.pop(key, None)
+                    nursery.start_soon(probe, state, key)
+            # A probe that ends after this point is due more than ``interval`` from now, so
+            # waking at the earliest known due time (or ``interval``) never misses one.
+            await trio.sleep_until(min([now + interval, *due.values()]))

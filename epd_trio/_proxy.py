@@ -41,7 +41,7 @@ from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
 from ._metrics import ProxyMetrics
 from ._pipeline import Pipeline, Reply, Routes
-from ._prober import run_prober
+from ._prober import health_check, run_prober
 from ._profile import ProfileReport, run_profile
 from ._roster_store import SharedRoutingState, routing_state
 from ._upstream import get, make_client, upstream_auth_headers
@@ -208,8 +208,9 @@ class Proxy:
             task_status.started(scope)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(
-                    run_prober, client, self.registry, interval=self.settings.health_interval,
-                    probe_timeout=self.settings.health_timeout, before_round=self._store.poll))
+                    run_prober, health_check(client, self.settings.health_timeout),
+                    self.registry, interval=self.settings.health_interval,
+                    before_round=self._store.poll))
                 nursery.start_soon(self._housekeeping)
 
     async def _housekeeping(self) -> None:
