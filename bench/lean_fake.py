@@ -47,6 +47,8 @@ import h11
 import orjson
 import trio
 
+from epd_trio.testing.fake_vllm import media_parts
+
 __all__ = ["DEFAULT_TOKEN_INTERVAL", "Engine", "LeanFake", "Stream", "chunk", "serve_fakes"]
 
 #: Seconds between two tokens of one stream: a real engine's decode step, a few ms.
@@ -56,7 +58,6 @@ DEFAULT_PREFILL_TIME = 0.002
 #: Tokens a decode generates when the request does not cap them lower.
 DEFAULT_TOKENS = 16
 ROLES = ("encode", "prefill", "decode", "prefill_decode")
-_MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
 _WORDS = [orjson.dumps(" " + w) for w in (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()]
@@ -349,7 +350,7 @@ class LeanFake:
     def _encoder_answer(self, rid: str, created: int, model: Any,
                         body: dict[str, Any]) -> dict[str, Any]:
         ec: dict[str, Any] = {}
-        for index, part in enumerate(_media_parts(body)):
+        for index, part in enumerate(media_parts(body)):
             key = part.get("uuid") or hashlib.sha256(
                 orjson.dumps(part, option=orjson.OPT_SORT_KEYS)).hexdigest()
             ec[key] = {"item_indices": [index], "metadata": {"image_grid_thw": [1, 4, 4]}}
@@ -385,13 +386,6 @@ def _token_limit(body: dict[str, Any], default: int) -> int:
     return max(min(limits) if limits else default, 0)
 
 
-def _media_parts(body: dict[str, Any]) -> list[dict[str, Any]]:
-    parts = []
-    for message in body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            parts += [p for p in content if isinstance(p, dict) and p.get("type") in _MEDIA]
-    return parts
 
 
 async def serve_fakes(args: argparse.Namespace) -> None:

@@ -130,7 +130,7 @@ class FakeVLLM:
         for r in api:
             key = "none" if r.rank is None else str(r.rank)
             ranks[key] = ranks.get(key, 0) + 1
-        items = sum(len(_media_parts(r.body)) for r in api if isinstance(r.body, dict))
+        items = sum(len(media_parts(r.body)) for r in api if isinstance(r.body, dict))
         return {"role": self.role, "dp_size": self.dp_size, "requests": len(api),
                 "items": items, "ranks": ranks, "disconnects": self.disconnects,
                 "profiling": self.profiling}
@@ -363,7 +363,7 @@ class FakeVLLM:
 
     def _encoder_answer(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
         ec: dict[str, Any] = {}
-        for index, part in enumerate(_media_parts(body)):
+        for index, part in enumerate(media_parts(body)):
             key = part.get("uuid") or _content_hash(part)
             ec[key] = {"item_indices": [index], "metadata": {"image_grid_thw": [1, 4, 4]}}
         return {
@@ -479,7 +479,8 @@ def _int_or_none(value: str | None) -> int | None:
         return None
 
 
-def _media_parts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def media_parts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The media content parts of a chat body, in order (the bench's lean fake uses it too)."""
     parts = []
     for message in body.get("messages") or []:
         content = message.get("content") if isinstance(message, dict) else None
