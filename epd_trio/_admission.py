@@ -23,10 +23,6 @@ class Admission:
         self._limiter = trio.CapacityLimiter(max_inflight)
         self._timeout = timeout
 
-    @property
-    def in_flight(self) -> int:
-        return self._limiter.borrowed_tokens
-
     async def enter(self, resources: AsyncExitStack) -> None:
         """Take a place for the request that owns ``resources`` (released when they close);
         ``AtCapacity`` when none frees in time."""

@@ -197,9 +197,9 @@ class Proxy:
                 keepalive_expiry=self.settings.upstream_keepalive,
                 headers=upstream_auth_headers(self.settings))
             self._probe_client.follow(m.instance for m in self.roster.members)
-            self._prober = await nursery.start(self._run_prober, self._probe_client)
+            self._prober = await nursery.start(self._run_background, self._probe_client)
 
-    async def _run_prober(
+    async def _run_background(
         self, client: UpstreamClient, task_status: trio.TaskStatus[trio.CancelScope]
     ) -> None:
         """The proxy's background work, until cancelled: the health prober, and housekeeping

@@ -159,3 +159,15 @@ def test_the_start_up_warns_about_unknown_settings(caplog: pytest.LogCaptureFixt
     assert settings.prefill_urls == ()  # ignored, as before, but no longer silently
     (record,) = [r for r in caplog.records if "EPD_PREFIL_URLS" in r.getMessage()]
     assert record.levelname == "WARNING" and "did you mean EPD_PREFILL_URLS?" in record.getMessage()
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("0", 0.0), ("0.0", 0.0), (0, 0.0), ("0.5", 0.5)])
+def test_the_admission_timeout_may_be_zero(raw: object, expected: float) -> None:
+    assert settings_from({"EPD_DECODE_URLS": "http://d:1"},
+                         {"admission_timeout": raw}).admission_timeout == expected
+
+
+@pytest.mark.parametrize("raw", ["-1", "soon", "inf", False, True])
+def test_a_bad_admission_timeout_is_refused(raw: object) -> None:
+    with pytest.raises(ConfigError):
+        settings_from({"EPD_DECODE_URLS": "http://d:1"}, {"admission_timeout": raw})

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import trio
 import trio.testing
 
@@ -27,16 +30,25 @@ class Checks:
             raise UpstreamTimeout("no answer within 10 s", stage=state.stage, instance=state.url)
 
 
+async def probe_for(seconds: float, checks: Checks, registry: Registry,
+                    then: Callable[[], None] | None = None, more: float = 0.0) -> None:
+    """Run the prober (interval 1 s) for ``seconds`` of virtual time; then call ``then`` and run
+    ``more`` seconds."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(run_prober, checks, registry, interval=1.0))
+        await trio.sleep(seconds)
+        if then is not None:
+            then()
+            await trio.sleep(more)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_hung_instance_does_not_pace_the_others(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     registry = Registry.from_stages({"decode": [A, B], "prefill": [C]}, threshold=1)
     checks = Checks(B)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: run_prober(
-            checks, registry, interval=1.0, task_status=task_status))
-        await trio.sleep(5.5)
-        nursery.cancel_scope.cancel()
+    await probe_for(5.5, checks, registry)
     assert checks.times[A.url] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert checks.times[C.url] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert checks.times[B.url] == [0.0]  # still waiting for its first answer
@@ -48,11 +60,7 @@ async def test_a_failed_probe_is_followed_by_the_next_one_interval_later(
 ) -> None:
     registry = Registry.from_stages({"decode": [A, B]}, threshold=1)
     checks = Checks(B)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: run_prober(
-            checks, registry, interval=1.0, task_status=task_status))
-        await trio.sleep(12.5)
-        nursery.cancel_scope.cancel()
+    await probe_for(12.5, checks, registry)
     assert checks.times[B.url] == [0.0, 11.0]  # timed out at 10, next probe 1 s after
     assert not registry.state("decode", B.url).live
     assert len(checks.times[A.url]) == 13
@@ -63,12 +71,7 @@ async def test_instances_that_join_or_leave_are_followed(
 ) -> None:
     registry = Registry.from_stages({"decode": [A]})
     checks = Checks()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(lambda task_status: run_prober(
-            checks, registry, interval=1.0, task_status=task_status))
-        await trio.sleep(1.5)
-        registry.set_members({"decode": [B]})  # A leaves, B joins
-        await trio.sleep(2.0)
-        nursery.cancel_scope.cancel()
+    # A leaves and B joins after 1.5 s.
+    await probe_for(1.5, checks, registry, lambda: registry.set_members({"decode": [B]}), 2.0)
     assert checks.times[A.url] == [0.0, 1.0]
     assert checks.times[B.url] == [2.0, 3.0]  # picked up at the next look (within interval)

@@ -212,20 +212,19 @@ SETTING_CHOICES: dict[str, tuple[str, ...]] = {
 }
 
 
-def _seconds(raw: Any) -> float:
+def _seconds(raw: Any, *, zero_ok: bool = False) -> float:
     try:
         value = float(raw) if not isinstance(raw, bool) else math.nan
     except (TypeError, ValueError):
         value = math.nan
-    if not (0 < value < math.inf):
-        raise ValueError(f"expected a positive, finite number of seconds, got {raw!r}")
+    if not (0 <= value < math.inf) or (value == 0 and not zero_ok):
+        kind = "non-negative" if zero_ok else "positive"
+        raise ValueError(f"expected a {kind}, finite number of seconds, got {raw!r}")
     return value
 
 
 def _non_negative_seconds(raw: Any) -> float:
-    if (isinstance(raw, str) and raw.strip() in ("0", "0.0")) or raw == 0:
-        return 0.0
-    return _seconds(raw)
+    return _seconds(raw, zero_ok=True)
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
