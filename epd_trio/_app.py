@@ -10,6 +10,8 @@ never to the client).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import orjson
 import trio
@@ -50,11 +52,17 @@ def _send(reply: Reply) -> Response:
     return Response(reply.body, status=reply.status, headers=reply.headers)
 
 
-def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> QuartTrio:
+def create_app(
+    settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
     ``shared`` lets several worker processes share their routing positions and roster
     (``epd-trio serve`` passes its shared memory); by default each app routes on its own.
+    With ``EPD_KV_CONNECTOR=moriio`` the app's lifespan also owns the ZMQ registration socket,
+    unless ``moriio_listener`` is False (the other workers of ``epd-trio serve``); ``clock``
+    times MoRIIO registrations (tests pass trio's virtual clock).
     """
     app = QuartTrio("epd_trio")
     app.config.update(
@@ -63,7 +71,7 @@ def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> 
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    proxy = Proxy(settings, shared)
+    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, clock=clock)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)

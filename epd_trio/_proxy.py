@@ -24,6 +24,7 @@ from ._accounting import Accounting
 from ._core.config import Settings
 from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
+from ._core.moriio import MoriioRegistration
 from ._core.names import ROLES, STAGES, RequestKind
 from ._core.roster import (
     Roster,
@@ -33,6 +34,8 @@ from ._core.roster import (
     parse_instance_url,
     parse_registration,
     register,
+    register_moriio,
+    silent_moriio,
     static_roster,
     unregister,
 )
@@ -40,6 +43,7 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
 from ._metrics import ProxyMetrics
+from ._moriio_listener import RegistrationListener
 from ._pipeline import Pipeline, Reply, Routes
 from ._prober import health_check, run_prober
 from ._profile import ProfileReport, run_profile
@@ -64,8 +68,23 @@ class Proxy:
     housekeeping closes them once idle (``reap_clients``), ``aclose`` closes all.
     """
 
-    def __init__(self, settings: Settings, shared: SharedRoutingState | None = None) -> None:
+    def __init__(
+        self, settings: Settings, shared: SharedRoutingState | None = None, *,
+        moriio_listener: bool = True, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``moriio_listener``: with ``EPD_KV_CONNECTOR=moriio``, whether this process binds the
+        registration socket (one worker of ``epd-trio serve --workers N`` does; the shared roster
+        carries the registrations to the others). ``clock`` stamps MoRIIO registrations and
+        judges their silence (tests pass trio's virtual clock)."""
         self.settings = settings
+        self._clock = clock
+        #: The ``host:port`` the MoRIIO registration socket is bound to, once it is.
+        self.moriio_endpoint: str | None = None
+        self._moriio: RegistrationListener | None = None
+        if settings.kv_connector == "moriio" and moriio_listener:
+            self._moriio = RegistrationListener(
+                settings.moriio_registration, register=self.register_moriio,
+                expire=self.expire_moriio, ttl=settings.moriio_ttl, clock=clock)
         counters, self._store = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
@@ -124,6 +143,31 @@ class Proxy:
             log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
+
+    def register_moriio(self, registration: MoriioRegistration, now: float) -> bool:
+        """A MoRIIO heartbeat: add or refresh the instance; True when it was new. Raises
+        ``RegistrationRefused`` (the other transfer mode, a role change)."""
+        created = self._store.update(
+            lambda roster, counters: register_moriio(roster, registration, counters, now))
+        if created:
+            log.warning("MoRIIO %s instance %s registered (dp_size %d, tp_size %d, %s, zmq %s)",
+                        registration.role, registration.instance.url,
+                        registration.peer.dp_size, registration.peer.tp_size,
+                        registration.transfer_mode, registration.peer.zmq_address)
+        return created
+
+    def expire_moriio(self, now: float) -> list[str]:
+        """Forget the MoRIIO instances silent for ``moriio_ttl`` (they beat every 3 s)."""
+        ttl = self.settings.moriio_ttl
+
+        def change(roster: Roster, counters: Any) -> tuple[Roster, list[str]]:
+            urls = silent_moriio(roster, now, ttl)
+            return forget(roster, urls, counters), urls
+
+        urls = self._store.update(change)
+        for url in urls:
+            log.warning("MoRIIO instance %s left the rotation: silent for %g s", url, ttl)
+        return urls
 
     def unregister(self, url: object) -> bool:
         """``DELETE /instances``: remove the instance at ``url``; True when it was there."""
@@ -202,11 +246,13 @@ class Proxy:
     async def _run_background(
         self, client: UpstreamClient, task_status: trio.TaskStatus[trio.CancelScope]
     ) -> None:
-        """The proxy's background work, until cancelled: the health prober, and housekeeping
-        on the keep-alive clock."""
+        """The proxy's background work, until cancelled: the MoRIIO registration listener, the
+        health prober, and housekeeping on the keep-alive clock."""
         with trio.CancelScope() as scope:
-            task_status.started(scope)
             async with trio.open_nursery() as nursery:
+                if self._moriio is not None:  # bound before the app serves (or it fails)
+                    self.moriio_endpoint = await nursery.start(self._moriio.run)
+                task_status.started(scope)
                 nursery.start_soon(partial(
                     run_prober, health_check(client, self.settings.health_timeout),
                     self.registry, interval=self.settings.health_interval,

@@ -101,9 +101,11 @@ async def _serve(
     sockets: Sockets,
     stop: trio.Event,
     who: str,
+    moriio_listener: bool = True,
 ) -> None:
     setup_serving_process(settings)
-    app = wrap_app(create_app(settings, shared), config.wsgi_max_body_size, "asgi")
+    app = wrap_app(create_app(settings, shared, moriio_listener=moriio_listener),
+                   config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:
         await stop.wait()
@@ -145,7 +147,9 @@ def _worker_main(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(watch_parent)
             nursery.start_soon(watch_signals)
-            await _serve(settings, shared, config, sockets, stop, f"worker {index}")
+            # One ZMQ port: worker 0 binds it; the shared roster carries what it hears.
+            await _serve(settings, shared, config, sockets, stop, f"worker {index}",
+                         moriio_listener=index == 0)
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -9,7 +9,7 @@ import epd_trio._core
 
 CORE = pathlib.Path(epd_trio._core.__file__).parent
 #: What the core may import besides the standard library and its siblings.
-ALLOWED_THIRD_PARTY = {"orjson"}
+ALLOWED_THIRD_PARTY = {"orjson", "msgpack"}
 FORBIDDEN = {"trio", "httpcore", "httpcore2", "httpx", "httpx2", "quart", "quart_trio",
              "hypercorn", "prometheus_client", "socket", "asyncio", "urllib3"}
 

@@ -111,11 +111,26 @@ class Settings:
     #: (docs/discussion/performance.md); the proxy's garbage is short-lived, so collecting less often
     #: costs little memory.
     gc_threshold: int = 10_000
+    #: How the KV cache moves from prefill to decode: ``generic`` (the NIXL-style
+    #: ``kv_transfer_params`` hand-off) or ``moriio`` (vLLM's MoRIIO connector: instances
+    #: register over ZMQ, the request id names both peers, READ or WRITE transfer mode).
+    kv_connector: str = "generic"
+    #: ``host:port`` of the ZMQ ROUTER socket MoRIIO instances register with (their
+    #: ``proxy_ip``/``proxy_ping_port``; vLLM's toy proxy hard-codes port 36367).
+    moriio_registration: str = "0.0.0.0:36367"
+    #: Seconds a MoRIIO instance may stay silent (it re-registers every 3 s) before it leaves
+    #: the rotation.
+    moriio_ttl: float = 10.0
+    #: Rewrite each media part the encoder reported metadata for into a metadata-only
+    #: ``*_embeds`` reference on the consumer legs (the instance then neither receives the pixels
+    #: nor re-runs the media processor); off: the raw media is sent (upstream's ``--no-rewrite``).
+    ec_rewrite: bool = True
 
     def __post_init__(self) -> None:
-        if not self.decode_urls and not self.admin_key:
+        if not self.decode_urls and not self.admin_key and self.kv_connector != "moriio":
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
-                              f"unless instances register themselves ({env_name('admin_key')})")
+                              f"unless instances register themselves ({env_name('admin_key')}, "
+                              f"or {env_name('kv_connector')}=moriio)")
 
     @property
     def layout(self) -> str:
@@ -209,6 +224,7 @@ def _choice(options: tuple[str, ...], *, upper: bool = False) -> Callable[[Any],
 SETTING_CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     "log_format": ("text", "json"),
+    "kv_connector": ("generic", "moriio"),
 }
 
 
@@ -225,6 +241,15 @@ def _seconds(raw: Any, *, zero_ok: bool = False) -> float:
 
 def _non_negative_seconds(raw: Any) -> float:
     return _seconds(raw, zero_ok=True)
+
+
+def _bind_address(raw: Any) -> str:
+    """``host:port`` to bind a socket on (port 0: any free port, for tests; peers need a fixed one)."""
+    value = str(raw).strip()
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port with a port in 0..65535, got {raw!r}")
+    return value
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
@@ -259,6 +284,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "log_level": _choice(SETTING_CHOICES["log_level"], upper=True),
     "log_format": _choice(SETTING_CHOICES["log_format"]),
     "gc_threshold": _non_negative_int,
+    "kv_connector": _choice(SETTING_CHOICES["kv_connector"]),
+    "moriio_registration": _bind_address,
+    "moriio_ttl": _seconds,
+    "ec_rewrite": _bool,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

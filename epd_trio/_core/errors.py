@@ -250,6 +250,19 @@ def _is_error_json(body: bytes) -> bool:
     return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict | str)
 
 
+class MalformedRegistration(ValueError):
+    """A MoRIIO registration frame the proxy cannot use (bad msgpack, a missing or wrong field).
+
+    Not a ``ProxyError``: no client is told. The ZMQ listener logs it and drops the frame, and
+    goes on listening.
+    """
+
+
+class RegistrationRefused(ValueError):
+    """A well-formed MoRIIO registration the roster refuses (the other transfer mode, a role
+    change, a roster that is full): logged, and the instance gets no traffic."""
+
+
 #: What a client is told about an error that is not a ``ProxyError`` (a bug): nothing more.
 INTERNAL_ERROR = ProxyError("internal proxy error")
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from .errors import BadRequest, Conflict
+from .errors import BadRequest, Conflict, RegistrationRefused
+from .moriio import MoriioPeer, MoriioRegistration
 from .names import ROLES, STAGE_OF_ROLE, STAGES
 from .rewrite import json_object
 from .routing import Epoch, Instance, rebase_epoch, slot_keys
@@ -41,6 +42,8 @@ class Member:
     ec_zmq_addrs: tuple[str, ...] = ()
     #: ``time.monotonic()`` of the last registration (0 for static instances).
     registered_at: float = 0.0
+    #: Registered over ZMQ by vLLM's MoRIIO connector: its address and parallel sizes.
+    moriio: MoriioPeer | None = None
 
     @property
     def url(self) -> str:
@@ -60,6 +63,10 @@ class Roster:
     #: Static instances first (in configuration order), then registered ones in order of arrival.
     members: tuple[Member, ...] = ()
     epochs: Mapping[str, Epoch] = field(default_factory=lambda: dict.fromkeys(STAGES, (0, 0)))
+    #: The MoRIIO transfer mode the first MoRIIO registration fixed (``READ``/``WRITE``), for the
+    #: life of the proxy: prefill and decode must agree on it, so an instance with the other
+    #: mode is refused.
+    transfer_mode: str | None = None
 
     def of(self, stage: str) -> tuple[Instance, ...]:
         """The instances serving ``stage``, in routing order."""
@@ -71,13 +78,20 @@ class Roster:
                 return member
         return None
 
+    def moriio_peer(self, url: str) -> MoriioPeer | None:
+        member = self.find(url)
+        return None if member is None else member.moriio
+
     def to_bytes(self) -> bytes:
         return orjson.dumps({
             "version": self.version,
             "epochs": {role: list(epoch) for role, epoch in self.epochs.items()},
+            "transfer_mode": self.transfer_mode,
             "members": [
                 {"url": m.url, "dp_size": m.instance.dp_size, "role": m.role, "static": m.static,
-                 "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at}
+                 "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
+                 "moriio": None if m.moriio is None else
+                 [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size]}
                 for m in self.members
             ],
         })
@@ -88,9 +102,11 @@ class Roster:
         return cls(
             version=data["version"],
             epochs={role: (k0, i0) for role, (k0, i0) in data["epochs"].items()},
+            transfer_mode=data["transfer_mode"],
             members=tuple(
                 Member(Instance(m["url"], m["dp_size"]), m["role"], m["static"],
-                       tuple(m["ec_zmq_addrs"]), m["registered_at"])
+                       tuple(m["ec_zmq_addrs"]), m["registered_at"],
+                       None if m["moriio"] is None else MoriioPeer(*m["moriio"]))
                 for m in data["members"]
             ),
         )
@@ -201,6 +217,37 @@ def _check_mix(roster: Roster, member: Member) -> None:
                          f"proxy has {listed}")
 
 
+def register_moriio(
+    roster: Roster, registration: MoriioRegistration, counters: Mapping[str, int], now: float
+) -> tuple[Roster, bool]:
+    """Add or refresh a MoRIIO instance; ``(new roster, whether it was new)``.
+
+    The first MoRIIO registration fixes the roster's transfer mode; one with the other mode is
+    a ``RegistrationRefused`` (as upstream, which logs it at error level and skips it), as is a
+    role change or a mix with combined instances. A heartbeat that changes nothing but the time
+    keeps the roster's version (``register``).
+    """
+    mode = roster.transfer_mode
+    if mode is not None and registration.transfer_mode != mode:
+        raise RegistrationRefused(f"transfer mode {registration.transfer_mode}, but the proxy's "
+                                  f"is {mode} (fixed by the first registration)")
+    member = Member(registration.instance, registration.role, registered_at=now,
+                    moriio=registration.peer)
+    try:
+        new, created = register(roster, member, counters)
+    except (BadRequest, Conflict) as exc:
+        raise RegistrationRefused(exc.message) from None
+    if mode is None:
+        new = replace(new, transfer_mode=registration.transfer_mode)
+    return new, created
+
+
+def silent_moriio(roster: Roster, now: float, ttl: float) -> list[str]:
+    """MoRIIO instances that have not re-registered for ``ttl`` seconds (they beat every 3 s)."""
+    return [m.url for m in roster.members
+            if m.moriio is not None and not m.static and now - m.registered_at >= ttl]
+
+
 def unregister(roster: Roster, url: str, counters: Mapping[str, int]) -> tuple[Roster, bool]:
     """Remove the instance at ``url`` (static ones too: an instance that says it is stopping
     must get no more requests); ``(new roster, whether it was there)``."""
@@ -230,8 +277,8 @@ def forget(roster: Roster, urls: Sequence[str], counters: Mapping[str, int]) -> 
     return roster if len(members) == len(roster.members) else _changed(roster, members, counters)
 
 
-def _routing_view(members: Sequence[Member]) -> list[tuple[str, str, int, tuple[str, ...]]]:
-    return [(m.role, m.url, m.instance.dp_size, m.ec_zmq_addrs) for m in members]
+def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
+    return [(m.role, m.url, m.instance.dp_size, m.ec_zmq_addrs, m.moriio) for m in members]
 
 
 def _changed(
@@ -240,11 +287,12 @@ def _changed(
     """The roster with ``members``: a new version, and epochs that continue each rotation."""
     if _routing_view(members) == _routing_view(roster.members):
         return replace(roster, members=members)  # only registration times changed
-    new = Roster(members=members)
+    new = Roster(members=members, transfer_mode=roster.transfer_mode)
     epochs = dict(roster.epochs)
     for stage in STAGES:
         dp = stage != "encode"
         old_keys, new_keys = slot_keys(roster.of(stage), dp), slot_keys(new.of(stage), dp)
         if old_keys != new_keys:
             epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
-    return Roster(version=roster.version + 1, members=members, epochs=epochs)
+    return Roster(version=roster.version + 1, members=members, epochs=epochs,
+                  transfer_mode=roster.transfer_mode)

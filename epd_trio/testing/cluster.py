@@ -7,7 +7,8 @@ the real-vLLM tests. Every server runs in one nursery owned by ``run_cluster``; 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -56,13 +57,15 @@ async def serve_proxy(
     host: str = "127.0.0.1",
     port: int = 0,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[tuple[str, Proxy]]:
     """Serve the real proxy app for ``settings`` in-process (Hypercorn trio worker, port 0 = any).
 
     Yields the proxy's base URL and the ``Proxy`` behind the app (its registry and counters).
     Leaving the block shuts the server down gracefully, which closes its upstream client.
+    ``clock`` times MoRIIO registrations (``create_app``).
     """
-    app = create_app(settings)
+    app = create_app(settings, clock=clock)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(partial(
