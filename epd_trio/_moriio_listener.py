@@ -89,9 +89,16 @@ class RegistrationListener:
         self._ttl = ttl
         self._clock = clock
         self.drops = DropLog(clock=clock)
-        #: Frames received, frames dropped (for tests and the log).
+        #: Messages received, messages dropped.
         self.received = 0
         self.dropped = 0
+        self._handled = trio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, re-checked after each message is handled (tests
+        synchronise on it instead of sleeping)."""
+        while not predicate():
+            await self._handled.wait()
 
     async def run(self, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         context = zmq.Context(io_threads=1)
@@ -133,7 +140,14 @@ class RegistrationListener:
 
     def handle(self, frames: Sequence[bytes]) -> None:
         """One message: register it, or log why not and drop it. Never raises."""
-        self.received += 1
+        try:
+            self._handle(frames)
+        finally:
+            self.received += 1
+            self._handled.set()
+            self._handled = trio.Event()
+
+    def _handle(self, frames: Sequence[bytes]) -> None:
         try:
             registration = parse_frames(frames)
             if registration is None:  # HELLO

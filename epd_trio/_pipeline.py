@@ -25,11 +25,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import trio
+
 from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
 from ._core.errors import NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
+from ._core.moriio import (
+    MoriioPeer,
+    decode_kv_params,
+    moriio_request_id,
+    new_transfer_id,
+    prefill_kv_params,
+)
 from ._core.names import PATH_OF_KIND, RequestKind
 from ._core.rewrite import (
     build_decode_body,
@@ -40,9 +49,15 @@ from ._core.rewrite import (
     with_item_uuids,
 )
 from ._core.routing import Instance
-from ._cursors import EncoderCursor, SlotCursor
+from ._cursors import EncoderCursor, SlotCursor, Usable
+from ._fanout import fan_out
 from ._http import UpstreamPool
 from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
+
+#: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
+#: the roster's first MoRIIO registration fixed.
+PeerOf = Callable[[Instance], MoriioPeer | None]
+ModeOf = Callable[[], str | None]
 
 log = logging.getLogger("epd_trio")
 
@@ -78,8 +93,15 @@ class Pipeline:
         routes: Routes,
         registry: Registry,
         accounting: Accounting,
+        moriio_peer: PeerOf | None = None,
+        transfer_mode: ModeOf | None = None,
     ) -> None:
         self._settings = settings
+        #: MoRIIO: legs go only to instances that registered over ZMQ (their address is in the
+        #: request id); None for the generic hand-off.
+        self._peer: PeerOf | None = (
+            (moriio_peer or (lambda inst: None)) if settings.kv_connector == "moriio" else None)
+        self._transfer_mode: ModeOf = transfer_mode or (lambda: None)
         self._pools = pools
         self._routes = routes
         self._registry = registry
@@ -120,11 +142,18 @@ class Pipeline:
                 ))
             stage = "prefill" if with_prefill else "decode"
             attempts = 0
+            if self._peer is not None and not with_prefill:
+                raise NoInstance("MoRIIO needs a prefill instance: none is registered")  # noqa: TRY301
+            prefills_tried: set[Slot] = set()
 
             async def attempt(slot: Slot) -> Reply:
                 nonlocal attempts, stage
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
+                if self._peer is not None:
+                    stage = "prefill"
+                    return await self._moriio(account, slot, body, request.stream, path,
+                                              request_id, resources, prefills_tried)
                 decode_body: dict[str, Any] = body
                 if with_prefill:
                     stage = "prefill"
@@ -139,7 +168,9 @@ class Pipeline:
                 raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
             reply = await with_failover(
                 self._decode_failover, "decode", first, attempt,
-                partial(self._next_slot, decodes, "decode", any_slot=True), account.retried)
+                partial(self._next_slot, decodes, "decode", any_slot=True), account.retried,
+                # MoRIIO WRITE: prefill runs beside decode, with no failover of its own.
+                also_retry=("prefill",) if self._peer is not None else ())
         except BaseException as exc:
             account.failed(stage, exc)  # a cancellation is counted by stage
             raise
@@ -163,7 +194,12 @@ class Pipeline:
         failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
         upstream's proxy retries its only decode instance; the retry stays within
         ``decode_retries`` and re-runs prefill."""
-        usable = self._registry.usable(stage)
+        routable = self._routable()
+        live = self._registry.usable(stage)
+
+        def usable(inst: Instance) -> bool:
+            return live(inst) and routable(inst)
+
         urls = {inst.url for inst, _ in tried}
         try:
             return cursor.next(lambda inst: inst.url not in urls and usable(inst))
@@ -171,7 +207,7 @@ class Pipeline:
             pass
         if tried:
             try:
-                return cursor.next(lambda inst: inst.url not in urls)
+                return cursor.next(lambda inst: inst.url not in urls and routable(inst))
             except LookupError:
                 pass
         if not any_slot:
@@ -182,10 +218,18 @@ class Pipeline:
             pass
         if cursor.slot_count == 1:
             try:
-                return cursor.next()
+                return cursor.next(routable)
             except LookupError:
                 return None
         return None
+
+    def _routable(self) -> Usable:
+        """Which instances a leg may go to at all: with MoRIIO, only those whose ZMQ address is
+        known (the connector finds its peer in the request id); otherwise any."""
+        peer = self._peer
+        if peer is None:
+            return lambda inst: True
+        return lambda inst: peer(inst) is not None
 
     async def _prefill(
         self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str
@@ -213,6 +257,92 @@ class Pipeline:
         if params is None:
             account.kv_missing()
         return build_decode_body(body, params)
+
+    async def _moriio(
+        self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool,
+        path: str, client_id: str, resources: AsyncExitStack, prefills_tried: set[Slot],
+    ) -> Reply:
+        """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
+
+        READ: prefill first (with its own failover; each attempt gets a fresh id and transfer
+        id), then decode with the prefill's handle. WRITE: decode allocates its blocks and
+        tells the prefill, which pushes the KV, so the two legs run concurrently in one
+        nursery. Upstream fires that prefill and never looks at it; here a prefill failure
+        cancels decode and the attempt fails (the caller fails over, choosing another
+        prefill). The attempt succeeds only once decode's first bytes *and* prefill's answer are
+        in, so no prefill failure can reach a client already answered (in WRITE mode prefill
+        answers first: decode cannot generate before the KV is written).
+        """
+        peer = self._peer
+        assert peer is not None
+        decode_instance = slot[0]
+        decode_peer = peer(decode_instance)
+        if decode_peer is None:  # it left the roster since it was chosen
+            raise NoInstance(f"decode instance {decode_instance.url} is no longer registered")
+        prefills = self._routes.prefills
+        settings = self._settings
+
+        def legs(prefill: Slot) -> tuple[str, str, MoriioPeer, dict[str, Any]]:
+            prefill_peer = peer(prefill[0])
+            if prefill_peer is None:
+                raise NoInstance(f"prefill instance {prefill[0].url} is no longer registered")
+            leg_id, transfer_id = moriio_request_id(prefill_peer, decode_peer), new_transfer_id()
+            log.debug("request %s: MoRIIO legs %s, transfer %s", client_id, leg_id, transfer_id)
+            prefill_body = {**build_prefill_body(body),
+                            "kv_transfer_params": prefill_kv_params(transfer_id, decode_peer)}
+            return leg_id, transfer_id, prefill_peer, prefill_body
+
+        async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any]) -> Answer:
+            with account.leg("prefill", prefill):
+                return await post_json(
+                    self._pools(prefill[0]), stage="prefill", instance=prefill[0], path=path,
+                    body=prefill_body, headers=upstream_headers(leg_id, prefill[1]),
+                    deadline=settings.prefill_timeout)
+
+        if self._transfer_mode() != "WRITE":
+            async def read_attempt(prefill: Slot) -> tuple[Slot, str, str, MoriioPeer, Answer]:
+                leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)
+                answer = await prefill_call(prefill, leg_id, prefill_body)
+                return prefill, leg_id, transfer_id, prefill_peer, answer
+
+            first = await self._next_slot(prefills, "prefill", set())
+            if first is None:
+                raise NoInstance("no MoRIIO prefill instance is registered")
+            prefill, leg_id, transfer_id, prefill_peer, answer = await with_failover(
+                self._stage_failover, "prefill", first, read_attempt,
+                partial(self._next_slot, prefills, "prefill"), account.retried)
+            handle = kv_transfer_params_of(answer.content)
+            if handle is None:
+                account.kv_missing()
+            decode_body = build_decode_body(
+                body, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
+            return await self._decode(account, slot, decode_body, stream, path, leg_id,
+                                      resources)
+
+        prefill = (await self._next_slot(prefills, "prefill", prefills_tried)
+                   or await self._next_slot(prefills, "prefill", set()))
+        if prefill is None:
+            raise NoInstance("no MoRIIO prefill instance is registered")
+        leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)
+        decode_body = build_decode_body(
+            body, decode_kv_params(transfer_id, prefill_peer, prefill[1]))
+        # The decode stream's resources belong to this attempt until both legs succeeded: a
+        # failed attempt closes its stream at once, not when the client's request ends.
+        attempt_resources = AsyncExitStack()
+        try:
+            _, reply = await fan_out([
+                partial(prefill_call, prefill, leg_id, prefill_body),
+                partial(self._decode, account, slot, decode_body, stream, path, leg_id,
+                        attempt_resources),
+            ])
+        except BaseException as exc:
+            if getattr(exc, "stage", None) == "prefill":
+                prefills_tried.add(prefill)
+            with trio.CancelScope(shield=True):
+                await attempt_resources.aclose()
+            raise
+        resources.push_async_callback(attempt_resources.aclose)
+        return reply
 
     async def _decode(
         self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool, path: str,

@@ -80,9 +80,10 @@ class Proxy:
         self._clock = clock
         #: The ``host:port`` the MoRIIO registration socket is bound to, once it is.
         self.moriio_endpoint: str | None = None
-        self._moriio: RegistrationListener | None = None
+        #: The ZMQ registration listener (``EPD_KV_CONNECTOR=moriio`` in the process that binds).
+        self.moriio_listener: RegistrationListener | None = None
         if settings.kv_connector == "moriio" and moriio_listener:
-            self._moriio = RegistrationListener(
+            self.moriio_listener = RegistrationListener(
                 settings.moriio_registration, register=self.register_moriio,
                 expire=self.expire_moriio, ttl=settings.moriio_ttl, clock=clock)
         counters, self._store = routing_state(shared)
@@ -97,10 +98,13 @@ class Proxy:
         self.pipeline = Pipeline(
             settings, pools=self.client,
             routes=Routes(self.encoders, self.prefills, self.decodes), registry=self.registry,
-            accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log))
+            accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log),
+            moriio_peer=lambda inst: self.roster.moriio_peer(inst.url),
+            transfer_mode=lambda: self.roster.transfer_mode)
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
+        self._listener_scope: trio.CancelScope | None = None
         self._roster_changed = trio.Event()
         self.roster = Roster()
         initial = static_roster(settings.encode_urls, settings.prefill_urls, settings.decode_urls)
@@ -199,7 +203,7 @@ class Proxy:
     def instances(self) -> dict[str, Any]:
         """``GET /instances``: every instance by role, where it comes from, and its state."""
         roster = self._store.current()
-        now = time.monotonic()
+        now, moriio_now = time.monotonic(), self._clock()
         listing: dict[str, list[dict[str, Any]]] = {role: [] for role in ROLES}
         for member in roster.members:
             entry = self.registry.state_for(member.stage, member.instance).report()
@@ -207,6 +211,10 @@ class Proxy:
                          ec_zmq_addrs=list(member.ec_zmq_addrs))
             if not member.static:
                 entry["registered_seconds_ago"] = round(now - member.registered_at, 3)
+            if member.moriio is not None:
+                entry.update(source="moriio", zmq_address=member.moriio.zmq_address,
+                             tp_size=member.moriio.tp_size, transfer_mode=roster.transfer_mode,
+                             registered_seconds_ago=round(moriio_now - member.registered_at, 3))
             listing[member.role].append(entry)
         # Health is each worker's own view (each probes on its own): say whose view this is.
         return {"layout": layout_name(roster), "version": roster.version,
@@ -241,18 +249,29 @@ class Proxy:
                 keepalive_expiry=self.settings.upstream_keepalive,
                 headers=upstream_auth_headers(self.settings))
             self._probe_client.follow(m.instance for m in self.roster.members)
+            if self.moriio_listener is not None:
+                # Bound before the app serves; a port in use fails start-up with an OSError.
+                self._listener_scope = trio.CancelScope()
+                self.moriio_endpoint = await nursery.start(self._run_listener,
+                                                           self._listener_scope)
             self._prober = await nursery.start(self._run_background, self._probe_client)
+
+    async def _run_listener(
+        self, scope: trio.CancelScope, task_status: trio.TaskStatus[str]
+    ) -> None:
+        """The MoRIIO registration listener, until ``aclose`` cancels ``scope``."""
+        assert self.moriio_listener is not None
+        with scope:
+            await self.moriio_listener.run(task_status=task_status)
 
     async def _run_background(
         self, client: UpstreamClient, task_status: trio.TaskStatus[trio.CancelScope]
     ) -> None:
-        """The proxy's background work, until cancelled: the MoRIIO registration listener, the
-        health prober, and housekeeping on the keep-alive clock."""
+        """The proxy's background work, until cancelled: the health prober, and housekeeping
+        on the keep-alive clock."""
         with trio.CancelScope() as scope:
+            task_status.started(scope)
             async with trio.open_nursery() as nursery:
-                if self._moriio is not None:  # bound before the app serves (or it fails)
-                    self.moriio_endpoint = await nursery.start(self._moriio.run)
-                task_status.started(scope)
                 nursery.start_soon(partial(
                     run_prober, health_check(client, self.settings.health_timeout),
                     self.registry, interval=self.settings.health_interval,
@@ -272,6 +291,9 @@ class Proxy:
             await self.reap_clients()
 
     async def aclose(self) -> None:
+        if self._listener_scope is not None:
+            self._listener_scope.cancel()
+            self._listener_scope = None
         if self._prober is not None:
             self._prober.cancel()
             self._prober = None

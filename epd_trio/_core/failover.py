@@ -14,7 +14,7 @@ choice of the next slot), like h11's ``Connection`` works on the bytes it is han
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -80,6 +80,7 @@ async def with_failover(
     attempt: Callable[[Slot], Awaitable[T]],
     pick_next: Callable[[set[Slot]], Awaitable[Slot | None]],
     on_retry: OnRetry | None = None,
+    also_retry: Collection[str] = (),
 ) -> T:
     """Run ``attempt`` on ``first``; on a retryable failure, on ``pick_next(tried_slots)``, ...
 
@@ -87,6 +88,8 @@ async def with_failover(
     instance is usable, which ends the retries. Only failures of ``stage`` itself are retried
     here: an attempt that fails in an inner stage (the prefill inside a decode attempt) has
     already had that stage's own failover, and retrying it again would multiply the attempts.
+    ``also_retry`` names inner stages that have no failover of their own (MoRIIO WRITE mode's
+    prefill, which runs beside decode): their failures are retried here too.
     """
     slot, tried, attempts = first, set[Slot](), 0
     while True:
@@ -94,7 +97,8 @@ async def with_failover(
         try:
             return await attempt(slot)
         except UpstreamError as error:
-            if (attempts >= policy.max_attempts or error.stage != stage
+            if (attempts >= policy.max_attempts
+                    or (error.stage != stage and error.stage not in also_retry)
                     or not is_retryable(error)):
                 raise
             tried.add(slot)

@@ -73,7 +73,7 @@ def parse_frames(frames: Sequence[bytes]) -> MoriioRegistration | None:
     if len(raw) > MAX_FRAME_BYTES:
         raise MalformedRegistration(f"frame of {len(raw)} bytes (at most {MAX_FRAME_BYTES})")
     try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_buffer_size=MAX_FRAME_BYTES)
+        data = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types for garbage
         raise MalformedRegistration(f"not msgpack ({type(exc).__name__})") from None
     if not isinstance(data, dict):
@@ -96,8 +96,9 @@ def parse_registration_map(data: Mapping[Any, Any]) -> MoriioRegistration | None
     if (not isinstance(http_address, str) or "/" in http_address or not _printable(http_address)
             or not _port(http_address.rpartition(":")[2])):
         raise MalformedRegistration(f"http_address must be ip:port, got {_short(http_address)}")
+    dp_size = _size(data, "dp_size")
     try:
-        instance = Instance(f"http://{http_address}", _size(data, "dp_size"))
+        instance = Instance(f"http://{http_address}", dp_size)
     except ValueError:
         raise MalformedRegistration(f"http_address must be ip:port, got {_short(http_address)}") \
             from None

@@ -34,6 +34,7 @@ import orjson
 import trio
 
 from .._serving import quiet_config, serve_app
+from .moriio import MoriioSide
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 ROLES: tuple[Role, ...] = ("encode", "prefill", "decode", "prefill_decode")
@@ -104,6 +105,10 @@ class FakeVLLM:
     api_key: str | None = None
     #: Between a successful ``/start_profile`` and ``/stop_profile``.
     profiling: bool = False
+    #: Speak vLLM's MoRIIO connector (``epd_trio.testing.moriio``): prefill and decode legs are
+    #: checked as the connector reads them (a 400 otherwise), a prefill answers like its
+    #: producer, a WRITE-mode decode waits for its prefill's KV.
+    moriio: MoriioSide | None = None
     behaviour: Behaviour = field(default_factory=Behaviour)
     received: list[Received] = field(default_factory=list)
     #: API (``/v1/...``) requests being answered now; health probes are not counted.
@@ -280,6 +285,8 @@ class FakeVLLM:
         if await (self._injected_failure(respond) if streams else self._misbehave(respond)):
             return
         problem = self._validate(record)
+        if not problem and self.moriio is not None and self.role in ("prefill", "decode"):
+            problem = self.moriio.check(self.role, record.request_id, body)
         if problem:
             await respond(400, _error(problem, "BadRequestError", 400))
             return
@@ -289,15 +296,17 @@ class FakeVLLM:
             await respond(200, orjson.dumps(self._encoder_answer(request_id, body)))
             return
         words = self._generate(body)
-        kv = self._kv_transfer_params(request_id, body)
+        kv = self._kv_transfer_params(request_id, body, record.rank)
         if streams:
             # Like vLLM: a stream's 200 and SSE headers go out once the request is accepted,
             # before the engine has it; its first body bytes wait for the engine (here the gate,
             # latency and hang knobs; on real vLLM seconds when a KV pull is slow).
             await respond(200, b"", "text/event-stream", more=True)
             await self._engine_time()
+            await self._remote_kv(body)
             await self._stream(request_id, body, words, chat, body_chunk)
             return
+        await self._remote_kv(body)
         text = " ".join(words)
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": text,
@@ -376,8 +385,16 @@ class FakeVLLM:
             "ec_transfer_params": ec,
         }
 
-    def _kv_transfer_params(self, request_id: str, body: Mapping[str, Any]) -> Any:
+    async def _remote_kv(self, body: Mapping[str, Any]) -> None:
+        """A MoRIIO WRITE decode waits for its prefill to push the KV."""
+        if self.moriio is not None and self.role == "decode":
+            await self.moriio.before_decode(body["kv_transfer_params"])
+
+    def _kv_transfer_params(self, request_id: str, body: Mapping[str, Any],
+                            rank: int | None = None) -> Any:
         params = body.get("kv_transfer_params")
+        if self.role == "prefill" and isinstance(params, dict) and self.moriio is not None:
+            return self.moriio.prefill_answer(params, rank, self.dp_size)
         if self.role == "prefill" and isinstance(params, dict) and params.get("do_remote_decode"):
             port = int(self.url.rsplit(":", 1)[-1]) if self.url else 0
             return {
