@@ -188,16 +188,16 @@ async def test_a_client_disconnect_during_write_cancels_both_legs() -> None:
     async with moriio_cluster("WRITE") as c:
         (prefill,), (decode,) = c.prefills, c.decodes
         prefill.behaviour = Behaviour(hang=True)
-        async with httpx.AsyncClient(timeout=30, trust_env=False) as own:
-            async with trio.open_nursery() as nursery:
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as own, \
+                trio.open_nursery() as nursery:
 
-                async def call() -> None:
-                    await own.post(c.url + CHAT, json=chat_body(stream=True))
+            async def call() -> None:
+                await own.post(c.url + CHAT, json=chat_body(stream=True))
 
-                nursery.start_soon(call)
-                await decode.wait_until(lambda: decode.in_flight == 1)
-                await prefill.wait_until(lambda: prefill.in_flight == 1)
-                nursery.cancel_scope.cancel()  # the client goes away
+            nursery.start_soon(call)
+            await decode.wait_until(lambda: decode.in_flight == 1)
+            await prefill.wait_until(lambda: prefill.in_flight == 1)
+            nursery.cancel_scope.cancel()  # the client goes away
         await prefill.wait_until(lambda: prefill.disconnects == 1)
         await decode.wait_until(lambda: decode.disconnects == 1)
         assert c.proxy.registry.in_flight() == 0
