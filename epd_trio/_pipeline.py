@@ -19,6 +19,7 @@ retried. Cancellation (the client left) is never caught: it closes every open le
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ import trio
 
 from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
+from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
@@ -95,8 +97,11 @@ class Pipeline:
         accounting: Accounting,
         moriio_peer: PeerOf | None = None,
         transfer_mode: ModeOf | None = None,
+        ec_zmq_addrs: Callable[[Instance], tuple[str, ...]] | None = None,
     ) -> None:
         self._settings = settings
+        #: A push (Mooncake) encoder-cache consumer's addresses, one per DP rank.
+        self._ec_addrs = ec_zmq_addrs or (lambda inst: ())
         #: MoRIIO: legs go only to instances that registered over ZMQ (their address is in the
         #: request id); None for the generic hand-off.
         self._peer: PeerOf | None = (
@@ -133,31 +138,43 @@ class Pipeline:
             if not registry.has("decode"):
                 raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
             with_prefill = registry.has("prefill")
-            if items and registry.has("encode"):
-                account.encoded(await run_encoder_fanout(
-                    self._pools, self._routes.encoders, body=body, items=items,
-                    request_id=request_id, max_batch=self._settings.encoder_max_batch,
-                    deadline=self._settings.encode_timeout, usable=registry.usable("encode"),
-                    failover=self._stage_failover, observer=account,
-                ))
+            encode = bool(items) and registry.has("encode")
             stage = "prefill" if with_prefill else "decode"
             attempts = 0
             if self._peer is not None and not with_prefill:
                 raise NoInstance("MoRIIO needs a prefill instance: none is registered")  # noqa: TRY301
             prefills_tried: set[Slot] = set()
+            prefills = self._routes.prefills
 
             async def attempt(slot: Slot) -> Reply:
+                """One attempt from the client's body: encode (again, on a retry: the handles
+                belong to the attempt and its consumer), prefill, decode."""
                 nonlocal attempts, stage
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
+                # The consumer slot is chosen before the encoders are called (as upstream):
+                # a push consumer's address goes on the encoder sub-requests.
+                first_prefill: Slot | None = None
+                if with_prefill and self._peer is None:
+                    first_prefill = await self._next_slot(prefills, "prefill", set())
+                    if first_prefill is None:
+                        raise NoInstance("no prefill instance is configured or registered")  # noqa: TRY301
+                consumer_body = body
+                if encode:
+                    stage = "encode"
+                    consumer_body = await self._encode(account, body, request.media, items,
+                                                       leg_id, first_prefill or slot)
                 if self._peer is not None:
                     stage = "prefill"
-                    return await self._moriio(account, slot, body, request.stream, path,
-                                              request_id, resources, prefills_tried)
-                decode_body: dict[str, Any] = body
-                if with_prefill:
+                    return await self._moriio(account, slot, consumer_body, body, request.stream,
+                                              path, request_id, resources, prefills_tried)
+                decode_body: dict[str, Any] = consumer_body
+                if first_prefill is not None:
                     stage = "prefill"
-                    decode_body = await self._prefill(account, body, path, leg_id)
+                    # Decode after a prefill gets the client's body (items with their uuid):
+                    # it is no encoder-cache consumer, and vLLM wants embeds values there.
+                    decode_body = await self._prefill(account, consumer_body, body, path,
+                                                      leg_id, first_prefill)
                 stage = "decode"
                 return await self._decode(account, slot, decode_body, request.stream, path,
                                           leg_id, resources)
@@ -232,9 +249,10 @@ class Pipeline:
         return lambda inst: peer(inst) is not None
 
     async def _prefill(
-        self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str
+        self, account: RequestAccount, body: dict[str, Any], decode_base: dict[str, Any],
+        path: str, request_id: str, first: Slot,
     ) -> dict[str, Any]:
-        """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
+        """Prefill ``body`` on ``first`` (with failover); ``decode_base`` with the KV handle."""
         prefill_body = build_prefill_body(body)
 
         async def attempt(slot: Slot) -> Answer:
@@ -247,20 +265,43 @@ class Pipeline:
                 )
 
         prefills = self._routes.prefills
-        first = await self._next_slot(prefills, "prefill", set())
-        if first is None:
-            raise NoInstance("no prefill instance is configured or registered")
         response = await with_failover(self._stage_failover, "prefill", first, attempt,
                                        partial(self._next_slot, prefills, "prefill"),
                                        account.retried)
         params = kv_transfer_params_of(response.content)
         if params is None:
             account.kv_missing()
-        return build_decode_body(body, params)
+        return build_decode_body(decode_base, params)
+
+    async def _encode(
+        self, account: RequestAccount, body: dict[str, Any], media: tuple[tuple[int, int], ...],
+        items: list[dict[str, Any]], request_id: str, consumer: Slot,
+    ) -> dict[str, Any]:
+        """Encode every item; the consumer leg's body (``ec_handoff.consumer_body``).
+
+        A push (Mooncake) consumer, one that registered ``ec_zmq_addrs``, gets the encoders'
+        output at the address of the DP rank its leg was routed to: that address and a fresh
+        transfer id per item go on the encoder sub-requests."""
+        addrs = self._ec_addrs(consumer[0])
+        rank = consumer[1] or 0
+        consumer_zmq = addrs[rank] if rank < len(addrs) else None
+        transfer_ids = [uuid.uuid4().hex for _ in items] if consumer_zmq else []
+        calls = await run_encoder_fanout(
+            self._pools, self._routes.encoders, body=body, items=items,
+            request_id=request_id, max_batch=self._settings.encoder_max_batch,
+            deadline=self._settings.encode_timeout, usable=self._registry.usable("encode"),
+            failover=self._stage_failover, observer=account, consumer_zmq=consumer_zmq,
+            transfer_ids=transfer_ids)
+        account.encoded(calls)
+        handoff = match_reports(
+            [EncoderReport(c.instance.url, c.item_indices, c.ec_transfer_params) for c in calls],
+            [item["uuid"] for item in items], transfer_ids)
+        return consumer_body(body, media, handoff, rewrite=self._settings.ec_rewrite)
 
     async def _moriio(
-        self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool,
-        path: str, client_id: str, resources: AsyncExitStack, prefills_tried: set[Slot],
+        self, account: RequestAccount, slot: Slot, body: dict[str, Any],
+        decode_base: dict[str, Any], stream: bool, path: str, client_id: str,
+        resources: AsyncExitStack, prefills_tried: set[Slot],
     ) -> Reply:
         """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
 
@@ -315,7 +356,7 @@ class Pipeline:
             if handle is None:
                 account.kv_missing()
             decode_body = build_decode_body(
-                body, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
+                decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
             return await self._decode(account, slot, decode_body, stream, path, leg_id,
                                       resources)
 
@@ -325,7 +366,7 @@ class Pipeline:
             raise NoInstance("no MoRIIO prefill instance is registered")
         leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)
         decode_body = build_decode_body(
-            body, decode_kv_params(transfer_id, prefill_peer, prefill[1]))
+            decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1]))
         # The decode stream's resources belong to this attempt until both legs succeeded: a
         # failed attempt closes its stream at once, not when the client's request ends.
         attempt_resources = AsyncExitStack()

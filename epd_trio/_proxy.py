@@ -100,7 +100,8 @@ class Proxy:
             routes=Routes(self.encoders, self.prefills, self.decodes), registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log),
             moriio_peer=lambda inst: self.roster.moriio_peer(inst.url),
-            transfer_mode=lambda: self.roster.transfer_mode)
+            transfer_mode=lambda: self.roster.transfer_mode,
+            ec_zmq_addrs=self._ec_zmq_addrs)
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
@@ -147,6 +148,10 @@ class Proxy:
             log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
+
+    def _ec_zmq_addrs(self, instance: Instance) -> tuple[str, ...]:
+        member = self.roster.find(instance.url)
+        return () if member is None else member.ec_zmq_addrs
 
     def register_moriio(self, registration: MoriioRegistration, now: float) -> bool:
         """A MoRIIO heartbeat: add or refresh the instance; True when it was new. Raises

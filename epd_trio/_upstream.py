@@ -21,6 +21,7 @@ import orjson
 import trio
 
 from ._core.config import Settings
+from ._core.ec_handoff import encoder_transfer_params
 from ._core.errors import (
     ProxyOverloaded,
     UpstreamError,
@@ -31,7 +32,7 @@ from ._core.errors import (
 )
 from ._core.failover import NO_FAILOVER, UNOBSERVED, Failover, LegObserver, Slot, with_failover
 from ._core.names import CHAT_PATH
-from ._core.rewrite import build_encoder_body, upstream_headers
+from ._core.rewrite import build_encoder_body, ec_transfer_params_of, upstream_headers
 from ._core.routing import Instance, group_by_target
 from ._cursors import EncoderCursor, Usable
 from ._fanout import fan_out
@@ -294,6 +295,8 @@ class EncoderCall:
     index: int
     instance: Instance
     item_indices: tuple[int, ...]
+    #: The answer's top-level ``ec_transfer_params`` (None when absent or unreadable).
+    ec_transfer_params: Any = None
 
 
 #: The connection pool to use for one instance.
@@ -313,6 +316,8 @@ async def run_encoder_fanout(
     usable: Usable | None = None,
     failover: Failover = NO_FAILOVER,
     observer: LegObserver = UNOBSERVED,
+    consumer_zmq: str | None = None,
+    transfer_ids: Sequence[str] = (),
 ) -> list[EncoderCall]:
     """Encode every media item of one request, concurrently, on round-robin encoders.
 
@@ -325,7 +330,9 @@ async def run_encoder_fanout(
     the first failure that stays a failure cancels the sibling sub-requests and is raised as one
     ``UpstreamError`` naming the ``encode`` stage, the instance and the item indices. Each
     attempt is bounded by ``deadline`` seconds and reported to ``observer`` (the proxy's
-    accounting). ``EncoderCall.instance`` is where it succeeded.
+    accounting). ``EncoderCall.instance`` is where it succeeded, and ``ec_transfer_params``
+    what that encoder reported. With a push (Mooncake) consumer, each sub-request names
+    ``consumer_zmq`` and its items' ``transfer_ids`` (by global item index).
     """
     if not items:
         return []
@@ -338,16 +345,20 @@ async def run_encoder_fanout(
 
     async def encode(call: EncoderCall) -> EncoderCall:
         encoder_body = build_encoder_body(body, [items[i] for i in call.item_indices])
+        if consumer_zmq is not None:
+            encoder_body["ec_transfer_params"] = encoder_transfer_params(
+                consumer_zmq, [transfer_ids[i] for i in call.item_indices])
         headers = upstream_headers(f"{request_id}-enc-{call.index}", None, authorization)
         detail = f"items {list(call.item_indices)}: "
 
         async def attempt(slot: Slot) -> EncoderCall:
             with observer.leg("encode", slot):
-                await post_json(
+                answer = await post_json(
                     pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
                     body=encoder_body, headers=headers, deadline=deadline, detail=detail,
                 )
-            return replace(call, instance=slot[0])
+            return replace(call, instance=slot[0],
+                           ec_transfer_params=ec_transfer_params_of(answer.content))
 
         async def pick_next(tried: set[Slot]) -> Slot | None:
             urls = {inst.url for inst, _ in tried}

@@ -157,7 +157,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
         return "false" if default else "true"
     if isinstance(default, int | float):
         return str(default + 1)
-    samples = {"INFO": "DEBUG", "text": "json"}
+    samples = {"INFO": "DEBUG", "text": "json", "generic": "moriio",
+               "0.0.0.0:36367": "127.0.0.1:36368"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
 

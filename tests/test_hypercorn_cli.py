@@ -37,7 +37,7 @@ async def test_missing_setting_fails_with_one_line(
         )
     assert result.stderr.decode().strip().splitlines() == [
         "epd_trio: configuration error: EPD_DECODE_URLS: is required (at least one decode URL), "
-        "unless instances register themselves (EPD_ADMIN_KEY)"
+        "unless instances register themselves (EPD_ADMIN_KEY, or EPD_KV_CONNECTOR=moriio)"
     ]
     if exit_code is not None:
         assert result.returncode == exit_code

@@ -14,6 +14,7 @@
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
         +-- UpstreamTransportError connect/read failure (502)
+        +-- EncoderHandoffError    an encoder's ec_transfer_params match no item (502)
         +-- UpstreamTimeout        a deadline expired (504)
 
 Like h11's ``error_status_hint``, the status travels with the exception so the route code never
@@ -212,6 +213,15 @@ class UpstreamTransportError(UpstreamError):
 
     status = 502
     instance_failure = True
+
+
+class EncoderHandoffError(UpstreamError):
+    """The encoder's ``ec_transfer_params`` cannot be matched to the items it encoded (an index
+    out of range, repeated, or an item no entry names): the consumer would look up the wrong
+    cache entries, so the request fails (502) naming the ``encode`` stage and the encoder."""
+
+    def __init__(self, message: str, *, instance: str) -> None:
+        super().__init__(message, stage="encode", instance=instance)
 
 
 class UpstreamTimeout(UpstreamError):

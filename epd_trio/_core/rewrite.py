@@ -248,15 +248,24 @@ def build_decode_body(
 def kv_transfer_params_of(prefill_response: bytes) -> dict[str, Any] | None:
     """The top-level ``kv_transfer_params`` object of a prefill response, if it has a non-empty
     one."""
-    try:
-        parsed = orjson.loads(prefill_response)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(parsed, dict):
-        return None
-    params = parsed.get("kv_transfer_params")
+    params = _top_level(prefill_response, "kv_transfer_params")
     # An empty handle is no handle: upstream leaves the key out of decode's body then.
     return params if isinstance(params, dict) and params else None
+
+
+def ec_transfer_params_of(encoder_response: bytes) -> Any:
+    """The top-level ``ec_transfer_params`` of an encoder answer, as sent (None when absent or the
+    answer is not JSON, as upstream: the items then keep their raw media); its shape is checked
+    where it is matched to the items (``ec_handoff.match_reports``)."""
+    return _top_level(encoder_response, "ec_transfer_params")
+
+
+def _top_level(response: bytes, key: str) -> Any:
+    try:
+        parsed = orjson.loads(response)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed.get(key) if isinstance(parsed, dict) else None
 
 
 def upstream_headers(
