@@ -72,6 +72,10 @@ class Behaviour:
     healthy: bool = True
     #: A profiler is configured: ``/start_profile`` and ``/stop_profile`` exist (else 404).
     profiler: bool = False
+    #: An encoder's ``ec_transfer_params`` from its sub-request's media parts (in order); by
+    #: default, like vLLM 0.32's ECExampleConnector on a Qwen2-VL model: per item, keyed by its
+    #: ``uuid``, ``{"item_indices": [position], "metadata": {"image_grid_thw": [[1, 4, 4]]}}``.
+    ec_report: Callable[[list[Mapping[str, Any]]], Any] | None = None
 
 
 @dataclass
@@ -371,17 +375,16 @@ class FakeVLLM:
         return None
 
     def _encoder_answer(self, request_id: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        ec: dict[str, Any] = {}
-        for index, part in enumerate(media_parts(body)):
-            key = part.get("uuid") or _content_hash(part)
-            ec[key] = {"item_indices": [index], "metadata": {"image_grid_thw": [1, 4, 4]}}
+        parts = media_parts(body)
+        report = self.behaviour.ec_report
+        ec: Any = report(parts) if report is not None else default_ec_report(parts)
         return {
             "id": f"chatcmpl-{request_id}", "object": "chat.completion",
             "created": int(time.time()), "model": body.get("model", self.model),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": "length", "stop_reason": None}],
-            "usage": {"prompt_tokens": len(ec), "completion_tokens": 0,
-                      "total_tokens": len(ec)},
+            "usage": {"prompt_tokens": len(parts), "completion_tokens": 0,
+                      "total_tokens": len(parts)},
             "ec_transfer_params": ec,
         }
 
@@ -504,6 +507,16 @@ def media_parts(body: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         if isinstance(content, list):
             parts += [p for p in content if isinstance(p, dict) and p.get("type") in _MEDIA]
     return parts
+
+
+def default_ec_report(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
+    """What vLLM 0.32's ECExampleConnector reports for these parts on a Qwen2-VL encoder."""
+    ec: dict[str, Any] = {}
+    for index, part in enumerate(parts):
+        key = part.get("uuid") or _content_hash(part)
+        entry = ec.setdefault(key, {"item_indices": [], "metadata": {"image_grid_thw": [[1, 4, 4]]}})
+        entry["item_indices"].append(index)
+    return ec
 
 
 def _content_hash(part: Mapping[str, Any]) -> str:
