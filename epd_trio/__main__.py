@@ -7,7 +7,8 @@ that order of priority.
 ``demo`` starts an embedded fake cluster (3 encoders, 2 prefill x DP2, 2 decode x DP2) and the
 real proxy on a local port, prints a ready-to-paste ``curl``, and serves until Ctrl-C.
 ``demo --check`` instead sends a few requests through it, prints where each leg went, and exits
-(non-zero if any request failed): a one-command smoke test of an installation.
+(non-zero if any request failed): a one-command smoke test of an installation. ``demo
+--kv-connector moriio`` runs the same layout with MoRIIO fakes that register over ZMQ.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import shlex
 import signal
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import httpx
@@ -31,11 +33,13 @@ from ._core.config import (
     env_name,
     flag_name,
 )
+from ._core.roster import layout_name
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster
 from .testing.media import png_data_url
+from .testing.moriio import run_moriio_cluster
 
 
 def _sample_body(seed: int, *, stream: bool) -> dict[str, object]:
@@ -62,11 +66,14 @@ def _describe(cluster: Cluster) -> str:
         return f"  {name:<8} {len(fakes)} x DP{dp}: {urls}"
 
     s = cluster.settings
+    moriio = (f", MoRIIO {cluster.proxy.roster.transfer_mode} mode, registered over ZMQ on "
+              f"{cluster.proxy.moriio_endpoint}" if s.kv_connector == "moriio" else "")
     return "\n".join([
-        f"epd_trio demo: proxy on {cluster.proxy_url} (layout {s.layout}, fake vLLM backends)",
+        f"epd_trio demo: proxy on {cluster.proxy_url} (layout {layout_name(cluster.proxy.roster)}"
+        f"{moriio}, fake vLLM backends)",
         role("encode", cluster.encoders, 1),
-        role("prefill", cluster.prefills, s.prefill_urls[0].dp_size),
-        role("decode", cluster.decodes, s.decode_urls[0].dp_size),
+        role("prefill", cluster.prefills, cluster.prefills[0].dp_size),
+        role("decode", cluster.decodes, cluster.decodes[0].dp_size),
     ])
 
 
@@ -76,17 +83,20 @@ async def _check(cluster: Cluster, count: int) -> bool:
         for n in range(count):
             stream = n % 2 == 1
             rid = f"demo-{n}"
+            # One request at a time: its legs are what each fake received meanwhile (MoRIIO
+            # legs carry the connector's request id, not the client's).
+            seen = [len(fake.requests()) for fake in cluster.fakes]
             r = await client.post(cluster.proxy_url + "/v1/chat/completions",
                                   json=_sample_body(n, stream=stream),
                                   headers={"x-request-id": rid})
             legs = []
+            before = iter(seen)
             for label, fakes in (("E", cluster.encoders), ("P", cluster.prefills),
                                  ("D", cluster.decodes)):
                 for i, fake in enumerate(fakes):
-                    for rec in fake.requests():
-                        if rec.request_id and rec.request_id.startswith(rid):
-                            rank = "" if rec.rank is None else f" rank {rec.rank}"
-                            legs.append(f"{label}{i}{rank}")
+                    for rec in fake.requests()[next(before):]:
+                        rank = "" if rec.rank is None else f" rank {rec.rank}"
+                        legs.append(f"{label}{i}{rank}")
             good = r.status_code == 200 and (not stream or r.text.endswith("data: [DONE]\n\n"))
             ok &= good
             kind = "stream" if stream else "json"
@@ -99,8 +109,11 @@ async def _demo(args: argparse.Namespace) -> int:
     # The receiver stays open until the cluster has stopped, so a second Ctrl-C during the
     # (short) graceful shutdown is absorbed instead of turning into a traceback.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with run_cluster(encoders=3, prefills=2, prefill_dp=2, decodes=2, decode_dp=2,
-                               host=args.host, proxy_port=args.port) as cluster:
+        layout = {"encoders": 3, "prefills": 2, "prefill_dp": 2, "decodes": 2, "decode_dp": 2,
+                  "host": args.host, "proxy_port": args.port}
+        cluster_of = (partial(run_moriio_cluster, mode=args.moriio_mode)
+                      if args.kv_connector == "moriio" else run_cluster)
+        async with cluster_of(**layout) as cluster:
             print(_describe(cluster), flush=True)
             if args.check:
                 ok = await _check(cluster, args.check)
@@ -177,6 +190,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--port", type=int, default=8000, help="proxy port (0 = any free port)")
     demo.add_argument("--check", type=int, nargs="?", const=6, default=0, metavar="N",
                       help="send N requests (default 6), print their routes and exit")
+    demo.add_argument("--kv-connector", choices=("generic", "moriio"), default="generic",
+                      help="moriio: prefill and decode fakes speak vLLM's MoRIIO connector and "
+                           "register over ZMQ (default generic)")
+    demo.add_argument("--moriio-mode", choices=("READ", "WRITE"), default="READ",
+                      help="the MoRIIO transfer mode of the fakes (default READ)")
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
