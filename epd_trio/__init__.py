@@ -13,11 +13,13 @@ The public surface is re-exported here from private modules. Where a client requ
                (_metrics: Prometheus; _request_log: the log lines)
     state      _cursors (routing positions under a trio.Lock), _roster_store (one process's
                roster, or the shared memory of several workers), _fanout (one nursery per
-               fan-out), _prober (health probes), _profile
+               fan-out), _prober (health probes), _profile, _moriio_listener (the MoRIIO
+               ZMQ registration socket on the trio loop)
     core       _core/: pure logic, no I/O, no trio (its __init__ lists the modules)
     process    __main__ (``epd-trio``), _runner (workers), _serving (Hypercorn), _process,
                _environment (settings from file and environment), _logs
-    extras     asyncio_bridge (optional), testing/ (the fake vLLM, the demo cluster)
+    extras     asyncio_bridge (optional), testing/ (the fake vLLM, the demo cluster, the
+               MoRIIO stand-ins)
 
 What you may touch: the names in ``__all__`` below, ``epd_trio.app:app``, ``epd_trio.testing``
 and ``epd_trio.asyncio_bridge``. Everything with a leading underscore may change.

@@ -370,11 +370,12 @@ class Pipeline:
         # The decode stream's resources belong to this attempt until both legs succeeded: a
         # failed attempt closes its stream at once, not when the client's request ends.
         attempt_resources = AsyncExitStack()
+        committed = False
         try:
             _, reply = await fan_out([
                 partial(prefill_call, prefill, leg_id, prefill_body),
                 partial(self._decode, account, slot, decode_body, stream, path, leg_id,
-                        attempt_resources),
+                        attempt_resources, lambda: committed),
             ])
         except BaseException as exc:
             if getattr(exc, "stage", None) == "prefill":
@@ -382,14 +383,23 @@ class Pipeline:
             with trio.CancelScope(shield=True):
                 await attempt_resources.aclose()
             raise
+        committed = True
         resources.push_async_callback(attempt_resources.aclose)
         return reply
 
     async def _decode(
         self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool, path: str,
         request_id: str, resources: AsyncExitStack,
+        committed: Callable[[], bool] = lambda: True,
     ) -> Reply:
+        """Decode on ``slot``. ``committed``: whether an abandoned stream counts as the client
+        leaving (a MoRIIO WRITE attempt that fails over closes a stream the client never saw)."""
         instance, rank = slot
+
+        def abandoned() -> None:
+            if committed():
+                account.client_cancelled("decode")
+
         headers = upstream_headers(request_id, rank)
         settings = self._settings
         with account.leg("decode", slot) as leg:
@@ -404,7 +414,7 @@ class Pipeline:
                 self._pools(instance), stage="decode", instance=instance, path=path, body=body,
                 headers=headers, deadline=settings.decode_timeout,
                 idle_timeout=settings.stream_idle_timeout, on_error=leg.stream_failed,
-                on_abandon=partial(account.client_cancelled, "decode"),
+                on_abandon=abandoned,
             )
             # The first bytes are here: from now on the request belongs to this decode
             # instance, and the leg stays in flight until the web layer closes the request's

@@ -4,7 +4,8 @@ health state, failover rules and the request trace. Values in, values out.
 Rule 1: nothing here does I/O or imports trio, httpcore or quart (``tests/test_layout.py``
 enforces the imports). Time and randomness come in as arguments or defaults a caller can
 replace, so every transition is tested with plain asserts.
-Rule 2: a module here imports only the standard library, orjson, and its siblings.
+Rule 2: a module here imports only the standard library, orjson, msgpack (pure data), and its
+siblings.
 
     names       the vocabulary: stages, roles, request kinds and their paths
     errors      every exception the proxy raises, each knowing its status; ``error_reply``
@@ -17,4 +18,6 @@ Rule 2: a module here imports only the standard library, orjson, and its sibling
     failover    which failures are retried where, and the leg-observer protocol
     trace       what happened to one request: the record behind its metrics and log line
     counters    what a routing counter is (the shared one lives in the shell)
+    moriio      MoRIIO registration frames, its request id and both legs' kv_transfer_params
+    ec_handoff  the encoder's ec_transfer_params matched to items; the consumer's body
 """

@@ -30,6 +30,8 @@ import pytest
 import trio
 
 from epd_trio import Instance, Proxy, Settings
+from epd_trio._core.ec_handoff import EncoderReport, consumer_body, match_reports
+from epd_trio._core.rewrite import build_encoder_body, parse_request, with_item_uuids
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
@@ -242,6 +244,40 @@ async def test_encoder_plus_combined_instance_layout(
     assert got == {False: want, True: want}
     assert cluster.ec_file(own_uuid).exists()
     observe(f"E -> PD answer {want!r} (= decode direct); encoder cache keyed by the client's uuid")
+
+
+async def test_the_encoders_metadata_rewrite_is_answered_like_the_raw_media(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    """The EC hand-off on real vLLM: the encoder (ECExampleConnector, Qwen2-VL-style model)
+    reports per-item metadata, the consumer accepts the metadata-only ``image_embeds`` part the
+    proxy builds from it (reading the pixels' encoding from the encoder cache), and the answer
+    equals decode's own on the raw media, through the proxy with the rewrite on and off."""
+    image = image_part(seed=3003)
+    body = chat(image, text="What is in this image?")
+    want = await direct_answer(client, cluster, CHAT, body)
+    request = parse_request(orjson.dumps(body), "chat")
+    tagged, items = with_item_uuids(request)
+    encoder = cluster.url("encode")
+    r = await client.post(encoder + CHAT, json=build_encoder_body(tagged, items))
+    assert r.status_code == 200, r.text
+    reported = r.json()["ec_transfer_params"]
+    (entry,) = reported.values()
+    assert "image_grid_thw" in entry["metadata"], reported
+    handoff = match_reports([EncoderReport(encoder, (0,), reported)], [items[0]["uuid"]])
+    rewritten = consumer_body(tagged, request.media, handoff, rewrite=True)
+    (part,) = [p for p in rewritten["messages"][0]["content"] if p["type"] != "text"]
+    assert part["type"] == "image_embeds" and "image_url" not in part
+    # The combined instance (the prefill server, an EC consumer) answers the rewritten body.
+    assert await ask(client, cluster.url("prefill"), CHAT, salted(rewritten)) == want
+    for rewrite in (True, False):
+        async with proxy_for(cluster, combined=True, ec_rewrite=rewrite) as (url, _):
+            assert await ask(client, url, CHAT, salted(body)) == want
+        async with proxy_for(cluster, ec_rewrite=rewrite) as (url, _):
+            assert await ask(client, url, CHAT, salted(body, stream=True)) == want
+    observe(f"encoder reported {entry['metadata']}; the metadata-only image_embeds part answered "
+            f"{want!r} (= decode direct on the raw image), and so did E -> PD and E -> P -> D "
+            f"through the proxy with the rewrite on and off")
 
 
 async def test_client_disconnect_mid_stream_aborts_decode(
