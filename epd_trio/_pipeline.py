@@ -187,7 +187,8 @@ class Pipeline:
                 self._decode_failover, "decode", first, attempt,
                 partial(self._next_slot, decodes, "decode", any_slot=True), account.retried,
                 # MoRIIO WRITE: prefill runs beside decode, with no failover of its own.
-                also_retry=("prefill",) if self._peer is not None else ())
+                also_retry=("prefill",) if self._peer is not None
+                and self._transfer_mode() == "WRITE" else ())
         except BaseException as exc:
             account.failed(stage, exc)  # a cancellation is counted by stage
             raise

@@ -208,3 +208,26 @@ async def test_without_a_registered_prefill_moriio_answers_503(client: httpx.Asy
         r = await client.post(c.url + CHAT, json=chat_body())
         assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
         assert not c.decodes[0].requests()
+
+
+async def test_a_read_prefill_failure_fails_over_to_another_prefill_before_decode(
+    client: httpx.AsyncClient,
+) -> None:
+    async with moriio_cluster("READ", prefills=2) as c:
+        first, second = c.prefills
+
+        def fails_once_and_spares(other: FakeVLLM) -> Behaviour:
+            async def spare() -> None:
+                other.behaviour = Behaviour()
+            return Behaviour(fail_status=500, fail_count=1, gate=spare)
+
+        # Whichever prefill the request reaches first fails, once; the other then answers.
+        first.behaviour, second.behaviour = fails_once_and_spares(second), fails_once_and_spares(first)
+        r = await client.post(c.url + CHAT, json=chat_body())
+        assert r.status_code == 200, r.text
+        tried = [leg for fake in c.prefills for leg in fake.requests()]
+        assert len(tried) == 2 and tried[0].request_id != tried[1].request_id
+        (leg,) = c.decodes[0].requests()  # decode ran once, after the prefill that answered
+        assert retries(c.proxy) == {"prefill": 1}
+        answered = next(f for f in c.prefills if f.requests()[0].status == 200)
+        check_request_id(leg, answered, c.decodes[0])
