@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import trio
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_trio.testing import FakeVLLM
+from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 from epd_trio.testing.process import read_until, read_url
 
 from helpers import CHAT, Samples, chat_body, image, open_stuck_stream, scrape, start_fakes
@@ -305,3 +307,45 @@ async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
         with trio.fail_after(15):
             assert await process.wait() == 0
         assert not await trio.Path(metrics_dir).exists()  # removed at exit
+
+
+async def test_moriio_registrations_reach_every_worker(nursery: trio.Nursery) -> None:
+    """With --workers 2, one worker binds the ZMQ socket; both route over what it hears."""
+    with socket.socket() as probe:  # a free port for the registration socket
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fabric = TransferFabric()
+    prefill, decode = FakeVLLM("prefill", dp_size=2), FakeVLLM("decode")
+    for n, fake in enumerate((prefill, decode)):
+        fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6400 + n, 62000 + n), "WRITE",
+                                 fabric=fabric)
+    await start_fakes(nursery, prefill, decode)
+    admin = {"x-api-key": "k"}
+    async with serving("--workers", "2", "--kv-connector", "moriio", "--moriio-registration",
+                       f"127.0.0.1:{port}", env={"EPD_ADMIN_KEY": "k"}) as (process, url):
+        for role, fake in (("P", prefill), ("D", decode)):
+            assert fake.moriio is not None
+            await nursery.start(MoriioStandIn(f"127.0.0.1:{port}", role,  # type: ignore[arg-type]
+                                              fake.url.removeprefix("http://"),
+                                              fake.moriio.zmq_address, dp_size=fake.dp_size,
+                                              transfer_mode="WRITE").run)
+
+        async def call(method: str, path: str, **kwargs: object) -> httpx.Response:
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:  # fresh: any worker
+                return await client.request(method, url + path, **kwargs)  # type: ignore[arg-type]
+
+        pids: set[int] = set()
+        with trio.fail_after(60):
+            while len(pids) < 2:
+                listing = (await call("GET", "/instances", headers=admin)).json()
+                if listing["layout"] == "P+D":
+                    pids.add(listing["worker_pid"])
+        for n in range(8):
+            r = await call("POST", "/v1/chat/completions", json=chat_body(image(n)))
+            assert r.status_code == 200, r.text
+        # One rotation across the workers: the prefill's two DP ranks alternate.
+        assert [leg.rank for leg in prefill.requests()] == [0, 1] * 4
+        assert len(decode.requests()) == 8
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(15):
+            await process.wait()
