@@ -152,3 +152,12 @@ def test_silence_past_the_ttl_is_what_expires() -> None:
     roster, _ = register_moriio(Roster(), _reg(), COUNTERS, now=100.0)
     assert silent_moriio(roster, now=109.9, ttl=10) == []
     assert silent_moriio(roster, now=110.0, ttl=10) == ["http://10.0.0.1:8100"]
+
+
+def test_the_roster_takes_a_bounded_number_of_moriio_instances() -> None:
+    roster, _ = register_moriio(Roster(), _reg(), COUNTERS, now=1.0, limit=2)
+    roster, _ = register_moriio(roster, _reg(http_address="10.0.0.9:1"), COUNTERS, 1.0, limit=2)
+    with pytest.raises(RegistrationRefused, match="already holds 2"):
+        register_moriio(roster, _reg(http_address="10.0.0.9:2"), COUNTERS, 1.0, limit=2)
+    refreshed, created = register_moriio(roster, _reg(), COUNTERS, now=2.0, limit=2)
+    assert not created and len(refreshed.members) == 2  # a known one still refreshes

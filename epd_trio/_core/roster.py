@@ -217,8 +217,14 @@ def _check_mix(roster: Roster, member: Member) -> None:
                          f"proxy has {listed}")
 
 
+#: MoRIIO instances the roster takes at most: a flood of valid-looking registrations, each naming
+#: a new address, must cost bounded memory (the silent ones leave after ``EPD_MORIIO_TTL``).
+MAX_MORIIO_INSTANCES = 1024
+
+
 def register_moriio(
-    roster: Roster, registration: MoriioRegistration, counters: Mapping[str, int], now: float
+    roster: Roster, registration: MoriioRegistration, counters: Mapping[str, int], now: float,
+    limit: int = MAX_MORIIO_INSTANCES,
 ) -> tuple[Roster, bool]:
     """Add or refresh a MoRIIO instance; ``(new roster, whether it was new)``.
 
@@ -231,6 +237,9 @@ def register_moriio(
     if mode is not None and registration.transfer_mode != mode:
         raise RegistrationRefused(f"transfer mode {registration.transfer_mode}, but the proxy's "
                                   f"is {mode} (fixed by the first registration)")
+    if (roster.find(registration.instance.url) is None
+            and sum(m.moriio is not None for m in roster.members) >= limit):
+        raise RegistrationRefused(f"the roster already holds {limit} MoRIIO instances")
     member = Member(registration.instance, registration.role, registered_at=now,
                     moriio=registration.peer)
     try:
