@@ -220,6 +220,7 @@ async def run_moriio_cluster(
                     fake.url.removeprefix("http://"), fake.moriio.zmq_address,
                     dp_size=fake.dp_size, tp_size=fake.moriio.tp_size,
                     transfer_mode=mode).run)
-            await proxy.wait_roster(lambda r: len(r.members) == len(e) + len(p) + len(d))
+                # One at a time: the roster (and so the rotation) is in the fakes' order.
+                await proxy.wait_roster(lambda r, url=fake.url: r.find(url) is not None)
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
