@@ -124,17 +124,19 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         await send({"type": "http.response.body", "body": reply.body})
         return
     stream = reply.stream
+
+    async def send_body(chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
     try:
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await stream.pump(send_body)
     except Exception:
         # A bug, not an upstream failure (the relay turns those into an error event itself):
         # the client still gets a stream that says it broke, not a silent truncation.
         log.exception("unexpected error while streaming request %s", request_id)
-        await send({"type": "http.response.body", "body": sse_error_event(INTERNAL_ERROR),
-                    "more_body": True})
+        await send_body(sse_error_event(INTERNAL_ERROR))
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
     await send({"type": "http.response.body", "body": b""})
 
 
