@@ -10,11 +10,10 @@ disconnect and aborts the work).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -62,38 +61,61 @@ def make_client(settings: Settings) -> UpstreamClient:
                           headers=upstream_auth_headers(settings))
 
 
-@contextmanager
-def map_upstream_errors(
-    stage: str, instance: str, deadline: float | None = None, detail: str = ""
-) -> Iterator[None]:
+class map_upstream_errors:  # used as a function: ``with map_upstream_errors(...)``
     """Run a block against ``instance``; turn transport errors and deadlines into ``UpstreamError``.
 
     ``deadline`` (seconds) bounds the whole block, not just one socket read: a backend that
     trickles bytes slowly still cannot hold the request past it. ``detail`` prefixes the message
     (e.g. which items an encoder sub-request carried).
+
+    A class around one bare ``CancelScope``, not a generator around ``trio.fail_after``: every
+    leg of every request enters it, and the two generator layers cost more than the scope.
     """
-    try:
-        with trio.fail_after(deadline) if deadline is not None else contextlib.nullcontext():
-            yield
-    except PoolTimeout:
-        raise ProxyOverloaded(
-            f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place freed "
-            "within EPD_QUEUE_TIMEOUT"
-        ) from None
-    except trio.TooSlowError:
-        raise UpstreamTimeout(
-            f"{detail}no answer within {deadline:g} s", stage=stage, instance=instance
-        ) from None
-    except TimeoutException as exc:
-        raise UpstreamTimeout(
-            f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage, instance=instance,
-            connect=isinstance(exc, ConnectTimeout),
-        ) from exc
-    except TransportError as exc:
-        raise UpstreamTransportError(
-            f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
-            stage=stage, instance=instance,
-        ) from exc
+
+    __slots__ = ("_deadline", "_detail", "_instance", "_scope", "_stage")
+
+    def __init__(self, stage: str, instance: str, deadline: float | None = None,
+                 detail: str = "") -> None:
+        self._stage = stage
+        self._instance = instance
+        self._deadline = deadline
+        self._detail = detail
+        self._scope: trio.CancelScope | None = None
+
+    def __enter__(self) -> None:
+        if self._deadline is not None:
+            self._scope = trio.CancelScope(deadline=trio.current_time() + self._deadline)
+            self._scope.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        stage, instance, detail = self._stage, self._instance, self._detail
+        scope = self._scope
+        if scope is not None:
+            swallowed = scope.__exit__(exc_type, exc, tb)
+            if scope.cancelled_caught:
+                raise UpstreamTimeout(f"{detail}no answer within {self._deadline:g} s",
+                                      stage=stage, instance=instance) from None
+            if swallowed:
+                return True
+        if exc is None:
+            return False
+        if isinstance(exc, PoolTimeout):
+            raise ProxyOverloaded(
+                f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place "
+                "freed within EPD_QUEUE_TIMEOUT"
+            ) from None
+        if isinstance(exc, TimeoutException):
+            raise UpstreamTimeout(
+                f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage,
+                instance=instance, connect=isinstance(exc, ConnectTimeout),
+            ) from exc
+        if isinstance(exc, TransportError):
+            raise UpstreamTransportError(
+                f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
+                stage=stage, instance=instance,
+            ) from exc
+        return False
 
 
 def _encode_json(body: Mapping[str, Any]) -> bytes:
