@@ -12,18 +12,23 @@ test), not synchronisation: the tests wait on sockets (the proxy's end of file) 
 
 from __future__ import annotations
 
+import os
+import resource
 import subprocess
 import sys
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 import trio
 
 from epd_trio.testing import FakeVLLM, run_cluster
 from epd_trio.testing.process import read_url
 
 from helpers import CHAT, chat_body, start_fakes
+
+HYPERCORN = [sys.executable, "-m", "hypercorn", "--worker-class", "trio", "--bind", "127.0.0.1:0"]
 
 #: The proxy's keep-alive, hence its deadline for a request head (seconds).
 HEAD_DEADLINE = 1.5
@@ -113,6 +118,42 @@ async def test_epd_trio_serve_keep_alive_flag_bounds_the_head(nursery: trio.Nurs
         with trio.fail_after(GUARD):
             await trickle_head(url, seen, trio.Event())
         assert_cut_by_the_head_deadline(seen)
+    finally:
+        process.kill()
+        await process.wait()
+
+
+def _soft_fd_limit(pid: int) -> int:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(line for line in f if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+# Plain Hypercorn with ``--workers 0`` serves in the process it starts (no worker child to find).
+@pytest.mark.parametrize("entry, pattern", [
+    (["-m", "epd_trio", "serve", "--port", "0"], rb"listening on (http://\S+)"),
+    ([*HYPERCORN[1:], "--workers", "0", "epd_trio.app:app"], rb"Running on (http://\S+)"),
+], ids=["epd-trio serve", "hypercorn"])
+async def test_serving_process_raises_its_fd_limit_to_the_hard_limit(
+    nursery: trio.Nursery, entry: list[str], pattern: bytes
+) -> None:
+    """Held slow connections cost an fd each: a distribution's soft 1024 must not cap them."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard <= 256:
+        pytest.skip(f"needs a finite hard fd limit above 256 (it is {hard})")
+    decode = FakeVLLM("prefill_decode")
+    await start_fakes(nursery, decode)
+    process = await trio.lowlevel.open_process(
+        [sys.executable, *entry], stderr=subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("EPD_")},
+             "EPD_DECODE_URLS": decode.url},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        assert process.stderr is not None
+        url = await read_url(process.stderr, pattern)
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            assert (await client.get(url + "/health")).status_code == 200  # set up and serving
+        assert _soft_fd_limit(process.pid) == hard
     finally:
         process.kill()
         await process.wait()
