@@ -329,6 +329,7 @@ def summarize(args: argparse.Namespace, run: Run, before: Sample, after: Sample,
     full = [p for p in run.probes if p.attackers_open >= 0.9 * len(connected) > 0]
     during = [p for p in run.probes if p.attackers_open > 0]
     peak = max(run.samples, key=lambda s: s.rss_kib) if run.samples else before
+    most_open = max((s.attackers_open for s in run.samples), default=0)
     all_open = [s.at - t0 for s in run.samples if connected and s.attackers_open == len(connected)]
     return {
         "config": {k: v for k, v in vars(args).items() if k != "json"},
@@ -353,9 +354,9 @@ def summarize(args: argparse.Namespace, run: Run, before: Sample, after: Sample,
             "fds": {"before": before.fds, "peak": max((s.fds for s in run.samples),
                                                       default=before.fds),
                     "after": after.fds},
+            # The peak can come after the attackers left (freed memory is kept for reuse).
             "rss_kib_per_held_connection": (
-                (peak.rss_kib - before.rss_kib) / peak.attackers_open
-                if peak.attackers_open else None),
+                (peak.rss_kib - before.rss_kib) / most_open if most_open else None),
         },
         "probes": [{"t": round(p.started - t0, 3), "latency": round(p.latency, 4),
                     "error": p.error, "attackers_open": p.attackers_open} for p in run.probes],
