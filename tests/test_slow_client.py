@@ -157,3 +157,25 @@ async def test_serving_process_raises_its_fd_limit_to_the_hard_limit(
     finally:
         process.kill()
         await process.wait()
+
+
+async def test_a_slow_body_gets_a_408_and_frees_its_admission_place() -> None:
+    """A complete head, then a body that never ends: the body deadline answers it, and the one
+    admission place it held serves the next client."""
+    async with run_cluster(decodes=1, max_inflight=1, admission_timeout=5,
+                           body_timeout=0.5) as c:
+        parts = urlsplit(c.proxy_url)
+        async with await trio.open_tcp_stream(parts.hostname, parts.port) as stream:
+            await stream.send_all(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\n"
+                                  "content-type: application/json\r\n"
+                                  "content-length: 100\r\n\r\n{".encode())
+            answer = b""
+            with trio.fail_after(GUARD):
+                while chunk := await stream.receive_some(65536):
+                    answer += chunk
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 408") and b"connection: close" in head
+        assert b"invalid_request_error" in answer and b"not received within 0.5 s" in answer
+        async with httpx.AsyncClient() as client:
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(), timeout=GUARD)
+        assert r.status_code == 200
