@@ -77,8 +77,8 @@ class PoolTimeout(TimeoutException):
     pass
 
 
-#: What a socket raises when the connection is gone.
-_GONE = (ConnectionError, OSError)
+#: What a socket raises when the connection is gone (resets, refusals, a closed descriptor).
+_GONE = (OSError,)
 _RECV_SIZE = 65536
 _FORBIDDEN_IN_HEADERS = (b"\r", b"\n", b"\0")
 
@@ -187,7 +187,8 @@ class _Plain:
     async def receive(self) -> bytes:
         # Tried before waiting: under load the bytes are usually there already, and a wait
         # would cost a trip through the epoll loop. Not a checkpoint when it returns data at
-        # once; every caller sends next, and a send always yields.
+        # once: a relay sends next (and a send always yields), a whole-body read ends with the
+        # body; either way no loop spins without yielding.
         sock = self.sock
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
