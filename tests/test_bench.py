@@ -235,3 +235,17 @@ async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:
     during = report["normal_requests"]["during_attack"]
     assert during["sent"] >= 1 and during["ok"] == during["sent"]
     assert report["proxy"]["rss_mib"]["peak"] >= report["proxy"]["rss_mib"]["before"] > 0
+
+
+def test_worker_peers_and_cpu_pinning_parse() -> None:
+    args = compare_args(["--peers", "epd_trio:w1,epd_trio:w2", "--proxy-cpus", "1",
+                         "--rest-cpus", "0,2-3"])
+    assert args.proxy_cpus == {1} and args.rest_cpus == {0, 2, 3}
+    peers, skipped = peer_commands(args, Backends((), ("http://p",), ("http://d",)))
+    assert skipped == [] and [p.name for p in peers] == ["epd_trio:w1", "epd_trio:w2"]
+    workers = []
+    for peer in peers:
+        assert peer.command is not None
+        cmd = peer.command(8000)
+        workers.append(cmd[cmd.index("--workers") + 1])
+    assert workers == ["1", "2"]
