@@ -85,19 +85,35 @@ _FORBIDDEN_IN_HEADERS = (b"\r", b"\n", b"\0")
 
 def encode_request(method: bytes, target: bytes, headers: Sequence[tuple[bytes, bytes]],
                    body: bytes) -> bytes:
-    """The whole request as one buffer, refusing anything that would split the message."""
+    """The whole request as one buffer, refusing anything that would split the message.
+
+    Checked on the joined head, not per header: a head is well formed when its only CR and LF
+    are the line ends this function wrote (one per line, one more at the end) and it has no
+    NUL. Per-header checks are the slow path that names the culprit.
+    """
     if method == b"HEAD":
         raise LocalProtocolError("HEAD is not supported (its response has no body to frame)")
-    if b" " in target or any(c in target for c in _FORBIDDEN_IN_HEADERS):
-        raise LocalProtocolError(f"illegal request target {target!r}")
     parts = [method, b" ", target, b" HTTP/1.1\r\n"]
     for name, value in headers:
-        if not name or b":" in name or b" " in name or any(
-                c in name or c in value for c in _FORBIDDEN_IN_HEADERS):
-            raise LocalProtocolError(f"illegal header {name!r}")
+        if not name or b":" in name or b" " in name:
+            raise LocalProtocolError(f"illegal header name {name!r}")
         parts += (name, b": ", value, b"\r\n")
-    parts += (b"\r\n", body)
-    return b"".join(parts)
+    parts.append(b"\r\n")
+    head = b"".join(parts)
+    lines = len(headers) + 2
+    if (head.count(b"\r") != lines or head.count(b"\n") != lines or b"\0" in head
+            or target.count(b" ")):
+        raise LocalProtocolError(_culprit(target, headers))
+    return head + body if body else head
+
+
+def _culprit(target: bytes, headers: Sequence[tuple[bytes, bytes]]) -> str:
+    if b" " in target or any(c in target for c in _FORBIDDEN_IN_HEADERS):
+        return f"illegal request target {target!r}"
+    for name, value in headers:
+        if any(c in name or c in value for c in _FORBIDDEN_IN_HEADERS):
+            return f"illegal header {name!r}"
+    return "illegal request head"  # pragma: no cover (one of the above always matches)
 
 
 def reset_on_close(sock: socket.socket | None) -> None:
