@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -54,7 +54,7 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor, Usable
 from ._fanout import fan_out
 from ._http import UpstreamPool
-from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
+from ._upstream import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 
 #: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
 #: the roster's first MoRIIO registration fixed.
@@ -66,12 +66,13 @@ log = logging.getLogger("epd_trio")
 
 @dataclass(slots=True)
 class Reply:
-    """What the web layer sends back: a status, headers, and either bytes or a byte stream."""
+    """What the web layer sends back: a status, headers, and either bytes or a relayed stream
+    (``stream.pump(send)`` sends it and closes it)."""
 
     status: int
     headers: dict[str, str]
     body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
+    stream: StreamRelay | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,5 +426,5 @@ class Pipeline:
         return Reply(
             relay.response.status,
             {"content-type": "text/event-stream", "cache-control": "no-cache"},
-            stream=relay.relay(),
+            stream=relay,
         )
