@@ -167,8 +167,13 @@ class Pipeline:
                                                        leg_id, first_prefill or slot)
                 if self._peer is not None:
                     stage = "prefill"
+
+                    def at(name: str) -> None:
+                        nonlocal stage
+                        stage = name
+
                     return await self._moriio(account, slot, consumer_body, body, request.stream,
-                                              path, request_id, resources, prefills_tried)
+                                              path, request_id, resources, prefills_tried, at)
                 decode_body: dict[str, Any] = consumer_body
                 if first_prefill is not None:
                     stage = "prefill"
@@ -304,6 +309,7 @@ class Pipeline:
         self, account: RequestAccount, slot: Slot, body: dict[str, Any],
         decode_base: dict[str, Any], stream: bool, path: str, client_id: str,
         resources: AsyncExitStack, prefills_tried: set[Slot],
+        at: Callable[[str], None] = lambda stage: None,
     ) -> Reply:
         """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
 
@@ -314,7 +320,8 @@ class Pipeline:
         cancels decode and the attempt fails (the caller fails over, choosing another
         prefill). The attempt succeeds only once decode's first bytes *and* prefill's answer are
         in, so no prefill failure can reach a client already answered (in WRITE mode prefill
-        answers first: decode cannot generate before the KV is written).
+        answers first: decode cannot generate before the KV is written). ``at`` is told the
+        stage under way (a cancellation is counted by it).
         """
         peer = self._peer
         assert peer is not None
@@ -359,6 +366,7 @@ class Pipeline:
                 account.kv_missing()
             decode_body = build_decode_body(
                 decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
+            at("decode")
             return await self._decode(account, slot, decode_body, stream, path, leg_id,
                                       resources)
 
@@ -373,6 +381,7 @@ class Pipeline:
         # failed attempt closes its stream at once, not when the client's request ends.
         attempt_resources = AsyncExitStack()
         committed = False
+        at("decode")  # both legs run; decode is the one the client waits on
         try:
             _, reply = await fan_out([
                 partial(prefill_call, prefill, leg_id, prefill_body),

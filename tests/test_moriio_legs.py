@@ -4,61 +4,23 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import trio
 
-from epd_trio import Settings
-from epd_trio._proxy import Proxy
-from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
-from epd_trio.testing.moriio import (
-    MoriioSide,
-    MoriioStandIn,
-    TransferFabric,
-    moriio_address,
-    peer_addresses,
-)
+from epd_trio.testing import Behaviour, Cluster, FakeVLLM
+from epd_trio.testing.moriio import peer_addresses, run_moriio_cluster
 
-from helpers import CHAT, chat_body, retries
-
-
-@dataclass
-class MoriioCluster:
-    url: str
-    proxy: Proxy
-    prefills: list[FakeVLLM]
-    decodes: list[FakeVLLM]
+from helpers import CHAT, chat_body, client_cancels, retries
 
 
 @asynccontextmanager
-async def moriio_cluster(
-    mode: str, *, prefills: int = 1, prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1,
-    **settings: Any,
-) -> AsyncIterator[MoriioCluster]:
-    """Fake prefill/decode instances speaking MoRIIO, registered over ZMQ with the proxy."""
-    fabric = TransferFabric()
-    fakes = [FakeVLLM(role="prefill", dp_size=prefill_dp) for _ in range(prefills)] + [
-        FakeVLLM(role="decode", dp_size=decode_dp) for _ in range(decodes)]
-    config = Settings(kv_connector="moriio", moriio_registration="127.0.0.1:0", **settings)
-    async with trio.open_nursery() as nursery:
-        for n, fake in enumerate(fakes):
-            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6300 + n, 61000 + n),
-                                     mode, tp_size=1 + n % 2, fabric=fabric)  # type: ignore[arg-type]
-            await nursery.start(fake.serve)
-        async with serve_proxy(config) as (url, proxy):
-            assert proxy.moriio_endpoint is not None
-            for fake in fakes:
-                assert fake.moriio is not None
-                await nursery.start(MoriioStandIn(
-                    proxy.moriio_endpoint, "P" if fake.role == "prefill" else "D",
-                    fake.url.removeprefix("http://"), fake.moriio.zmq_address,
-                    dp_size=fake.dp_size, tp_size=fake.moriio.tp_size,
-                    transfer_mode=mode).run)  # type: ignore[arg-type]
-            await proxy.wait_roster(lambda r: len(r.members) == len(fakes))
-            yield MoriioCluster(url, proxy, fakes[:prefills], fakes[prefills:])
-        nursery.cancel_scope.cancel()
+async def moriio_cluster(mode: str, **layout: Any) -> AsyncIterator[Cluster]:
+    """Fake prefill/decode instances speaking MoRIIO, registered over ZMQ with the proxy; the
+    decodes have TP2, so each leg's remote sizes tell the two sides apart."""
+    async with run_moriio_cluster(mode=mode, decode_tp=2, **layout) as cluster:  # type: ignore[arg-type]
+        yield cluster
 
 
 INJECTED = {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "evil.example",
@@ -81,7 +43,7 @@ async def test_read_mode_runs_prefill_then_decode_with_the_handle(
     async with moriio_cluster("READ", prefill_dp=2) as c:
         (prefill,), (decode,) = c.prefills, c.decodes
         for n, stream in enumerate((False, True)):
-            r = await client.post(c.url + CHAT, json=chat_body(stream=stream, **INJECTED),
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=stream, **INJECTED),
                                   headers=INJECTED_HEADERS)
             assert r.status_code == 200, r.text
             assert r.headers["x-request-id"] == "client-7"  # the client's id comes back
@@ -117,7 +79,7 @@ async def test_write_mode_runs_both_legs_at_once(client: httpx.AsyncClient) -> N
             replies: list[httpx.Response] = []
 
             async def call() -> None:
-                replies.append(await client.post(c.url + CHAT, json=chat_body(stream=True)))
+                replies.append(await client.post(c.proxy_url + CHAT, json=chat_body(stream=True)))
 
             nursery.start_soon(call)
             # Both in flight together: decode waits for the KV the held prefill will push.
@@ -153,7 +115,7 @@ async def test_a_write_prefill_failure_cancels_decode_and_fails_over(
             replies: list[httpx.Response] = []
 
             async def call() -> None:
-                replies.append(await client.post(c.url + CHAT, json=chat_body()))
+                replies.append(await client.post(c.proxy_url + CHAT, json=chat_body()))
 
             nursery.start_soon(call)
             await decode.wait_until(lambda: decode.in_flight == 1)
@@ -177,7 +139,7 @@ async def test_a_write_prefill_failure_with_nowhere_to_go_is_a_502_naming_prefil
     async with moriio_cluster("WRITE", decode_retries=0) as c:
         (prefill,), (decode,) = c.prefills, c.decodes
         prefill.behaviour = Behaviour(fail_status=500)
-        r = await client.post(c.url + CHAT, json=chat_body(stream=True))
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
         assert r.status_code == 502
         error = r.json()["error"]
         assert error["stage"] == "prefill" and error["instance"] == prefill.url
@@ -192,7 +154,7 @@ async def test_a_client_disconnect_during_write_cancels_both_legs() -> None:
                 trio.open_nursery() as nursery:
 
             async def call() -> None:
-                await own.post(c.url + CHAT, json=chat_body(stream=True))
+                await own.post(c.proxy_url + CHAT, json=chat_body(stream=True))
 
             nursery.start_soon(call)
             await decode.wait_until(lambda: decode.in_flight == 1)
@@ -201,11 +163,12 @@ async def test_a_client_disconnect_during_write_cancels_both_legs() -> None:
         await prefill.wait_until(lambda: prefill.disconnects == 1)
         await decode.wait_until(lambda: decode.disconnects == 1)
         assert c.proxy.registry.in_flight() == 0
+        assert client_cancels(c.proxy) == {"decode": 1}  # counted once, by the stage waited on
 
 
 async def test_without_a_registered_prefill_moriio_answers_503(client: httpx.AsyncClient) -> None:
     async with moriio_cluster("READ", prefills=0) as c:
-        r = await client.post(c.url + CHAT, json=chat_body())
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
         assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
         assert not c.decodes[0].requests()
 
@@ -223,7 +186,7 @@ async def test_a_read_prefill_failure_fails_over_to_another_prefill_before_decod
 
         # Whichever prefill the request reaches first fails, once; the other then answers.
         first.behaviour, second.behaviour = fails_once_and_spares(second), fails_once_and_spares(first)
-        r = await client.post(c.url + CHAT, json=chat_body())
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
         assert r.status_code == 200, r.text
         tried = [leg for fake in c.prefills for leg in fake.requests()]
         assert len(tried) == 2 and tried[0].request_id != tried[1].request_id

@@ -189,8 +189,8 @@ class MoriioStandIn:
 @asynccontextmanager
 async def run_moriio_cluster(
     *, mode: Literal["READ", "WRITE"] = "READ", encoders: int = 0, prefills: int = 1,
-    prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1, host: str = "127.0.0.1",
-    proxy_port: int = 0, **settings: Any,
+    prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1, prefill_tp: int = 1,
+    decode_tp: int = 1, host: str = "127.0.0.1", proxy_port: int = 0, **settings: Any,
 ) -> AsyncIterator[Cluster]:
     """Like ``run_cluster``, with prefill and decode fakes that speak MoRIIO and register over
     ZMQ (one ``MoriioStandIn`` each, on the proxy's registration socket at any free port); the
@@ -207,6 +207,7 @@ async def run_moriio_cluster(
         d = [FakeVLLM(role="decode", dp_size=decode_dp) for _ in range(decodes)]
         for n, fake in enumerate([*p, *d]):
             fake.moriio = MoriioSide(moriio_address(host, 6300 + n, 61000 + n), mode,
+                                     tp_size=prefill_tp if n < prefills else decode_tp,
                                      fabric=fabric)
         for fake in (*e, *p, *d):
             await nursery.start(fake.serve, host)
