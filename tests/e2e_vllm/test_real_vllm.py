@@ -88,7 +88,10 @@ def salted(body: dict[str, Any], **extra: Any) -> dict[str, Any]:
 def sse_events(raw: bytes) -> list[Any]:
     """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as the string)."""
     events = []
-    for line in raw.split(b"\n"):
+    lines = raw.split(b"\n")
+    if not raw.endswith(b"\n"):  # read mid-stream: the last line is not complete yet
+        lines.pop()
+    for line in lines:
         if line.startswith(b"data: "):
             data = line[len(b"data: "):].strip()
             events.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
