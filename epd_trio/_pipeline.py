@@ -19,7 +19,7 @@ retried. Cancellation (the client left) is never caught: it closes every open le
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -28,9 +28,10 @@ from typing import Any
 from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
 from ._core.errors import NoInstance
-from ._core.failover import Failover, Slot, with_failover
+from ._core.failover import Allowed, Failover, Slot, next_slot, with_failover
 from ._core.health import Registry
 from ._core.names import PATH_OF_KIND, RequestKind
+from ._core.policies import PrefixHint, prefix_hint, prompt_text
 from ._core.rewrite import (
     build_decode_body,
     build_prefill_body,
@@ -42,6 +43,7 @@ from ._core.rewrite import (
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamPool
+from ._loads import Loads
 from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
@@ -60,11 +62,13 @@ class Reply:
 @dataclass(frozen=True, slots=True)
 class Routes:
     """The routing cursors of one proxy: the global encoder cursor and one slot cursor per
-    DP stage (their own counters: PROTOCOL.md "Decision")."""
+    DP stage (their own counters: PROTOCOL.md "Decision"), each with its stage's policy, and
+    the in-flight loads those policies read."""
 
     encoders: EncoderCursor
     prefills: SlotCursor
     decodes: SlotCursor
+    loads: Loads
 
 
 class Pipeline:
@@ -107,6 +111,9 @@ class Pipeline:
                           request_id, ", ".join(request.dropped))
             account.trace.stream = request.stream
             body, items = with_item_uuids(request)
+            routes = self._routes
+            hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
+                routes.prefills.policy.name, routes.decodes.policy.name) else None)
             registry = self._registry
             if not registry.has("decode"):
                 raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
@@ -116,7 +123,7 @@ class Pipeline:
                     self._pools, self._routes.encoders, body=body, items=items,
                     request_id=request_id, max_batch=self._settings.encoder_max_batch,
                     deadline=self._settings.encode_timeout, usable=registry.usable("encode"),
-                    failover=self._stage_failover, observer=account,
+                    failover=self._stage_failover, observer=account, loads=routes.loads,
                 ))
             stage = "prefill" if with_prefill else "decode"
             attempts = 0
@@ -125,21 +132,34 @@ class Pipeline:
                 nonlocal attempts, stage
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
-                decode_body: dict[str, Any] = body
-                if with_prefill:
-                    stage = "prefill"
-                    decode_body = await self._prefill(account, body, path, leg_id)
-                stage = "decode"
-                return await self._decode(account, slot, decode_body, request.stream, path,
-                                          leg_id, resources)
+                # The decode slot is counted from its choice (this attempt starts right after
+                # it, with no checkpoint between), through the prefill, until the stream ends.
+                release = routes.loads.take("decode", (slot[0].url, slot[1]))
+                try:
+                    decode_body: dict[str, Any] = body
+                    if with_prefill:
+                        stage = "prefill"
+                        decode_body = await self._prefill(account, body, path, leg_id, hint)
+                    stage = "decode"
+                    reply = await self._decode(account, slot, decode_body, request.stream, path,
+                                               leg_id, resources)
+                except BaseException:
+                    release()
+                    raise
+                if reply.stream is None:
+                    release()
+                else:
+                    resources.callback(release)
+                return reply
 
-            decodes = self._routes.decodes
-            first = await self._next_slot(decodes, "decode", set())
+            decodes = routes.decodes
+            first = await self._next_slot(decodes, "decode", hint, ())
             if first is None:  # the last decode instance left while this request started
                 raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
             reply = await with_failover(
                 self._decode_failover, "decode", first, attempt,
-                partial(self._next_slot, decodes, "decode", any_slot=True), account.retried)
+                partial(self._next_slot, decodes, "decode", hint, any_slot=True),
+                account.retried)
         except BaseException as exc:
             account.failed(stage, exc)  # a cancellation is counted by stage
             raise
@@ -148,54 +168,30 @@ class Pipeline:
         return reply
 
     async def _next_slot(
-        self, cursor: SlotCursor, stage: str, tried: set[Slot], any_slot: bool = False
+        self, cursor: SlotCursor, stage: str, hint: PrefixHint | None, tried: Collection[Slot],
+        any_slot: bool = False,
     ) -> Slot | None:
-        """The next slot for a request that already tried ``tried``, in this order: a usable
-        instance not tried yet; an instance not tried yet that is out of rotation; with
-        ``any_slot``, an untried slot (another DP rank) of a tried instance, and when the stage
-        has a single slot, that slot again.
+        """The next slot for a request that already tried ``tried``, chosen by the stage's
+        policy within each step of ``fallback_steps`` (untried usable instances first; with
+        ``any_slot``, other DP ranks, and a single slot again)."""
 
-        Why an instance out of rotation: it may be back already (restarted and listening, its
-        next probe not yet due), and trying it beats failing the request for sure, as panic
-        mode does for a whole stage.
+        async def choose(allowed: Allowed | None, exclude: Collection[Slot]) -> Slot:
+            return cursor.next(allowed, exclude, hint)
 
-        Why the same slot: with one decode slot there is no *other* to fail over to, and the
-        failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
-        upstream's proxy retries its only decode instance; the retry stays within
-        ``decode_retries`` and re-runs prefill."""
-        usable = self._registry.usable(stage)
-        urls = {inst.url for inst, _ in tried}
-        try:
-            return cursor.next(lambda inst: inst.url not in urls and usable(inst))
-        except LookupError:
-            pass
-        if tried:
-            try:
-                return cursor.next(lambda inst: inst.url not in urls)
-            except LookupError:
-                pass
-        if not any_slot:
-            return None
-        try:
-            return cursor.next(usable, exclude=tried)
-        except LookupError:
-            pass
-        if cursor.slot_count == 1:
-            try:
-                return cursor.next()
-            except LookupError:
-                return None
-        return None
+        return await next_slot(choose, tried, self._registry.usable(stage), other_ranks=any_slot,
+                               slot_count=cursor.slot_count)
 
     async def _prefill(
-        self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str
+        self, account: RequestAccount, body: dict[str, Any], path: str, request_id: str,
+        hint: PrefixHint | None,
     ) -> dict[str, Any]:
         """Prefill on the next prefill slot (with failover); the decode body with its KV handle."""
         prefill_body = build_prefill_body(body)
+        loads = self._routes.loads
 
         async def attempt(slot: Slot) -> Answer:
             instance, rank = slot
-            with account.leg("prefill", slot):
+            with loads.held("prefill", (instance.url, rank)), account.leg("prefill", slot):
                 return await post_json(
                     self._pools(instance), stage="prefill", instance=instance, path=path,
                     body=prefill_body, headers=upstream_headers(request_id, rank),
@@ -203,11 +199,11 @@ class Pipeline:
                 )
 
         prefills = self._routes.prefills
-        first = await self._next_slot(prefills, "prefill", set())
+        first = await self._next_slot(prefills, "prefill", hint, ())
         if first is None:
             raise NoInstance("no prefill instance is configured or registered")
         response = await with_failover(self._stage_failover, "prefill", first, attempt,
-                                       partial(self._next_slot, prefills, "prefill"),
+                                       partial(self._next_slot, prefills, "prefill", hint),
                                        account.retried)
         params = kv_transfer_params_of(response.content)
         if params is None:

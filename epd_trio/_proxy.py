@@ -25,6 +25,7 @@ from ._core.config import Settings
 from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.names import ROLES, STAGES, RequestKind
+from ._core.policies import Balance, StagePolicy
 from ._core.roster import (
     Roster,
     expired,
@@ -39,6 +40,7 @@ from ._core.roster import (
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
+from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._pipeline import Pipeline, Reply, Routes
 from ._prober import health_check, run_prober
@@ -66,18 +68,27 @@ class Proxy:
 
     def __init__(self, settings: Settings, shared: SharedRoutingState | None = None) -> None:
         self.settings = settings
-        counters, self._store = routing_state(shared)
+        counters, self._store, load_table = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
         self.metrics = ProxyMetrics(enabled=settings.metrics)
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
-        self.encoders = EncoderCursor((), counter=counters.encode)
-        self.prefills = SlotCursor((), counter=counters.prefill)
-        self.decodes = SlotCursor((), counter=counters.decode)
+        #: In-flight requests per stage and slot: what the load-aware policies read.
+        self.loads = Loads(load_table)
+        self.encoders = EncoderCursor((), counter=counters.encode,
+                                      policy=stage_policy(settings, "encode"),
+                                      loads=partial(self.loads.read, "encode"))
+        self.prefills = SlotCursor((), counter=counters.prefill,
+                                   policy=stage_policy(settings, "prefill"),
+                                   loads=partial(self.loads.read, "prefill"))
+        self.decodes = SlotCursor((), counter=counters.decode,
+                                  policy=stage_policy(settings, "decode"),
+                                  loads=partial(self.loads.read, "decode"))
         self.pipeline = Pipeline(
             settings, pools=self.client,
-            routes=Routes(self.encoders, self.prefills, self.decodes), registry=self.registry,
+            routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
+            registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log))
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
@@ -282,6 +293,13 @@ class Proxy:
         targets = [(m.role, m.instance) for m in self.roster.members]
         return await run_profile(action, raw_body, targets, self.client,
                                  deadline=self.settings.profile_timeout)
+
+
+def stage_policy(settings: Settings, stage: str) -> StagePolicy:
+    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs)."""
+    return StagePolicy(getattr(settings, f"{stage}_policy"),
+                       Balance(settings.cache_balance_abs, settings.cache_balance_rel),
+                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size)
 
 
 def _log_health_change(state: Any) -> None:
