@@ -40,6 +40,7 @@ from ._core.roster import (
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
+from ._load_scraper import run_load_scraper
 from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._pipeline import Pipeline, Reply, Routes
@@ -223,6 +224,16 @@ class Proxy:
                     self.registry, interval=self.settings.health_interval,
                     before_round=self._store.poll))
                 nursery.start_soon(self._housekeeping)
+                if self.settings.load_scrape_interval > 0:
+                    nursery.start_soon(partial(
+                        run_load_scraper, self._scrape_targets, client.pool, self.loads,
+                        interval=self.settings.load_scrape_interval,
+                        deadline=self.settings.health_timeout))
+
+    def _scrape_targets(self) -> list[tuple[str, Instance]]:
+        """Every instance the load-aware policies may read a scrape of, by stage."""
+        self._store.poll()
+        return [(m.stage, m.instance) for m in self.roster.members]
 
     async def _housekeeping(self) -> None:
         """Twice per upstream keep-alive: close the idle connections past it and the pools
