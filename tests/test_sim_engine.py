@@ -25,12 +25,11 @@ async def test_steps_batch_queue_and_cost_by_batch_size(autojump_clock: trio.abc
     runs: list[list[float]] = [[], [], []]
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
-        for times in runs:
-            nursery.start_soon(_generate, engine, [], 2, times, 0, False)
-        await trio.sleep(0.001)
-        assert (len(engine.ranks[0].running), len(engine.ranks[0].waiting)) == (2, 1)
-        while any(len(t) < 2 for t in runs):
-            await trio.sleep(0.001)
+        async with trio.open_nursery() as clients:
+            for times in runs:
+                clients.start_soon(_generate, engine, [], 2, times, 0, False)
+            await trio.sleep(0.001)  # virtual time: inside the first step
+            assert (len(engine.ranks[0].running), len(engine.ranks[0].waiting)) == (2, 1)
         nursery.cancel_scope.cancel()
     step2 = 0.010 + 2 * 0.005  # two running
     assert runs[0] == pytest.approx([step2, 2 * step2])
