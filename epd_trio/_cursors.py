@@ -145,6 +145,7 @@ class SlotCursor:
         self._loads = loads
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
+        self._key_of = _keys_of(self._instances, self._slots)
         self._counter = counter if counter is not None else LocalCounter()
         self._epoch: Epoch = (0, 0)
         self._generation = 0
@@ -165,6 +166,7 @@ class SlotCursor:
             epoch = rebase_epoch(self._epoch, slot_keys(self._instances, dp=True),
                                  slot_keys(instances, dp=True), self._counter.fetch_add(0))
         self._instances, self._slots, self._epoch = instances, dp_slots(instances), epoch
+        self._key_of = _keys_of(instances, self._slots)
         self._generation += 1
 
     def _candidates(
@@ -204,10 +206,17 @@ class SlotCursor:
         k0, i0 = self._epoch
         position = (i0 + k - k0) % len(slots)
         if self._policy.reads_loads and len(slots) > 1:
-            order = [slots[j] for j in rotation(len(slots), position)]
-            instances = self._instances
-            keys: list[SlotKey] = [(instances[index].url, rank) for index, rank in order]
+            order = slots[position:] + slots[:position]
+            key_of = self._key_of
+            keys = [key_of[slot] for slot in order]
             index, rank = order[self._policy.choose(keys, self._loads(keys), hint)]
         else:
             index, rank = slots[position]
         return self._instances[index], rank
+
+
+def _keys_of(
+    instances: Sequence[Instance], slots: Sequence[tuple[int, int | None]]
+) -> dict[tuple[int, int | None], SlotKey]:
+    """Each slot's identity (URL, rank), computed once per roster rather than per decision."""
+    return {(index, rank): (instances[index].url, rank) for index, rank in slots}

@@ -45,14 +45,18 @@ class LocalLoadTable:
     """The counts of one process (the default)."""
 
     def __init__(self) -> None:
-        self._counts: dict[tuple[str, SlotKey], int] = {}
+        self._counts: dict[str, dict[SlotKey, int]] = {}
 
     def add(self, stage: str, key: SlotKey, n: int) -> None:
-        self._counts[stage, key] = self._counts.get((stage, key), 0) + n
+        counts = self._counts.setdefault(stage, {})
+        counts[key] = counts.get(key, 0) + n
 
     def read(self, stage: str, keys: Sequence[SlotKey]) -> list[int]:
-        counts = self._counts
-        return [counts.get((stage, key), 0) for key in keys]
+        counts = self._counts.get(stage)
+        if counts is None:
+            return [0] * len(keys)
+        get = counts.get
+        return [get(key, 0) for key in keys]
 
 
 def _fingerprint(stage: str, key: SlotKey) -> int:

@@ -41,11 +41,13 @@ DEFAULT_POLICY = "round_robin"
 #: A slot's identity across roster changes: its instance URL and DP rank (None: no DP).
 SlotKey = tuple[str, int | None]
 
-#: Characters per prefix block: a prompt is matched block by block from its start.
-PREFIX_BLOCK_CHARS = 64
-#: Blocks considered per prompt (64 x 64 = the first 4096 characters). Bounds the per-request
+#: Characters per prefix block: a prompt is matched block by block from its start. Coarser
+#: blocks cost less per decision (a hash, a lookup and an update each), finer ones tell apart
+#: prompts that diverge earlier; 256 keeps a decision within its budget (README).
+PREFIX_BLOCK_CHARS = 256
+#: Blocks considered per prompt (16 x 256 = the first 4096 characters). Bounds the per-request
 #: cost whatever the prompt's length; prompts that agree on their first 4 KiB share a slot.
-PREFIX_MAX_BLOCKS = 64
+PREFIX_MAX_BLOCKS = 16
 #: Slots remembered per key: a prefix served by several slots (after an overload diverted it)
 #: keeps them all, so affinity spreads a hot prefix instead of flapping between two slots.
 OWNERS_PER_KEY = 4
@@ -123,7 +125,12 @@ class AffinityIndex:
 
     def record(self, key: Hashable, slot: SlotKey) -> None:
         """``slot`` served ``key`` now."""
-        previous = self._owners.pop(key, ())
+        owners = self._owners
+        previous = owners.get(key)
+        if previous is not None and previous[0] == slot:  # the common case: the same slot
+            owners.move_to_end(key)
+            return
+        previous = owners.pop(key, ())
         self._owners[key] = (slot, *(s for s in previous if s != slot))[:OWNERS_PER_KEY]
         if len(self._owners) > self.capacity:
             self._owners.popitem(last=False)
@@ -204,13 +211,16 @@ class PrefixIndex:
         """
         best: tuple[SlotKey, ...] = ()
         depth = 0
+        peek = self._index.peek  # the LRU order is refreshed by ``record``, which follows
         for i, block in enumerate(hint.blocks):
-            owners = self._index.owners(block)
+            owners = peek(block)
             if not owners:
                 break
-            usable = tuple(s for s in owners if s in candidates)
-            if usable:
-                best, depth = usable, i + 1
+            for slot in owners:
+                if slot in candidates:
+                    best, depth = owners, i + 1
+                    break
+        best = tuple(s for s in best if s in candidates)
         return best, min(depth * PREFIX_BLOCK_CHARS, hint.chars)
 
     def record(self, hint: PrefixHint, slot: SlotKey) -> None:
@@ -276,20 +286,18 @@ class StagePolicy:
         self, keys: Sequence[SlotKey], loads: Sequence[int], hint: PrefixHint | str | None
     ) -> int:
         assert self._prefixes is not None and self._media is not None
+        position = {key: i for i, key in enumerate(keys)}  # also the candidate set
         preferred: tuple[SlotKey, ...] = ()
         if isinstance(hint, PrefixHint) and hint.chars:
-            owners, matched = self._prefixes.match(hint, set(keys))
+            owners, matched = self._prefixes.match(hint, position)
             if matched > self.cache_threshold * hint.chars:
                 preferred = owners
         elif isinstance(hint, str):
-            present = set(keys)
-            preferred = tuple(s for s in self._media.owners(hint) if s in present)
+            preferred = tuple(s for s in self._media.owners(hint) if s in position)
         chosen = least_loaded(loads)
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
-            position = {key: i for i, key in enumerate(keys)}
-            best = min((position[s] for s in preferred),
-                       key=lambda i: loads[i])
+            best = min((position[s] for s in preferred), key=loads.__getitem__)
             if not self.balance.overloaded(loads[best], loads[chosen]):
                 chosen = best
         if isinstance(hint, PrefixHint):
