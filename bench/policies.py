@@ -56,12 +56,13 @@ from epd_trio.testing.fake_vllm import Behaviour, prompt_words
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine, prompt_blocks
 
 CHAT = "/v1/chat/completions"
-#: The policy sets compared by default: label -> (encode, prefill, decode).
-POLICY_SETS: dict[str, tuple[str, str, str]] = {
-    "round_robin": ("round_robin", "round_robin", "round_robin"),
-    "decode least_loaded": ("round_robin", "round_robin", "least_loaded"),
-    "decode power_of_two": ("round_robin", "round_robin", "power_of_two"),
-    "cache_aware + least_loaded": ("cache_aware", "cache_aware", "least_loaded"),
+#: The policy sets compared by default: label -> (encode, prefill, decode, size tie-break).
+POLICY_SETS: dict[str, tuple[str, str, str, bool]] = {
+    "round_robin": ("round_robin", "round_robin", "round_robin", True),
+    "decode least_loaded (counts only)": ("round_robin", "round_robin", "least_loaded", False),
+    "decode least_loaded": ("round_robin", "round_robin", "least_loaded", True),
+    "decode power_of_two": ("round_robin", "round_robin", "power_of_two", True),
+    "cache_aware + least_loaded": ("cache_aware", "cache_aware", "least_loaded", True),
 }
 
 
@@ -198,7 +199,7 @@ def _per_rank(fake: FakeVLLM) -> dict[int, int]:
     return per_rank
 
 
-async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, str, str],
+async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, str, str, bool],
                    load: float, config: EngineConfig, jobs: list[Job], rate: float) -> Run:
     behaviour = Behaviour(tokens=1 << 20)  # max_tokens decides
     run = Run(label, load, rate)
@@ -216,7 +217,7 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
             prefill_urls=tuple(Instance(f.url, args.prefill_dp) for f in pre),
             decode_urls=tuple(Instance(f.url, args.decode_dp) for f in dec),
             encode_policy=policies[0], prefill_policy=policies[1], decode_policy=policies[2],
-            metrics=False, health_interval=60.0)
+            size_tiebreak=policies[3], metrics=False, health_interval=60.0)
         async with serve_proxy(settings) as (url, _proxy):
             host, port = url.removeprefix("http://").split(":")
             started = trio.current_time()
@@ -273,6 +274,9 @@ def summary(run: Run) -> dict[str, Any]:
     row["hit_rate"] = run.hit_rate
     row["encoder_hit_rate"] = run.encoder_hit_rate
     row["spread"] = run.spread
+    row["worst"] = [{"at": round(o.job.at, 3), "long": o.job.long, "ttfb": o.ttfb,
+                     "e2e": o.latency} for o in sorted(
+                         ok, key=lambda o: -(o.ttfb or 0))[:5]]
     return row
 
 
@@ -370,7 +374,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default=",".join(POLICY_SETS),
                    help="policy sets to compare: names of the defaults, or E/P/D triples like "
-                   "round_robin/cache_aware/least_loaded (comma-separated)")
+                   "round_robin/cache_aware/least_loaded, with /counts appended for no size "
+                   "tie-break (comma-separated)")
     p.add_argument("--load", type=float, default=0.8, help="share of estimated capacity")
     p.add_argument("--loads", help="several loads, comma-separated (for --plot)")
     p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per run")
@@ -392,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--image-share", type=float, default=0.3)
     p.add_argument("--images", type=int, default=24, help="distinct images")
     defaults = EngineConfig()
-    p.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-base", type=float, default=defaults.step_base)
     p.add_argument("--step-per-seq", type=float, default=defaults.step_per_seq)
     p.add_argument("--prefill-per-token", type=float, default=defaults.prefill_per_token)
@@ -405,16 +410,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def policy_sets(spec: str) -> dict[str, tuple[str, str, str]]:
+def policy_sets(spec: str) -> dict[str, tuple[str, str, str, bool]]:
+    """Named default sets, or ``E/P/D`` triples (``/counts`` appended: no size tie-break)."""
     sets = {}
     for name in (s.strip() for s in spec.split(",") if s.strip()):
         if name in POLICY_SETS:
             sets[name] = POLICY_SETS[name]
         else:
             parts = name.split("/")
-            if len(parts) != 3:
+            counts = parts[3:] == ["counts"]
+            if len(parts) != 3 + counts:
                 raise SystemExit(f"bench.policies: bad policy set {name!r}")
-            sets[name] = (parts[0], parts[1], parts[2])
+            sets[name] = (parts[0], parts[1], parts[2], not counts)
     return sets
 
 

@@ -134,15 +134,18 @@ class SlotCursor:
     When the instance list changes (``update``), the rotation continues where it stood.
 
     With another ``policy``, the counter still advances once per decision, and the policy
-    chooses among the candidates in rotation order from there, on their ``loads``.
+    chooses among the candidates in rotation order from there, on their ``loads`` (and, to
+    break ties, their ``sizes``: the work in flight there).
     """
 
     def __init__(
         self, instances: Sequence[Instance], counter: Counter | None = None,
         *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
+        sizes: LoadView | None = None,
     ) -> None:
         self._policy = policy if policy is not None else StagePolicy()
         self._loads = loads
+        self._sizes = sizes
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
         self._key_of = _keys_of(self._instances, self._slots)
@@ -209,7 +212,8 @@ class SlotCursor:
             order = slots[position:] + slots[:position]
             key_of = self._key_of
             keys = [key_of[slot] for slot in order]
-            index, rank = order[self._policy.choose(keys, self._loads(keys), hint)]
+            sizes = self._sizes(keys) if self._sizes is not None else None
+            index, rank = order[self._policy.choose(keys, self._loads(keys), hint, sizes)]
         else:
             index, rank = slots[position]
         return self._instances[index], rank

@@ -31,6 +31,9 @@ from ._core.policies import SlotKey
 #: Entries of the shared table: one per (stage, slot) ever seen; instances that leave keep
 #: theirs (at 0). A roster of a few hundred instances with DP8 fits many times.
 DEFAULT_TABLE_SLOTS = 16_384
+#: The table's pseudo-stage holding the ``max_tokens`` in flight per decode slot (the size
+#: tie-break of ``least_loaded``).
+DECODE_TOKENS = "decode_tokens"
 
 
 class LoadTable(Protocol):

@@ -43,7 +43,7 @@ from ._core.rewrite import (
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamPool
-from ._loads import Loads
+from ._loads import DECODE_TOKENS, Loads
 from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
@@ -69,6 +69,16 @@ class Routes:
     prefills: SlotCursor
     decodes: SlotCursor
     loads: Loads
+
+
+def requested_tokens(body: dict[str, Any]) -> int:
+    """The request's own bound on its answer (``max_tokens`` or ``max_completion_tokens``),
+    0 when it gives none: the size estimate that breaks decode's load ties."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 class Pipeline:
@@ -114,6 +124,7 @@ class Pipeline:
             routes = self._routes
             hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
                 routes.prefills.policy.name, routes.decodes.policy.name) else None)
+            size = requested_tokens(body) if self._settings.size_tiebreak else 0
             registry = self._registry
             if not registry.has("decode"):
                 raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
@@ -134,7 +145,15 @@ class Pipeline:
                 attempts += 1
                 # The decode slot is counted from its choice (this attempt starts right after
                 # it, with no checkpoint between), through the prefill, until the stream ends.
-                release = routes.loads.take("decode", (slot[0].url, slot[1]))
+                key = (slot[0].url, slot[1])
+                release = routes.loads.take("decode", key)
+                if size:
+                    release_count = release
+                    release_size = routes.loads.take(DECODE_TOKENS, key, size)
+
+                    def release() -> None:
+                        release_count()
+                        release_size()
                 try:
                     decode_body: dict[str, Any] = body
                     if with_prefill:

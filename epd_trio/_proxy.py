@@ -41,7 +41,7 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
 from ._load_scraper import run_load_scraper
-from ._loads import Loads
+from ._loads import DECODE_TOKENS, Loads
 from ._metrics import ProxyMetrics
 from ._pipeline import Pipeline, Reply, Routes
 from ._prober import health_check, run_prober
@@ -85,7 +85,9 @@ class Proxy:
                                    loads=partial(self.loads.read, "prefill"))
         self.decodes = SlotCursor((), counter=counters.decode,
                                   policy=stage_policy(settings, "decode"),
-                                  loads=partial(self.loads.read, "decode"))
+                                  loads=partial(self.loads.read, "decode"),
+                                  sizes=(partial(self.loads.read, DECODE_TOKENS)
+                                         if settings.size_tiebreak else None))
         self.pipeline = Pipeline(
             settings, pools=self.client,
             routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),

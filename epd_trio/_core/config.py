@@ -48,6 +48,10 @@ class Settings:
     prefill_policy: str = DEFAULT_POLICY
     #: How the decode stage picks an (instance, DP rank) slot (the same four policies).
     decode_policy: str = DEFAULT_POLICY
+    #: ``least_loaded`` and ``cache_aware`` on decode: among slots with equally many requests
+    #: in flight, prefer the one with the fewest ``max_tokens`` in flight (a request without
+    #: ``max_tokens`` counts 0). Only a tie-break: the count stays the signal (README).
+    size_tiebreak: bool = True
     #: ``cache_aware``: the preferred slot gives way when its in-flight count exceeds the least
     #: loaded candidate's by more than this many requests (and by ``cache_balance_rel``).
     #: SGLang's 64 suits engines batching hundreds; 8 suits a ``--max-num-seqs`` of tens.
@@ -279,6 +283,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "encode_policy": _choice(POLICIES),
     "prefill_policy": _choice(POLICIES),
     "decode_policy": _choice(POLICIES),
+    "size_tiebreak": _bool,
     "cache_balance_abs": _non_negative_int,
     "cache_balance_rel": _factor,
     "cache_threshold": _fraction,

@@ -53,13 +53,21 @@ PREFIX_MAX_BLOCKS = 16
 OWNERS_PER_KEY = 4
 
 
-def least_loaded(loads: Sequence[int]) -> int:
-    """Index of the smallest load; the first one (in rotation order) among equals."""
+def least_loaded(loads: Sequence[int], sizes: Sequence[int] | None = None) -> int:
+    """Index of the smallest load; among equals the smallest ``size`` (the work outstanding
+    there, e.g. the ``max_tokens`` in flight), then the first in rotation order."""
     best = 0
     lowest = loads[0]
+    if sizes is None:
+        for index in range(1, len(loads)):
+            if loads[index] < lowest:
+                best, lowest = index, loads[index]
+        return best
+    smallest = sizes[0]
     for index in range(1, len(loads)):
-        if loads[index] < lowest:
-            best, lowest = index, loads[index]
+        load = loads[index]
+        if load < lowest or (load == lowest and sizes[index] < smallest):
+            best, lowest, smallest = index, load, sizes[index]
     return best
 
 
@@ -263,27 +271,29 @@ class StagePolicy:
 
     def choose(
         self, keys: Sequence[SlotKey], loads: Sequence[int],
-        hint: PrefixHint | str | None = None,
+        hint: PrefixHint | str | None = None, sizes: Sequence[int] | None = None,
     ) -> int:
         """The index (into ``keys``, in rotation order) of the slot to use.
 
         ``hint`` is the request's ``PrefixHint`` (prefill, decode) or the item's ``uuid``
-        (encode); without one, ``cache_aware`` is ``least_loaded``.
+        (encode); without one, ``cache_aware`` is ``least_loaded``. ``sizes`` (the work in
+        flight per slot) break ``least_loaded``'s ties, and only those.
         """
         name = self.name
         if name == "round_robin" or len(keys) == 1:
             chosen = 0
         elif name == "least_loaded":
-            chosen = least_loaded(loads)
+            chosen = least_loaded(loads, sizes)
         elif name == "power_of_two":
             assert self.rng is not None
             chosen = power_of_two(loads, self.rng)
         else:
-            chosen = self._affine(keys, loads, hint)
+            chosen = self._affine(keys, loads, hint, sizes)
         return chosen
 
     def _affine(
-        self, keys: Sequence[SlotKey], loads: Sequence[int], hint: PrefixHint | str | None
+        self, keys: Sequence[SlotKey], loads: Sequence[int], hint: PrefixHint | str | None,
+        sizes: Sequence[int] | None,
     ) -> int:
         assert self._prefixes is not None and self._media is not None
         position = {key: i for i, key in enumerate(keys)}  # also the candidate set
@@ -294,7 +304,7 @@ class StagePolicy:
                 preferred = owners
         elif isinstance(hint, str):
             preferred = tuple(s for s in self._media.owners(hint) if s in position)
-        chosen = least_loaded(loads)
+        chosen = least_loaded(loads, sizes)
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
             best = min((position[s] for s in preferred), key=loads.__getitem__)
