@@ -95,6 +95,7 @@ class Run:
     hit_rate: float | None = None
     encoder_hit_rate: float | None = None
     spread: dict[str, float | None] = field(default_factory=dict)
+    overrun: float | None = None
 
 
 # -- the workload (pure) -------------------------------------------------------------------------
@@ -252,6 +253,9 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
         run.encoder_hit_rate = (_counter(enc, "fake:encoder_cache_hits") / items
                                 if items else None)
         run.spread = {"encode": _spread(enc), "prefill": _spread(pre), "decode": _spread(dec)}
+        ranks = [rank for fake in dec if fake.engine for rank in fake.engine.ranks]
+        modelled = sum(r.modelled for r in ranks)
+        run.overrun = sum(r.elapsed for r in ranks) / modelled - 1 if modelled else None
         nursery.cancel_scope.cancel()
     return run
 
@@ -274,6 +278,7 @@ def summary(run: Run) -> dict[str, Any]:
     row["hit_rate"] = run.hit_rate
     row["encoder_hit_rate"] = run.encoder_hit_rate
     row["spread"] = run.spread
+    row["step_overrun"] = run.overrun
     row["worst"] = [{"at": round(o.job.at, 3), "long": o.job.long, "ttfb": o.ttfb,
                      "e2e": o.latency} for o in sorted(
                          ok, key=lambda o: -(o.ttfb or 0))[:5]]
@@ -296,8 +301,8 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
     lines = [
         "| policy (decode, or E/P/D) | load | short TTFT p50 / p99 ms | short e2e p50 / p99 ms "
         "| long e2e p50 / p99 ms | tokens/s | prefix hit (ideal "
-        f"{100 * ideal:.0f} %) | encoder hit | spread P / D |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{100 * ideal:.0f} %) | encoder hit | spread P / D | step overrun |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         s, lg = r["short"], r["long"]
@@ -307,7 +312,8 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
             f"| {_ms(s['e2e_p50'])} / {_ms(s['e2e_p99'])} "
             f"| {_ms(lg['e2e_p50'])} / {_ms(lg['e2e_p99'])} "
             f"| {r['tokens_per_s']:.0f} | {_pct(r['hit_rate'])} | {_pct(r['encoder_hit_rate'])} "
-            f"| {_x(r['spread']['prefill'])} / {_x(r['spread']['decode'])} |"
+            f"| {_x(r['spread']['prefill'])} / {_x(r['spread']['decode'])} "
+            f"| {_pct(r['step_overrun'])} |"
             + (f" {r['failed']} failed" if r["failed"] else ""))
     lines.append("")
     lines.append("decision cost (µs per request, 2 instances x DP8, 16 slots): " + ", ".join(

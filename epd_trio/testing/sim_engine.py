@@ -105,6 +105,10 @@ class _Rank:
     queries: int = 0
     hits: int = 0
     requests: int = 0
+    #: Seconds of steps as modelled, and as they took on the clock (the event loop's lag,
+    #: on a busy machine, makes the second larger: the bench reports the overrun).
+    modelled: float = 0.0
+    elapsed: float = 0.0
     wake: trio.Event = field(default_factory=trio.Event)
 
 
@@ -189,8 +193,12 @@ class SimEngine:
                 if seq.prefill:
                     uncached += self._prefill(rank, seq)
                 rank.running.append(seq)
-            await trio.sleep(config.step_base + config.step_per_seq * len(rank.running)
-                             + config.prefill_per_token * uncached)
+            step = (config.step_base + config.step_per_seq * len(rank.running)
+                    + config.prefill_per_token * uncached)
+            started = trio.current_time()
+            await trio.sleep(step)
+            rank.modelled += step
+            rank.elapsed += trio.current_time() - started
             still = []
             for seq in rank.running:
                 if seq.cancelled:
