@@ -284,3 +284,30 @@ def test_slot_keys_of_two_ranks_differ() -> None:
     loads.take("prefill", key0, 2)
     assert loads.read("prefill", [key0, ("http://a:1", 1)]) == [2, 0]
     assert loads.read("decode", [key0]) == [0]  # per stage
+
+
+def test_the_affinity_index_counts_what_each_slot_holds() -> None:
+    index = AffinityIndex(capacity=3)
+    index.record("k1", A)
+    index.record("k1", A)  # the same owner again: no double count
+    index.record("k2", B)
+    index.record("k2", A)
+    assert index.held == {A: 2, B: 1}
+    for key in ("k3", "k4"):  # k1 then k2 age out with their owners
+        index.record(key, C)
+    assert index.held == {A: 1, B: 1, C: 2}
+    index.record("k5", C)
+    assert index.held == {C: 3}
+    for slot in (A, B, D, ("http://e:1", None)):  # a fifth owner pushes the oldest (C) out
+        index.record("k5", slot)
+    assert index.held[C] == 2 and len(index.peek("k5")) == OWNERS_PER_KEY
+
+
+def test_cache_aware_sends_new_prefixes_to_the_slot_holding_the_least() -> None:
+    policy = _prefix_policy()
+    keys = [A, B]
+    for n in range(3):  # A holds three prefixes (B was busy then)
+        assert policy.choose(keys, [0, 5], prefix_hint(f"prefix {n} " * 40)) == 0
+    # A miss with equal loads: B (holding nothing), though A is first in rotation.
+    assert policy.choose(keys, [0, 0], prefix_hint("a new prefix " * 40)) == 1
+    assert policy.choose(keys, [0, 1], prefix_hint("another one " * 40)) == 0  # load first

@@ -61,7 +61,7 @@ class Settings:
     #: ``cache_aware``: the share of a prompt's first 4096 characters that must match a known
     #: prefix for its slot to be preferred (SGLang's ``--cache-threshold``, 0.3).
     cache_threshold: float = 0.3
-    #: ``cache_aware``: keys remembered per stage and worker (64-character prompt blocks, or
+    #: ``cache_aware``: keys remembered per stage and worker (512-character prompt blocks, or
     #: media uuids), least recently used first out; a few MiB at the default.
     cache_size: int = 65_536
     #: Seconds between two scrapes of each instance's ``/metrics`` for its running and waiting

@@ -43,11 +43,11 @@ SlotKey = tuple[str, int | None]
 
 #: Characters per prefix block: a prompt is matched block by block from its start. Coarser
 #: blocks cost less per decision (a hash, a lookup and an update each), finer ones tell apart
-#: prompts that diverge earlier; 256 keeps a decision within its budget (README).
-PREFIX_BLOCK_CHARS = 256
-#: Blocks considered per prompt (16 x 256 = the first 4096 characters). Bounds the per-request
+#: prompts that diverge earlier; 512 keeps a decision within its budget (README).
+PREFIX_BLOCK_CHARS = 512
+#: Blocks considered per prompt (8 x 512 = the first 4096 characters). Bounds the per-request
 #: cost whatever the prompt's length; prompts that agree on their first 4 KiB share a slot.
-PREFIX_MAX_BLOCKS = 16
+PREFIX_MAX_BLOCKS = 8
 #: Slots remembered per key: a prefix served by several slots (after an overload diverted it)
 #: keeps them all, so affinity spreads a hot prefix instead of flapping between two slots.
 OWNERS_PER_KEY = 4
@@ -115,6 +115,10 @@ class AffinityIndex:
             raise ValueError(f"capacity must be >= 1: {capacity}")
         self.capacity = capacity
         self._owners: OrderedDict[Hashable, tuple[SlotKey, ...]] = OrderedDict()
+        #: Keys each slot holds: how much of the index (so, roughly, of the engines' caches)
+        #: each slot already carries; ``cache_aware`` sends a miss to the emptier of two equally
+        #: loaded slots, so new prefixes spread over the slots instead of following the rotation.
+        self.held: dict[SlotKey, int] = {}
 
     def __len__(self) -> int:
         return len(self._owners)
@@ -139,9 +143,22 @@ class AffinityIndex:
             owners.move_to_end(key)
             return
         previous = owners.pop(key, ())
-        self._owners[key] = (slot, *(s for s in previous if s != slot))[:OWNERS_PER_KEY]
-        if len(self._owners) > self.capacity:
-            self._owners.popitem(last=False)
+        held = self.held
+        if slot not in previous:
+            held[slot] = held.get(slot, 0) + 1
+            if len(previous) >= OWNERS_PER_KEY:
+                self._drop(previous[-1])
+        owners[key] = (slot, *(s for s in previous if s != slot))[:OWNERS_PER_KEY]
+        if len(owners) > self.capacity:
+            for gone in owners.popitem(last=False)[1]:
+                self._drop(gone)
+
+    def _drop(self, slot: SlotKey) -> None:
+        left = self.held[slot] - 1
+        if left:
+            self.held[slot] = left
+        else:
+            del self.held[slot]
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +224,11 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._index)
+
+    @property
+    def held(self) -> dict[SlotKey, int]:
+        """Blocks each slot holds (see ``AffinityIndex.held``)."""
+        return self._index.held
 
     def match(
         self, hint: PrefixHint, candidates: Container[SlotKey]
@@ -304,12 +326,17 @@ class StagePolicy:
                 preferred = owners
         elif isinstance(hint, str):
             preferred = tuple(s for s in self._media.owners(hint) if s in position)
-        chosen = least_loaded(loads, sizes)
+        chosen = -1
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
             best = min((position[s] for s in preferred), key=loads.__getitem__)
-            if not self.balance.overloaded(loads[best], loads[chosen]):
+            if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
+        if chosen < 0:  # a miss, or an overload
+            if sizes is None:  # among equally loaded slots, the one holding the least
+                held = (self._prefixes if isinstance(hint, PrefixHint) else self._media).held
+                sizes = [held.get(key, 0) for key in keys]
+            chosen = least_loaded(loads, sizes)
         if isinstance(hint, PrefixHint):
             self._prefixes.record(hint, keys[chosen])
         elif isinstance(hint, str):
