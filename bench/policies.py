@@ -384,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "tie-break (comma-separated)")
     p.add_argument("--load", type=float, default=0.8, help="share of estimated capacity")
     p.add_argument("--loads", help="several loads, comma-separated (for --plot)")
-    p.add_argument("--duration", type=float, default=25.0, help="seconds of arrivals per run")
+    p.add_argument("--duration", type=float, default=50.0, help="seconds of arrivals per run")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--encoders", type=int, default=2)
@@ -404,9 +404,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=24, help="distinct images")
     defaults = EngineConfig()
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--step-base", type=float, default=defaults.step_base)
-    p.add_argument("--step-per-seq", type=float, default=defaults.step_per_seq)
-    p.add_argument("--prefill-per-token", type=float, default=defaults.prefill_per_token)
+    # Twice the engine's default step times: the client, proxy and fakes share one event loop,
+    # whose lag lengthens every simulated step (the "step overrun" column); longer steps keep
+    # that lag a smaller share of them on a busy machine.
+    p.add_argument("--step-base", type=float, default=2 * defaults.step_base)
+    p.add_argument("--step-per-seq", type=float, default=2 * defaults.step_per_seq)
+    p.add_argument("--prefill-per-token", type=float, default=2 * defaults.prefill_per_token)
     p.add_argument("--cache-blocks", type=int, default=256,
                    help="prefix-cache blocks (16 tokens) per rank")
     p.add_argument("--encoder-cache-items", type=int, default=8)
