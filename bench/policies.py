@@ -1,6 +1,6 @@
 """Routing policies compared on the simulated engine: the same open-loop mixed load through each.
 
-    python -m bench.policies                           # the README's table (about 2.5 min)
+    python -m bench.policies                           # the README's table (about 5 min)
     python -m bench.policies --duration 10 --load 0.6  # shorter, lighter
     python -m bench.policies --loads 0.5,0.7,0.9 --plot policies.png
 
