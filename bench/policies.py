@@ -316,7 +316,8 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
             f"| {_pct(r['step_overrun'])} |"
             + (f" {r['failed']} failed" if r["failed"] else ""))
     lines.append("")
-    lines.append("decision cost (µs per request, 2 instances x DP8, 16 slots): " + ", ".join(
+    lines.append("decision cost (µs per request, 2 instances x DP8, 16 slots, best of 5): "
+                 + ", ".join(
         f"{name} {cost:.1f}" for name, cost in decisions.items()))
     return "\n".join(lines)
 
@@ -325,7 +326,8 @@ def decision_costs(rounds: int) -> dict[str, float]:
     """Microseconds per decision of each policy: a 16-slot cursor (2 instances x DP8) choosing
     on live loads (each decision takes its slot; the one 32 decisions back is released, so
     about 32 are in flight); for cache_aware the prompt's hint (its text and block hashes,
-    among 16 prompts with 2 KiB shared prefixes) is included."""
+    among 16 prompts with 2 KiB shared prefixes) is included. The best of 5 equal chunks of
+    ``rounds``: on a shared machine the others' load only ever adds to a chunk's time."""
     from collections import deque
 
     instances = [Instance(f"http://i{k}:8000", 8) for k in range(2)]
@@ -340,7 +342,9 @@ def decision_costs(rounds: int) -> dict[str, float]:
                             loads=lambda keys, loads=loads: loads.read("decode", keys))
         held: deque[Any] = deque()
         elapsed = 0.0
-        for i in range(rounds):
+        chunk = max(rounds // 5, 1)
+        best = math.inf
+        for i in range(chunk * 5):
             prompt = prompts[i % len(prompts)]
             started = time.perf_counter()
             hint: PrefixHint | None = (prefix_hint(prompt_text(prompt)) if name == "cache_aware"
@@ -350,7 +354,9 @@ def decision_costs(rounds: int) -> dict[str, float]:
             held.append(loads.take("decode", (instance.url, rank)))
             if len(held) > 32:
                 held.popleft()()
-        costs[name] = elapsed / rounds * 1e6
+            if (i + 1) % chunk == 0:
+                best, elapsed = min(best, elapsed / chunk), 0.0
+        costs[name] = best * 1e6
     return costs
 
 

@@ -180,14 +180,13 @@ def prefix_hint(text: str) -> PrefixHint:
     Python's ``hash`` is salted per process, which is fine: the index lives in one process.
     A trailing partial block counts too, so a short prompt still has an identity.
     """
-    limit = PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS
-    text = text[:limit]
+    chars = min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS)
     blocks = []
     chained = 0
-    for start in range(0, len(text), PREFIX_BLOCK_CHARS):
-        chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
+    for start in range(0, chars, PREFIX_BLOCK_CHARS):
+        chained = hash((chained, text[start:min(start + PREFIX_BLOCK_CHARS, chars)]))
         blocks.append(chained)
-    return PrefixHint(tuple(blocks), len(text))
+    return PrefixHint(tuple(blocks), chars)
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
@@ -318,18 +317,19 @@ class StagePolicy:
         sizes: Sequence[int] | None,
     ) -> int:
         assert self._prefixes is not None and self._media is not None
-        position = {key: i for i, key in enumerate(keys)}  # also the candidate set
+        present = set(keys)
         preferred: tuple[SlotKey, ...] = ()
         if isinstance(hint, PrefixHint) and hint.chars:
-            owners, matched = self._prefixes.match(hint, position)
+            owners, matched = self._prefixes.match(hint, present)
             if matched > self.cache_threshold * hint.chars:
                 preferred = owners
         elif isinstance(hint, str):
-            preferred = tuple(s for s in self._media.owners(hint) if s in position)
+            preferred = tuple(s for s in self._media.owners(hint) if s in present)
         chosen = -1
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
-            best = min((position[s] for s in preferred), key=loads.__getitem__)
+            index = keys.index
+            best = min((index(s) for s in preferred), key=loads.__getitem__)
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
         if chosen < 0:  # a miss, or an overload
