@@ -29,13 +29,16 @@ class _Exchange:
                  "t0", "ttfb")
 
     def __init__(self, sock: socket.socket, index: int, stream: bool, record_gaps: bool,
-                 timeout: float) -> None:
+                 timeout: float, began: float) -> None:
         self.sock = sock
         self.index = index
         self.reader = ResponseReader()
         self.counter = SSECounter() if stream else None
         self.gaps: list[float] | None = [] if stream and record_gaps else None
-        self.t0 = time.monotonic()
+        #: When the client began this request, its connect included: a proxy that answers a
+        #: burst with a short listen backlog makes clients wait in SYN retries, and a client
+        #: sees that wait as latency.
+        self.t0 = began
         self.deadline = self.t0 + timeout
         self.ttfb: float | None = None
         self.last: float | None = None
@@ -80,17 +83,24 @@ def run_load_epoll(host: str, port: int, path: str, make_body: Callable[[int], b
     live: dict[int, _Exchange] = {}
     ep = select.epoll()
 
-    def start(sock: socket.socket | None) -> None:
-        """Send the next request on ``sock`` (a new connection when None), if any is left."""
+    def start(sock: socket.socket | None, began: float | None = None) -> None:
+        """Send the next request on ``sock`` (a new connection when None), if any is left.
+
+        ``began``: when the request began for its client (default now). The first wave of
+        ``concurrency`` requests all began when the run did, however long this one loop takes
+        to connect them: they stand for that many clients arriving at once, and a proxy that
+        keeps them waiting in its listen backlog keeps them waiting all the same."""
         while (index := next(indices)) < requests:
             body = make_body(index)
+            if began is None:
+                began = time.monotonic()
             try:
                 if sock is None:
                     sock = socket.create_connection((host, port))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     ep.register(sock.fileno(), select.EPOLLIN)
                 live[sock.fileno()] = _Exchange(sock, index, stream, record_gaps,
-                                                request_timeout)
+                                                request_timeout, began)
                 sock.sendall(request_head("POST", path, authority, len(body)) + body)
             except OSError as exc:  # this request failed; the next one gets a new connection
                 if sock is not None:
@@ -113,8 +123,9 @@ def run_load_epoll(host: str, port: int, path: str, make_body: Callable[[int], b
             start(None)
 
     try:
+        run_began = time.monotonic()
         for _ in range(min(concurrency, requests)):
-            start(None)
+            start(None, run_began)
         next_sweep = time.monotonic() + 0.5
         while live:
             ready = ep.poll(0.1)

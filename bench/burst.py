@@ -90,11 +90,10 @@ def make_body_factory(images: int, stream: bool, max_tokens: int, model: str):
 
 
 # -- processes ----------------------------------------------------------------------------------
-def process_tree_cpu(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and all its live descendants (from /proc)."""
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """Every live process's parent and user + system CPU seconds (from /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
+    stats: dict[int, tuple[int, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -103,16 +102,30 @@ def process_tree_cpu(pid: int) -> float:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    return stats
+
+
+def _tree(pid: int, stats: dict[int, tuple[int, float]]) -> set[int]:
     tree, grew = {pid}, True
     while grew:
         grew = False
-        for child, parent in parents.items():
+        for child, (parent, _) in stats.items():
             if parent in tree and child not in tree:
                 tree.add(child)
                 grew = True
-    return sum(times.get(p, 0.0) for p in tree)
+    return tree
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and all its live descendants (a server's worker processes)."""
+    return _tree(pid, _proc_stats())
+
+
+def process_tree_cpu(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and all its live descendants (from /proc)."""
+    stats = _proc_stats()
+    return sum(stats[p][1] for p in _tree(pid, stats) if p in stats)
 
 
 async def stop(process: trio.Process) -> None:

@@ -30,6 +30,8 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
   has its dependencies. In the P->D layout its required ``--encode-servers-urls`` names the decode
   instance; text requests never reach it.
 - ``direct``: the load straight to the decode instance (one leg, no proxy): the floor.
+- ``epd_trio:wN``: epd_trio with ``--workers N`` (``--proxy-cpus`` / ``--rest-cpus`` pin the
+  peers and the fakes + load generator apart, as ``taskset -c`` does).
 - ``epd_trio@DIR``: epd_trio from another checkout (``git worktree add DIR REV``), to measure a
   change side by side with the commit before it.
 
@@ -100,15 +102,17 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
     skipped: list[str] = []
     e, p, d = backends.encode, backends.prefill, backends.decode
     for name in args.peers:
-        if name == "epd_trio" or name.startswith("epd_trio@"):
-            checkout = name.partition("@")[2] or None
+        if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w")):
+            base, _, workers_tag = name.partition(":w")
+            workers = int(workers_tag) if workers_tag else args.workers
+            checkout = base.partition("@")[2] or None
             if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
                 skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
                 continue
 
-            def epd_trio(port: int) -> list[str]:
+            def epd_trio(port: int, workers: int = workers) -> list[str]:
                 cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
-                       "--port", str(port), "--workers", str(args.workers)]
+                       "--port", str(port), "--workers", str(workers)]
                 for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
                     if urls:
                         cmd += [f"--{role}", *urls]
@@ -323,7 +327,8 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
            "--prefills", str(args.prefills), "--decodes", str(args.decodes),
            "--token-interval", str(args.token_interval), "--prefill-time",
            str(args.prefill_time)]
-    process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE)
+    process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE,
+                                               preexec_fn=pinned(args.rest_cpus))
     assert process.stdout is not None
     _, output = await read_until(process.stdout, rb"\bready\b", limit=30)
     settings = dict(line.split("=", 1) for line in output.decode().splitlines() if "=" in line)
@@ -336,6 +341,23 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
         ("encode", backends.encode), ("prefill", backends.prefill),
         ("decode", backends.decode)) if v)
     return process, backends, described
+
+
+def pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """For a child process: run it on ``cpus`` only (inherited by its own children, so by
+    every worker of a peer), like ``taskset -c``."""
+    if cpus is None:
+        return None
+    return partial(os.sched_setaffinity, 0, cpus)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``taskset -c`` syntax: ``0``, ``0,2``, ``0-3``."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def _self_cpu() -> float:
@@ -357,6 +379,7 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
             with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
                 process = await trio.lowlevel.open_process(
                     peer.command(port), stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
+                    preexec_fn=pinned(args.proxy_cpus),
                     env={**os.environ, "PYTHONUNBUFFERED": "1",
                          **({"PYTHONPATH": peer.cwd} if peer.cwd else {})})
             await wait_ready(process, url + peer.ready_path, log)
@@ -436,7 +459,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"the fakes' prefill/encode seconds (default {DEFAULT_PREFILL_TIME})")
     p.add_argument("--prefills", type=int, default=1)
     p.add_argument("--decodes", type=int, default=1)
-    p.add_argument("--workers", type=int, default=1, help="epd_trio worker processes")
+    p.add_argument("--workers", type=int, default=1,
+                   help="epd_trio worker processes (a peer epd_trio:wN runs N, e.g. "
+                   "--peers epd_trio:w1,epd_trio:w2)")
+    p.add_argument("--proxy-cpus", type=_cpu_list, default=None, metavar="LIST",
+                   help="run every peer on these CPUs only (taskset -c syntax: 1, 0-1)")
+    p.add_argument("--rest-cpus", type=_cpu_list, default=None, metavar="LIST",
+                   help="run the fakes and the load generator on these CPUs only")
     p.add_argument("--model", default="fake-model")
     p.add_argument("--vllm-router", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_VLLM_ROUTER", DEFAULT_VLLM_ROUTER)))
@@ -448,7 +477,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
-    unknown = [x for x in args.peers if x not in PEERS and not x.startswith("epd_trio@")]
+    unknown = [x for x in args.peers if x not in PEERS
+               and not x.startswith(("epd_trio@", "epd_trio:w"))]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
@@ -458,6 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rest_cpus is not None:  # this process is the load generator
+        os.sched_setaffinity(0, args.rest_cpus)
     report = trio.run(run, args)
     print(render(report))
     if args.json:

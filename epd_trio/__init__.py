@@ -8,7 +8,7 @@ The public surface is re-exported here from private modules. Where a client requ
     pipeline   _pipeline.Pipeline.run: encode -> prefill -> decode for one request
     legs       _upstream: one call per leg, the encoder fan-out, the stream relay; the one
                place transport errors become UpstreamError
-    pool       _http.UpstreamClient / UpstreamPool: connections to vLLM
+    pool       _http.UpstreamClient / UpstreamPool: connections to vLLM (_h1: one connection)
     accounting _accounting: every leg's health, metrics and trace in one place
                (_metrics: Prometheus; _request_log: the log lines)
     state      _cursors (routing positions under a trio.Lock, each with its stage's policy),

@@ -70,7 +70,8 @@ def create_app(settings: Settings, shared: SharedRoutingState | None = None) -> 
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys,
-                         Admission(settings.max_inflight, settings.admission_timeout)))
+                         Admission(settings.max_inflight, settings.admission_timeout),
+                         body_timeout=settings.body_timeout))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
 

@@ -28,6 +28,7 @@ Two problems live at this layer, below the routes:
 from __future__ import annotations
 
 import logging
+import math
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -49,8 +50,8 @@ class ProxyASGI:
         #: The hot-path routes served below the framework (``_core.names.KIND_OF_PATH``), if any.
         self.endpoints = endpoints
         self.write_timeout = write_timeout
-        #: Body sends in progress: key -> (started at, the request's resources).
-        self._sending: dict[object, tuple[float, AsyncExitStack]] = {}
+        #: The requests being answered, each with the start of its body send in progress.
+        self._watches: set[_Watch] = set()
         #: Requests whose resources were released because their client stopped reading.
         self.stalled = 0
 
@@ -66,13 +67,14 @@ class ProxyASGI:
             while True:
                 await trio.sleep(self.write_timeout / 4)
                 limit = trio.current_time() - self.write_timeout
-                for key, (since, resources) in list(self._sending.items()):
-                    if since <= limit and self._sending.pop(key, None) is not None:
+                for watch in [w for w in self._watches if w.since <= limit]:
+                    if watch in self._watches:
+                        self._watches.discard(watch)
                         self.stalled += 1
                         log.warning("client stopped reading for %g s: releasing its upstream "
                                     "request", self.write_timeout)
                         try:
-                            await resources.aclose()
+                            await watch.resources.aclose()
                         except Exception:  # one request's cleanup must not stop the watchdog
                             log.exception("releasing a stalled request failed")
 
@@ -87,8 +89,9 @@ class ProxyASGI:
             if message["type"] != "http.response.body":
                 await send(message)
                 return
-            key = object()
-            self._sending[key] = (trio.current_time(), resources)
+            # Per send only the clock is read: registering once per request is cheaper than
+            # once per relayed token.
+            watch.since = trio.current_time()
             try:
                 if message.get("more_body", False):
                     await send(message)
@@ -96,10 +99,26 @@ class ProxyASGI:
                     with trio.CancelScope(shield=True):
                         await send(message)
             finally:
-                self._sending.pop(key, None)
+                watch.since = math.inf
 
         async with AsyncExitStack() as resources:
-            if self.endpoints is not None and scope["path"] in KIND_OF_PATH:
-                await self.endpoints(scope, receive, send_watched, resources)
-                return
-            await self.app(scope, receive, send_watched)
+            watch = _Watch(resources)
+            self._watches.add(watch)
+            try:
+                if self.endpoints is not None and scope["path"] in KIND_OF_PATH:
+                    await self.endpoints(scope, receive, send_watched, resources)
+                    return
+                await self.app(scope, receive, send_watched)
+            finally:
+                self._watches.discard(watch)
+
+
+class _Watch:
+    """One request being answered, for the stalled-send watchdog."""
+
+    __slots__ = ("resources", "since")
+
+    def __init__(self, resources: AsyncExitStack) -> None:
+        self.resources = resources
+        #: When its body send in progress began (inf: none in progress).
+        self.since = math.inf

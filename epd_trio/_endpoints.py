@@ -26,6 +26,7 @@ from ._admission import Admission
 from ._core.auth import ClientKeys
 from ._core.errors import (
     INTERNAL_ERROR,
+    BodyTimeout,
     BodyTooLarge,
     ProxyError,
     error_reply,
@@ -50,8 +51,9 @@ class CompletionEndpoints:
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, body_timeout: float = 60.0) -> None:
         self._proxy = proxy
+        self._body_timeout = body_timeout
         self._admission = admission
         self._max_body_bytes = max_body_bytes
         self._client_keys = client_keys if client_keys is not None and client_keys.enabled \
@@ -70,7 +72,10 @@ class CompletionEndpoints:
                 self._client_keys.check(_header(headers, b"authorization"))
             if self._admission is not None:  # before reading it too: the cap bounds memory
                 await self._admission.enter(resources)
-            raw = await self._read_body(headers, receive)
+            with trio.move_on_after(self._body_timeout) as reading:
+                raw = await self._read_body(headers, receive)
+            if reading.cancelled_caught:
+                raise BodyTimeout(self._body_timeout)
         except _ClientGone:
             return
         except ProxyError as exc:
@@ -124,17 +129,19 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         await send({"type": "http.response.body", "body": reply.body})
         return
     stream = reply.stream
+
+    async def send_body(chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
     try:
-        async for chunk in stream:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await stream.pump(send_body)
     except Exception:
         # A bug, not an upstream failure (the relay turns those into an error event itself):
         # the client still gets a stream that says it broke, not a silent truncation.
         log.exception("unexpected error while streaming request %s", request_id)
-        await send({"type": "http.response.body", "body": sse_error_event(INTERNAL_ERROR),
-                    "more_body": True})
+        await send_body(sse_error_event(INTERNAL_ERROR))
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
     await send({"type": "http.response.body", "body": b""})
 
 

@@ -30,6 +30,10 @@ async def fan_out(jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     connection), and that first exception is raised once all jobs have finished. Exceptions from
     jobs that fail later, while being cancelled, are dropped: they are consequences, not causes.
     """
+    if len(jobs) == 1:
+        # One job (a request with one image: the common case) needs no nursery: awaited
+        # inline it has the same outcome, its exception unchanged, without a task to spawn.
+        return [await jobs[0]()]
     results: list[object] = [_UNSET] * len(jobs)
     first_failure: list[Exception] = []
 

@@ -19,7 +19,7 @@ retried. Cancellation (the client left) is never caught: it closes every open le
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import Callable, Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -44,19 +44,20 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamPool
 from ._loads import DECODE_TOKENS, Loads
-from ._upstream import Answer, open_stream, post_json, run_encoder_fanout
+from ._upstream import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 
 log = logging.getLogger("epd_trio")
 
 
 @dataclass(slots=True)
 class Reply:
-    """What the web layer sends back: a status, headers, and either bytes or a byte stream."""
+    """What the web layer sends back: a status, headers, and either bytes or a relayed stream
+    (``stream.pump(send)`` sends it and closes it)."""
 
     status: int
     headers: dict[str, str]
     body: bytes = b""
-    stream: AsyncIterator[bytes] | None = None
+    stream: StreamRelay | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,5 +259,5 @@ class Pipeline:
         return Reply(
             relay.response.status,
             {"content-type": "text/event-stream", "cache-control": "no-cache"},
-            stream=relay.relay(),
+            stream=relay,
         )

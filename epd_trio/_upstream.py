@@ -10,11 +10,10 @@ disconnect and aborts the work).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -52,7 +51,6 @@ from ._http import (
     UpstreamClient,
     UpstreamPool,
     UpstreamResponse,
-    reset_on_close,
 )
 from ._loads import Loads
 
@@ -73,38 +71,61 @@ def make_client(settings: Settings) -> UpstreamClient:
                           headers=upstream_auth_headers(settings))
 
 
-@contextmanager
-def map_upstream_errors(
-    stage: str, instance: str, deadline: float | None = None, detail: str = ""
-) -> Iterator[None]:
+class map_upstream_errors:  # used as a function: ``with map_upstream_errors(...)``
     """Run a block against ``instance``; turn transport errors and deadlines into ``UpstreamError``.
 
     ``deadline`` (seconds) bounds the whole block, not just one socket read: a backend that
     trickles bytes slowly still cannot hold the request past it. ``detail`` prefixes the message
     (e.g. which items an encoder sub-request carried).
+
+    A class around one bare ``CancelScope``, not a generator around ``trio.fail_after``: every
+    leg of every request enters it, and the two generator layers cost more than the scope.
     """
-    try:
-        with trio.fail_after(deadline) if deadline is not None else contextlib.nullcontext():
-            yield
-    except PoolTimeout:
-        raise ProxyOverloaded(
-            f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place freed "
-            "within EPD_QUEUE_TIMEOUT"
-        ) from None
-    except trio.TooSlowError:
-        raise UpstreamTimeout(
-            f"{detail}no answer within {deadline:g} s", stage=stage, instance=instance
-        ) from None
-    except TimeoutException as exc:
-        raise UpstreamTimeout(
-            f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage, instance=instance,
-            connect=isinstance(exc, ConnectTimeout),
-        ) from exc
-    except TransportError as exc:
-        raise UpstreamTransportError(
-            f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
-            stage=stage, instance=instance,
-        ) from exc
+
+    __slots__ = ("_deadline", "_detail", "_instance", "_scope", "_stage")
+
+    def __init__(self, stage: str, instance: str, deadline: float | None = None,
+                 detail: str = "") -> None:
+        self._stage = stage
+        self._instance = instance
+        self._deadline = deadline
+        self._detail = detail
+        self._scope: trio.CancelScope | None = None
+
+    def __enter__(self) -> None:
+        if self._deadline is not None:
+            self._scope = trio.CancelScope(deadline=trio.current_time() + self._deadline)
+            self._scope.__enter__()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        stage, instance, detail = self._stage, self._instance, self._detail
+        scope = self._scope
+        if scope is not None:
+            swallowed = scope.__exit__(exc_type, exc, tb)
+            if scope.cancelled_caught:
+                raise UpstreamTimeout(f"{detail}no answer within {self._deadline:g} s",
+                                      stage=stage, instance=instance) from None
+            if swallowed:
+                return True
+        if exc is None:
+            return False
+        if isinstance(exc, PoolTimeout):
+            raise ProxyOverloaded(
+                f"{stage} stage: {instance} is at its EPD_MAX_CONNECTIONS limit and no place "
+                "freed within EPD_QUEUE_TIMEOUT"
+            ) from None
+        if isinstance(exc, TimeoutException):
+            raise UpstreamTimeout(
+                f"{detail}{type(exc).__name__} ({exc or 'timed out'})", stage=stage,
+                instance=instance, connect=isinstance(exc, ConnectTimeout),
+            ) from exc
+        if isinstance(exc, TransportError):
+            raise UpstreamTransportError(
+                f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
+                stage=stage, instance=instance,
+            ) from exc
+        return False
 
 
 def _encode_json(body: Mapping[str, Any]) -> bytes:
@@ -167,6 +188,9 @@ def _raise_for_status(
 #: Told when a relayed stream breaks after its first byte.
 OnStreamError = Callable[[UpstreamError], None]
 
+#: Where a relay sends the bytes (the web layer's ``send`` of one body message).
+SendBytes = Callable[[bytes], Awaitable[None]]
+
 
 class StreamRelay:
     """An upstream stream that has produced its first body bytes, ready to be relayed.
@@ -176,66 +200,91 @@ class StreamRelay:
     reach the client as a 200 followed by an error event. Up to the first body byte the failure
     is still the proxy's to handle (it can fail over); after it, nothing is retried.
 
-    ``relay()`` yields the upstream bytes exactly as received (no re-chunking, no decoding). If
-    the upstream then breaks or goes silent past its idle timeout, the stream ends with an SSE
-    error event instead of a silent truncation (``on_error`` is told). ``aclose()`` (idempotent,
-    safe under cancellation) closes the upstream connection, which makes vLLM abort the
-    generation, and tells ``on_abandon`` if the stream had not finished (the client left).
+    ``pump(send)`` sends the upstream bytes exactly as received (no re-chunking, no decoding),
+    everything one socket read brought in one ``send``: tokens that piled up while the proxy
+    was busy leave together, and none waits for another. If the upstream then breaks or goes
+    silent past its idle timeout, the stream ends with an SSE error event instead of a silent
+    truncation (``on_error`` is told). ``aclose()`` (idempotent, safe under cancellation)
+    closes the upstream connection with a reset, which makes vLLM abort the generation, and
+    tells ``on_abandon`` if the stream had not finished (the client left).
     """
 
     def __init__(
-        self, response: UpstreamResponse, chunks: AsyncGenerator[bytes, None], first: bytes, *,
-        stage: str, instance: str, on_error: OnStreamError | None = None,
+        self, response: UpstreamResponse, first: bytes, *, stage: str, instance: str,
+        idle_timeout: float, on_error: OnStreamError | None = None,
         on_abandon: Callable[[], None] | None = None,
     ) -> None:
         self.response = response
-        self._chunks = chunks
         self._first = first
         self._stage = stage
         self._instance = instance
+        self._idle_timeout = idle_timeout
         self._finished = False
         self._closed = False
         self._on_error = on_error
         self._on_abandon = on_abandon
 
-    async def relay(self) -> AsyncIterator[bytes]:
+    async def pump(self, send: SendBytes) -> None:
+        """Relay the whole stream to ``send``, then close it (see the class docstring)."""
         try:
-            yield self._first
-            try:
-                with map_upstream_errors(self._stage, self._instance):
-                    # ``_closed`` is checked before each read, not after: the stalled-send
-                    # watchdog may be closing ``_chunks`` right now (``aclose`` sets the flag
-                    # first), and reading a generator being closed raises RuntimeError.
-                    while not self._closed:
-                        chunk = await anext(self._chunks, None)
-                        if chunk is None:
-                            break
-                        yield chunk
-                if not self._closed:
-                    self._finished = True
-                    return
-                # Closed under us while the client was not reading (the stalled-send watchdog
-                # released the upstream): the answer is incomplete, and must say so.
-                raise UpstreamError("the stream was released: the client did not read it in "  # noqa: TRY301
-                                    "time", stage=self._stage, instance=self._instance)
-            except UpstreamError as error:
-                released = self._closed  # the client's doing, not the instance's
-                self._finished = True
-                if self._on_error is not None and not released:
-                    self._on_error(error)
-                yield sse_error_event(error)
+            first, self._first = self._first, b""
+            await send(first)
+            error = await self._relay(send)
+            if error is not None:
+                await send(sse_error_event(error))
         finally:
             await self.aclose()
+
+    async def _relay(self, send: SendBytes) -> UpstreamError | None:
+        """The bytes after the first; the error the stream ends with, if any.
+
+        The idle deadline is one cancel scope for the whole stream, moved on at most every
+        ``idle_timeout / 16`` (a scope per read cost more than the rest of a read): a silent
+        upstream is cut between ``idle_timeout`` and a sixteenth more after its last bytes.
+        The scope also covers ``send``, which is not the upstream's fault: a deadline that
+        expires there (the client stopped reading) ends the stream as abandoned.
+        """
+        idle = self._idle_timeout
+        slack = idle / 16
+        receive = self.response.receive
+        sending = False
+        try:
+            with map_upstream_errors(self._stage, self._instance), \
+                    trio.CancelScope(deadline=trio.current_time() + idle + slack) as scope:
+                # ``_closed`` is checked before each read: the stalled-send watchdog may have
+                # released the upstream while ``send`` waited for the client.
+                while not self._closed:
+                    chunk = await receive(None)
+                    if not chunk:
+                        self._finished = True
+                        return None
+                    now = trio.current_time()
+                    if scope.deadline - now < idle:
+                        scope.deadline = now + idle + slack
+                    sending = True
+                    await send(chunk)
+                    sending = False
+            if scope.cancelled_caught and sending:
+                return None  # the client stopped reading: nobody to tell
+            if scope.cancelled_caught:
+                raise UpstreamTimeout(f"no data for {idle:g} s", stage=self._stage,
+                                      instance=self._instance)
+            # Closed under us while the client was not reading (the stalled-send watchdog
+            # released the upstream): the answer is incomplete, and must say so.
+            self._finished = True
+            return UpstreamError("the stream was released: the client did not read it in time",
+                                 stage=self._stage, instance=self._instance)
+        except UpstreamError as error:
+            self._finished = True  # over, with an error event: not abandoned by the client
+            if self._on_error is not None and not self._closed:  # released: the client's doing
+                self._on_error(error)
+            return error
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self._finished:  # abandoned: make vLLM see a reset, not a FIN (it aborts)
-            reset_on_close(self.response.socket)
-        with trio.CancelScope(shield=True):
-            await self._chunks.aclose()
-            await self.response.aclose()
+        await self.response.aclose()  # shielded; resets a connection whose body did not end
         if not self._finished and self._on_abandon is not None:
             self._on_abandon()
 
@@ -255,40 +304,27 @@ async def open_stream(
 ) -> StreamRelay:
     """POST and return once the response headers *and* the first body bytes have arrived.
 
-    ``deadline`` bounds the time to the first body bytes; the per-read timeout
-    (``idle_timeout``) bounds every wait for data, so also each gap between chunks once the
-    stream runs (the smaller of the two applies before the first bytes). The caller owns the
-    relay and must ``aclose()`` it; ``on_error`` and ``on_abandon`` go to the relay. A non-2xx
+    ``deadline`` bounds the time to the first body bytes; ``idle_timeout`` bounds every wait
+    for data, so also each gap between chunks once the stream runs (the smaller of the two
+    applies before the first bytes). The caller owns the relay and must ``aclose()`` it (or
+    ``pump`` it, which closes it); ``on_error`` and ``on_abandon`` go to the relay. A non-2xx
     answer is read, closed, and raised as ``UpstreamStatusError``.
     """
     with map_upstream_errors(stage, instance.url, deadline):
         response = await pool.request(b"POST", path.encode("ascii"), headers=headers,
                                       content=_encode_json(body), read_timeout=idle_timeout)
         try:
-            chunks, first = await _first_bytes(response, stage, instance.url)
+            if not response.is_success:
+                _raise_for_status(response, stage, instance.url, await response.aread())
+            first = await response.receive()
+            if not first:  # a 200 that ended without a byte: nothing was generated
+                raise UpstreamTransportError("the stream ended before any data",  # noqa: TRY301
+                                             stage=stage, instance=instance.url)
         except BaseException:
             await response.aclose()  # shielded: vLLM must see the close
             raise
-    return StreamRelay(response, chunks, first, stage=stage, instance=instance.url,
-                       on_error=on_error, on_abandon=on_abandon)
-
-
-async def _first_bytes(
-    response: UpstreamResponse, stage: str, instance: str
-) -> tuple[AsyncGenerator[bytes, None], bytes]:
-    if not response.is_success:
-        _raise_for_status(response, stage, instance, await response.aread())
-    chunks = response.aiter_raw()
-    try:
-        first = await anext(chunks, None)
-        if not first:  # a 200 that ended without a byte: nothing was generated
-            raise UpstreamTransportError("the stream ended before any data", stage=stage,  # noqa: TRY301
-                                         instance=instance)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await chunks.aclose()
-        raise
-    return chunks, first
+    return StreamRelay(response, first, stage=stage, instance=instance.url,
+                       idle_timeout=idle_timeout, on_error=on_error, on_abandon=on_abandon)
 
 
 async def get(pool: UpstreamPool, stage: str, instance: Instance, path: str,
@@ -338,12 +374,13 @@ async def run_encoder_fanout(
     attempt is bounded by ``deadline`` seconds and reported to ``observer`` (the proxy's
     accounting). ``EncoderCall.instance`` is where it succeeded. ``loads`` counts each attempt's
     items in flight at its encoder (what the load-aware policies read); the failover order is
-    ``fallback_steps``', with the cursor's policy choosing within each step.
+    ``fallback_steps``, with the cursor's policy choosing within each step.
     """
     if not items:
         return []
     pool_for: PoolFor = client.pool if isinstance(client, UpstreamClient) else client
     uuids = [str(item.get("uuid")) for item in items]
+    book = loads if loads is not None else Loads()  # a caller without policies: counts nothing
     assigned = await cursor.assign(len(items), usable, uuids)
     planned = [
         EncoderCall(k, instance, tuple(indices))
@@ -356,8 +393,8 @@ async def run_encoder_fanout(
         detail = f"items {list(call.item_indices)}: "
 
         async def attempt(slot: Slot) -> EncoderCall:
-            with (loads.held("encode", (slot[0].url, None), len(call.item_indices))
-                  if loads is not None else contextlib.nullcontext()), observer.leg("encode", slot):
+            with book.held("encode", (slot[0].url, None), len(call.item_indices)), \
+                    observer.leg("encode", slot):
                 await post_json(
                     pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
                     body=encoder_body, headers=headers, deadline=deadline, detail=detail,

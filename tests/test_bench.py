@@ -256,3 +256,37 @@ async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     assert all(row["failed"] == 0 and row["requests"] > 0 for row in rows)
     assert all(0 <= row["hit_rate"] <= 1 for row in rows)
     assert "| round_robin | 30% " in out and "decision cost" in out
+
+
+async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    with trio.fail_after(120):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.slow_headers", "--connections", "40", "--interval",
+             "0.2", "--keep-alive", "1", "--probe-interval", "0.1", "--settle", "2",
+             "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "verdict: the head is bounded and normal requests got in" in out
+    report = json.loads(report_path.read_text())
+    attack = report["attack"]
+    assert attack["connected"] == attack["closed_by_proxy"] == 40
+    assert 0.9 <= attack["held_seconds"]["p50"] <= attack["held_seconds"]["max"] < 10
+    during = report["normal_requests"]["during_attack"]
+    assert during["sent"] >= 1 and during["ok"] == during["sent"]
+    assert report["proxy"]["rss_mib"]["peak"] >= report["proxy"]["rss_mib"]["before"] > 0
+
+
+def test_worker_peers_and_cpu_pinning_parse() -> None:
+    args = compare_args(["--peers", "epd_trio:w1,epd_trio:w2", "--proxy-cpus", "1",
+                         "--rest-cpus", "0,2-3"])
+    assert args.proxy_cpus == {1} and args.rest_cpus == {0, 2, 3}
+    peers, skipped = peer_commands(args, Backends((), ("http://p",), ("http://d",)))
+    assert skipped == [] and [p.name for p in peers] == ["epd_trio:w1", "epd_trio:w2"]
+    workers = []
+    for peer in peers:
+        assert peer.command is not None
+        cmd = peer.command(8000)
+        workers.append(cmd[cmd.index("--workers") + 1])
+    assert workers == ["1", "2"]

@@ -75,3 +75,19 @@ async def test_outer_cancellation_cancels_every_job() -> None:
     assert sorted(cancelled) == list(range(5))
     (exc,) = seen
     assert isinstance(exc, trio.Cancelled)  # one plain Cancelled, not a group of them
+
+
+async def test_one_job_runs_inline_with_the_same_outcome() -> None:
+    async def ok() -> str:
+        await trio.lowlevel.checkpoint()
+        return "done"
+
+    async def fails() -> str:
+        raise KeyError("the one failure")
+
+    assert await fan_out([ok]) == ["done"]
+    with pytest.raises(KeyError, match="the one failure"):  # plain, not in a group
+        await fan_out([fails])
+    with trio.move_on_after(0) as scope:  # cancellation passes straight through
+        await fan_out([ok])
+    assert scope.cancelled_caught

@@ -100,6 +100,11 @@ class Settings:
     admission_timeout: float = 1.0
     #: Largest client body accepted, in bytes (base64 media makes bodies big).
     max_body_bytes: int = 64 * 1024 * 1024
+    #: Seconds a client has to send its whole body once its head is in; slower gets a 408.
+    #: Hypercorn bounds the head (``--keep-alive``), nothing bounds the body, and a request
+    #: holds its admission place while its body arrives: without this, clients trickling
+    #: bodies would hold every place of ``max_inflight`` for ever.
+    body_timeout: float = 60.0
     #: Attempts per encoder sub-request and per prefill call (each on a different instance).
     max_attempts: int = 2
     #: Extra decode attempts (each re-runs prefill) when decode fails before its first byte.
@@ -301,6 +306,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "max_inflight": _positive_int,
     "admission_timeout": _non_negative_seconds,
     "max_body_bytes": _positive_int,
+    "body_timeout": _seconds,
     "max_attempts": _positive_int,
     "decode_retries": _non_negative_int,
     "health_interval": _seconds,

@@ -107,6 +107,18 @@ class BodyTooLarge(ProxyError):
         super().__init__(f"request body is larger than the limit of {limit} bytes")
 
 
+class BodyTimeout(ProxyError):
+    """The client did not send its whole body within ``EPD_BODY_TIMEOUT``."""
+
+    status = 408
+    type = "invalid_request_error"
+    #: The rest of the body may still come: the connection cannot carry another request.
+    headers = {"connection": "close"}  # noqa: RUF012 (never mutated)
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(f"request body not received within {limit:g} s")
+
+
 class Conflict(ProxyError):
     """A registration contradicts what is known (an instance changing its role)."""
 
