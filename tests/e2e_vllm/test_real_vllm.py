@@ -301,25 +301,16 @@ async def test_prompt_longer_than_the_context_is_vllms_400(
 async def test_the_load_scrape_reads_vllms_own_gauges(
     cluster: Cluster, client: httpx.AsyncClient, observe: Observe
 ) -> None:
-    """The names and labels ``_core/engine_load`` parses are what real vLLM exports, and a
-    running request shows up as the decode engine's load (issue 14)."""
+    """The names and labels ``_core/engine_load`` parses are what real vLLM exports (issue 14):
+    one series per engine, ``engine="0"`` here, and a KV usage between 0 and 1."""
     decode = cluster.url("decode")
-    body = salted(completion("Count slowly: one two three", max_tokens=400, min_tokens=400),
-                  stream=True)
-    async with client.stream("POST", decode + COMPLETIONS, json=body) as response:
-        assert response.status_code == 200
-        await anext(response.aiter_bytes())  # it is running now
-        async with proxy_for(cluster) as (_, proxy):
-            scraped = await scrape_once(
-                [(stage, Instance(cluster.url(stage))) for stage in ("encode", "prefill",
-                                                                     "decode")],
-                proxy.client, 10.0)
+    async with proxy_for(cluster) as (_, proxy):
+        scraped = await scrape_once([("decode", Instance(decode))], proxy.client, 10.0)
     page = (await client.get(decode + "/metrics")).text
     loads = engine_loads(page)
     assert set(loads) >= {"0"}, page[:2000]
     assert 0 <= loads["0"].kv_usage <= 1
-    assert scraped[("decode", (decode, None))] >= 1
-    assert {key[0] for key in scraped} == {"encode", "prefill", "decode"}
+    assert ("decode", (decode, None)) in scraped
     observe(f"decode /metrics: engine 0 running {loads['0'].running:g}, waiting "
             f"{loads['0'].waiting:g}, kv {loads['0'].kv_usage:.3f}; scraped {scraped}")
 
