@@ -11,10 +11,11 @@ The public surface is re-exported here from private modules. Where a client requ
     pool       _http.UpstreamClient / UpstreamPool: connections to vLLM (_h1: one connection)
     accounting _accounting: every leg's health, metrics and trace in one place
                (_metrics: Prometheus; _request_log: the log lines)
-    state      _cursors (routing positions under a trio.Lock), _roster_store (one process's
+    state      _cursors (routing positions under a trio.Lock, each with its stage's policy),
+               _loads (in-flight requests per stage and slot), _roster_store (one process's
                roster, or the shared memory of several workers), _fanout (one nursery per
-               fan-out), _prober (health probes), _profile, _moriio_listener (the MoRIIO
-               ZMQ registration socket on the trio loop)
+               fan-out), _prober (health probes), _load_scraper (vLLM's /metrics), _profile,
+               _moriio_listener (the MoRIIO ZMQ registration socket on the trio loop)
     core       _core/: pure logic, no I/O, no trio (its __init__ lists the modules)
     process    __main__ (``epd-trio``), _runner (workers), _serving (Hypercorn), _process,
                _environment (settings from file and environment), _logs

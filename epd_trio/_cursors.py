@@ -13,10 +13,17 @@ from collections.abc import Callable, Collection, Sequence
 import trio
 
 from ._core.counters import Counter, LocalCounter
+from ._core.policies import PrefixHint, SlotKey, StagePolicy, rotation
 from ._core.routing import Epoch, Instance, dp_slots, encoder_rr_assignment, rebase_epoch, slot_keys
 
 #: Which instances may be chosen right now (live, not already tried by this request...).
 Usable = Callable[[Instance], bool]
+#: The loads of some slots of the cursor's stage, in the order asked (``Loads.read``, bound).
+LoadView = Callable[[Sequence[SlotKey]], list[int]]
+
+
+def _no_load(keys: Sequence[SlotKey]) -> list[int]:
+    return [0] * len(keys)
 
 
 class EncoderCursor:
@@ -28,12 +35,20 @@ class EncoderCursor:
 
     The encoder list may change (``update``: instances registering or leaving); the rotation
     then continues where it stood instead of restarting at encoder 0 (``rebase_position``).
+
+    With another ``policy`` than round-robin, the cursor still advances by the item count (it
+    is the rotation the policy breaks ties with), and item ``i`` is chosen among the encoders
+    in rotation order from the cursor's position plus ``i``, on the ``loads`` read once per
+    request and raised by each item already assigned (so one request's items spread).
     """
 
     def __init__(
-        self, encoders: Sequence[Instance], start: int = 0, counter: Counter | None = None
+        self, encoders: Sequence[Instance], start: int = 0, counter: Counter | None = None,
+        *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
     ) -> None:
         self._encoders = tuple(encoders)
+        self._policy = policy if policy is not None else StagePolicy()
+        self._loads = loads
         self._counter = counter if counter is not None else LocalCounter(start)
         self._next = start
         self._epoch: Epoch = (0, 0)
@@ -63,11 +78,14 @@ class EncoderCursor:
         self._encoders, self._epoch = encoders, epoch
         self._generation += 1
 
-    async def assign(self, count: int, usable: Usable | None = None) -> list[Instance]:
+    async def assign(
+        self, count: int, usable: Usable | None = None, uuids: Sequence[str] = ()
+    ) -> list[Instance]:
         """The encoder for each of ``count`` items of one request, among the ``usable`` ones.
 
         Raises ``LookupError`` when no encoder is usable. Skipping an encoder keeps the others
         in their order; the cursor is a position in the usable list, so it stays fair.
+        ``uuids`` (the items' ``uuid``, in order) are the hints of ``cache_aware``.
         """
         async with self._lock:
             candidates = _usable(self._encoders, usable)
@@ -83,7 +101,24 @@ class EncoderCursor:
                     raise LookupError("no usable encoder")
             k0, i0 = self._epoch
             self._next = start + count
-        assigned, _ = encoder_rr_assignment(candidates, i0 + start - k0, count)
+        if not self._policy.reads_loads:
+            assigned, _ = encoder_rr_assignment(candidates, i0 + start - k0, count)
+            return assigned
+        return self._choose(candidates, i0 + start - k0, count, uuids)
+
+    def _choose(
+        self, candidates: Sequence[Instance], position: int, count: int, uuids: Sequence[str]
+    ) -> list[Instance]:
+        keys: list[SlotKey] = [(e.url, None) for e in candidates]
+        loads = self._loads(keys)
+        assigned = []
+        for i in range(count):
+            order = rotation(len(keys), position + i)
+            chosen = order[self._policy.choose(
+                [keys[j] for j in order], [loads[j] for j in order],
+                uuids[i] if i < len(uuids) else None)]
+            loads[chosen] += 1
+            assigned.append(candidates[chosen])
         return assigned
 
 
@@ -97,11 +132,23 @@ class SlotCursor:
     Request ``k`` (from 1) gets ``slots[(k - 1) % len(slots)]``; see ``dp_slots`` for the order.
     Advancing is synchronous (no checkpoint between read and write), so it is atomic under trio.
     When the instance list changes (``update``), the rotation continues where it stood.
+
+    With another ``policy``, the counter still advances once per decision, and the policy
+    chooses among the candidates in rotation order from there, on their ``loads`` (and, to
+    break ties, their ``sizes``: the work in flight there).
     """
 
-    def __init__(self, instances: Sequence[Instance], counter: Counter | None = None) -> None:
+    def __init__(
+        self, instances: Sequence[Instance], counter: Counter | None = None,
+        *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
+        sizes: LoadView | None = None,
+    ) -> None:
+        self._policy = policy if policy is not None else StagePolicy()
+        self._loads = loads
+        self._sizes = sizes
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
+        self._key_of = _keys_of(self._instances, self._slots)
         self._counter = counter if counter is not None else LocalCounter()
         self._epoch: Epoch = (0, 0)
         self._generation = 0
@@ -122,6 +169,7 @@ class SlotCursor:
             epoch = rebase_epoch(self._epoch, slot_keys(self._instances, dp=True),
                                  slot_keys(instances, dp=True), self._counter.fetch_add(0))
         self._instances, self._slots, self._epoch = instances, dp_slots(instances), epoch
+        self._key_of = _keys_of(instances, self._slots)
         self._generation += 1
 
     def _candidates(
@@ -135,14 +183,19 @@ class SlotCursor:
             and (self._instances[index], rank) not in exclude
         ]
 
+    @property
+    def policy(self) -> StagePolicy:
+        return self._policy
+
     def next(
-        self, usable: Usable | None = None, exclude: Collection[tuple[Instance, int | None]] = ()
+        self, usable: Usable | None = None, exclude: Collection[tuple[Instance, int | None]] = (),
+        hint: PrefixHint | None = None,
     ) -> tuple[Instance, int | None]:
         """The slot for the next request among the ``usable`` instances' slots, minus ``exclude``.
 
         Unusable instances' slots are left out and the rest keep their flat interleaved order
         (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable
-        (without advancing the counter).
+        (without advancing the counter). ``hint`` is the prompt, for ``cache_aware``.
         """
         slots = self._candidates(usable, exclude)
         if not slots:
@@ -154,5 +207,20 @@ class SlotCursor:
             if not slots:
                 raise LookupError("no usable instance for this stage")
         k0, i0 = self._epoch
-        index, rank = slots[(i0 + k - k0) % len(slots)]
+        position = (i0 + k - k0) % len(slots)
+        if self._policy.reads_loads and len(slots) > 1:
+            order = slots[position:] + slots[:position]
+            key_of = self._key_of
+            keys = [key_of[slot] for slot in order]
+            sizes = self._sizes(keys) if self._sizes is not None else None
+            index, rank = order[self._policy.choose(keys, self._loads(keys), hint, sizes)]
+        else:
+            index, rank = slots[position]
         return self._instances[index], rank
+
+
+def _keys_of(
+    instances: Sequence[Instance], slots: Sequence[tuple[int, int | None]]
+) -> dict[tuple[int, int | None], SlotKey]:
+    """Each slot's identity (URL, rank), computed once per roster rather than per decision."""
+    return {(index, rank): (instances[index].url, rank) for index, rank in slots}

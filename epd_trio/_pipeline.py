@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +32,7 @@ from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
-from ._core.failover import Failover, Slot, with_failover
+from ._core.failover import Allowed, Failover, Slot, next_slot, with_failover
 from ._core.health import Registry
 from ._core.moriio import (
     MoriioPeer,
@@ -42,6 +42,7 @@ from ._core.moriio import (
     prefill_kv_params,
 )
 from ._core.names import PATH_OF_KIND, RequestKind
+from ._core.policies import PrefixHint, prefix_hint, prompt_text
 from ._core.rewrite import (
     build_decode_body,
     build_prefill_body,
@@ -54,6 +55,7 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor, Usable
 from ._fanout import fan_out
 from ._http import UpstreamPool
+from ._loads import DECODE_TOKENS, Loads
 from ._upstream import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 
 #: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
@@ -78,11 +80,23 @@ class Reply:
 @dataclass(frozen=True, slots=True)
 class Routes:
     """The routing cursors of one proxy: the global encoder cursor and one slot cursor per
-    DP stage (their own counters: PROTOCOL.md "Decision")."""
+    DP stage (their own counters: PROTOCOL.md "Decision"), each with its stage's policy, and
+    the in-flight loads those policies read."""
 
     encoders: EncoderCursor
     prefills: SlotCursor
     decodes: SlotCursor
+    loads: Loads
+
+
+def requested_tokens(body: dict[str, Any]) -> int:
+    """The request's own bound on its answer (``max_tokens`` or ``max_completion_tokens``),
+    0 when it gives none: the size estimate that breaks decode's load ties."""
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 class Pipeline:
@@ -135,6 +149,10 @@ class Pipeline:
                           request_id, ", ".join(request.dropped))
             account.trace.stream = request.stream
             body, items = with_item_uuids(request)
+            routes = self._routes
+            hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
+                routes.prefills.policy.name, routes.decodes.policy.name) else None)
+            size = requested_tokens(body) if self._settings.size_tiebreak else 0
             registry = self._registry
             if not registry.has("decode"):
                 raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
@@ -145,7 +163,7 @@ class Pipeline:
             if self._peer is not None and not with_prefill:
                 raise NoInstance("MoRIIO needs a prefill instance: none is registered")  # noqa: TRY301
             prefills_tried: set[Slot] = set()
-            prefills = self._routes.prefills
+            prefills = routes.prefills
 
             async def attempt(slot: Slot) -> Reply:
                 """One attempt from the client's body: encode (again, on a retry: the handles
@@ -153,11 +171,35 @@ class Pipeline:
                 nonlocal attempts, stage
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
+                # The decode slot is counted from its choice (this attempt starts right after
+                # it, with no checkpoint between), through the prefill, until the stream ends.
+                key = (slot[0].url, slot[1])
+                release = routes.loads.take("decode", key)
+                if size:
+                    release_count = release
+                    release_size = routes.loads.take(DECODE_TOKENS, key, size)
+
+                    def release() -> None:
+                        release_count()
+                        release_size()
+                try:
+                    reply = await legs(slot, leg_id)
+                except BaseException:
+                    release()
+                    raise
+                if reply.stream is None:
+                    release()
+                else:
+                    resources.callback(release)
+                return reply
+
+            async def legs(slot: Slot, leg_id: str) -> Reply:
+                nonlocal stage
                 # The consumer slot is chosen before the encoders are called (as upstream):
                 # a push consumer's address goes on the encoder sub-requests.
                 first_prefill: Slot | None = None
                 if with_prefill and self._peer is None:
-                    first_prefill = await self._next_slot(prefills, "prefill", set())
+                    first_prefill = await self._next_slot(prefills, "prefill", hint, ())
                     if first_prefill is None:
                         raise NoInstance("no prefill instance is configured or registered")  # noqa: TRY301
                 consumer_body = body
@@ -173,25 +215,27 @@ class Pipeline:
                         stage = name
 
                     return await self._moriio(account, slot, consumer_body, body, request.stream,
-                                              path, request_id, resources, prefills_tried, at)
+                                              path, request_id, resources, prefills_tried, hint,
+                                              at)
                 decode_body: dict[str, Any] = consumer_body
                 if first_prefill is not None:
                     stage = "prefill"
                     # Decode after a prefill gets the client's body (items with their uuid):
                     # it is no encoder-cache consumer, and vLLM wants embeds values there.
                     decode_body = await self._prefill(account, consumer_body, body, path,
-                                                      leg_id, first_prefill)
+                                                      leg_id, first_prefill, hint)
                 stage = "decode"
                 return await self._decode(account, slot, decode_body, request.stream, path,
                                           leg_id, resources)
 
-            decodes = self._routes.decodes
-            first = await self._next_slot(decodes, "decode", set())
+            decodes = routes.decodes
+            first = await self._next_slot(decodes, "decode", hint, ())
             if first is None:  # the last decode instance left while this request started
                 raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
             reply = await with_failover(
                 self._decode_failover, "decode", first, attempt,
-                partial(self._next_slot, decodes, "decode", any_slot=True), account.retried,
+                partial(self._next_slot, decodes, "decode", hint, any_slot=True),
+                account.retried,
                 # MoRIIO WRITE: prefill runs beside decode, with no failover of its own.
                 also_retry=("prefill",) if self._peer is not None
                 and self._transfer_mode() == "WRITE" else ())
@@ -203,68 +247,44 @@ class Pipeline:
         return reply
 
     async def _next_slot(
-        self, cursor: SlotCursor, stage: str, tried: set[Slot], any_slot: bool = False
+        self, cursor: SlotCursor, stage: str, hint: PrefixHint | None, tried: Collection[Slot],
+        any_slot: bool = False,
     ) -> Slot | None:
-        """The next slot for a request that already tried ``tried``, in this order: a usable
-        instance not tried yet; an instance not tried yet that is out of rotation; with
-        ``any_slot``, an untried slot (another DP rank) of a tried instance, and when the stage
-        has a single slot, that slot again.
-
-        Why an instance out of rotation: it may be back already (restarted and listening, its
-        next probe not yet due), and trying it beats failing the request for sure, as panic
-        mode does for a whole stage.
-
-        Why the same slot: with one decode slot there is no *other* to fail over to, and the
-        failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
-        upstream's proxy retries its only decode instance; the retry stays within
-        ``decode_retries`` and re-runs prefill."""
+        """The next slot for a request that already tried ``tried``, chosen by the stage's
+        policy within each step of ``fallback_steps`` (untried usable instances first; with
+        ``any_slot``, other DP ranks, and a single slot again), among the instances a leg may
+        go to at all (``_routable``)."""
         routable = self._routable()
-        live = self._registry.usable(stage)
 
-        def usable(inst: Instance) -> bool:
-            return live(inst) and routable(inst)
+        async def choose(allowed: Allowed | None, exclude: Collection[Slot]) -> Slot:
+            if routable is not None:
+                step = allowed
+                allowed = (lambda inst: routable(inst)) if step is None else (
+                    lambda inst: routable(inst) and step(inst))
+            return cursor.next(allowed, exclude, hint)
 
-        urls = {inst.url for inst, _ in tried}
-        try:
-            return cursor.next(lambda inst: inst.url not in urls and usable(inst))
-        except LookupError:
-            pass
-        if tried:
-            try:
-                return cursor.next(lambda inst: inst.url not in urls and routable(inst))
-            except LookupError:
-                pass
-        if not any_slot:
-            return None
-        try:
-            return cursor.next(usable, exclude=tried)
-        except LookupError:
-            pass
-        if cursor.slot_count == 1:
-            try:
-                return cursor.next(routable)
-            except LookupError:
-                return None
-        return None
+        return await next_slot(choose, tried, self._registry.usable(stage), other_ranks=any_slot,
+                               slot_count=cursor.slot_count)
 
-    def _routable(self) -> Usable:
+    def _routable(self) -> Usable | None:
         """Which instances a leg may go to at all: with MoRIIO, only those whose ZMQ address is
-        known (the connector finds its peer in the request id); otherwise any."""
+        known (the connector finds its peer in the request id); None: any."""
         peer = self._peer
         if peer is None:
-            return lambda inst: True
+            return None
         return lambda inst: peer(inst) is not None
 
     async def _prefill(
         self, account: RequestAccount, body: dict[str, Any], decode_base: dict[str, Any],
-        path: str, request_id: str, first: Slot,
+        path: str, request_id: str, first: Slot, hint: PrefixHint | None,
     ) -> dict[str, Any]:
         """Prefill ``body`` on ``first`` (with failover); ``decode_base`` with the KV handle."""
         prefill_body = build_prefill_body(body)
+        loads = self._routes.loads
 
         async def attempt(slot: Slot) -> Answer:
             instance, rank = slot
-            with account.leg("prefill", slot):
+            with loads.held("prefill", (instance.url, rank)), account.leg("prefill", slot):
                 return await post_json(
                     self._pools(instance), stage="prefill", instance=instance, path=path,
                     body=prefill_body, headers=upstream_headers(request_id, rank),
@@ -273,7 +293,7 @@ class Pipeline:
 
         prefills = self._routes.prefills
         response = await with_failover(self._stage_failover, "prefill", first, attempt,
-                                       partial(self._next_slot, prefills, "prefill"),
+                                       partial(self._next_slot, prefills, "prefill", hint),
                                        account.retried)
         params = kv_transfer_params_of(response.content)
         if params is None:
@@ -297,8 +317,8 @@ class Pipeline:
             self._pools, self._routes.encoders, body=body, items=items,
             request_id=request_id, max_batch=self._settings.encoder_max_batch,
             deadline=self._settings.encode_timeout, usable=self._registry.usable("encode"),
-            failover=self._stage_failover, observer=account, consumer_zmq=consumer_zmq,
-            transfer_ids=transfer_ids)
+            failover=self._stage_failover, observer=account, loads=self._routes.loads,
+            consumer_zmq=consumer_zmq, transfer_ids=transfer_ids)
         account.encoded(calls)
         handoff = match_reports(
             [EncoderReport(c.instance.url, c.item_indices, c.ec_transfer_params) for c in calls],
@@ -308,7 +328,7 @@ class Pipeline:
     async def _moriio(
         self, account: RequestAccount, slot: Slot, body: dict[str, Any],
         decode_base: dict[str, Any], stream: bool, path: str, client_id: str,
-        resources: AsyncExitStack, prefills_tried: set[Slot],
+        resources: AsyncExitStack, prefills_tried: set[Slot], hint: PrefixHint | None = None,
         at: Callable[[str], None] = lambda stage: None,
     ) -> Reply:
         """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
@@ -342,8 +362,11 @@ class Pipeline:
                             "kv_transfer_params": prefill_kv_params(transfer_id, decode_peer)}
             return leg_id, transfer_id, prefill_peer, prefill_body
 
+        loads = self._routes.loads
+
         async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any]) -> Answer:
-            with account.leg("prefill", prefill):
+            with loads.held("prefill", (prefill[0].url, prefill[1])), \
+                    account.leg("prefill", prefill):
                 return await post_json(
                     self._pools(prefill[0]), stage="prefill", instance=prefill[0], path=path,
                     body=prefill_body, headers=upstream_headers(leg_id, prefill[1]),
@@ -355,12 +378,12 @@ class Pipeline:
                 answer = await prefill_call(prefill, leg_id, prefill_body)
                 return prefill, leg_id, transfer_id, prefill_peer, answer
 
-            first = await self._next_slot(prefills, "prefill", set())
+            first = await self._next_slot(prefills, "prefill", hint, ())
             if first is None:
                 raise NoInstance("no MoRIIO prefill instance is registered")
             prefill, leg_id, transfer_id, prefill_peer, answer = await with_failover(
                 self._stage_failover, "prefill", first, read_attempt,
-                partial(self._next_slot, prefills, "prefill"), account.retried)
+                partial(self._next_slot, prefills, "prefill", hint), account.retried)
             handle = kv_transfer_params_of(answer.content)
             if handle is None:
                 account.kv_missing()
@@ -370,8 +393,8 @@ class Pipeline:
             return await self._decode(account, slot, decode_body, stream, path, leg_id,
                                       resources)
 
-        prefill = (await self._next_slot(prefills, "prefill", prefills_tried)
-                   or await self._next_slot(prefills, "prefill", set()))
+        prefill = (await self._next_slot(prefills, "prefill", hint, prefills_tried)
+                   or await self._next_slot(prefills, "prefill", hint, ()))
         if prefill is None:
             raise NoInstance("no MoRIIO prefill instance is registered")
         leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)

@@ -26,6 +26,7 @@ from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.moriio import MoriioRegistration
 from ._core.names import ROLES, STAGES, RequestKind
+from ._core.policies import Balance, StagePolicy
 from ._core.roster import (
     Roster,
     expired,
@@ -42,6 +43,8 @@ from ._core.roster import (
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
+from ._load_scraper import run_load_scraper
+from ._loads import DECODE_TOKENS, Loads
 from ._metrics import ProxyMetrics
 from ._moriio_listener import RegistrationListener
 from ._pipeline import Pipeline, Reply, Routes
@@ -86,18 +89,29 @@ class Proxy:
             self.moriio_listener = RegistrationListener(
                 settings.moriio_registration, register=self.register_moriio,
                 expire=self.expire_moriio, ttl=settings.moriio_ttl, clock=clock)
-        counters, self._store = routing_state(shared)
+        counters, self._store, load_table = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
         self.metrics = ProxyMetrics(enabled=settings.metrics)
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
-        self.encoders = EncoderCursor((), counter=counters.encode)
-        self.prefills = SlotCursor((), counter=counters.prefill)
-        self.decodes = SlotCursor((), counter=counters.decode)
+        #: In-flight requests per stage and slot: what the load-aware policies read.
+        self.loads = Loads(load_table)
+        self.encoders = EncoderCursor((), counter=counters.encode,
+                                      policy=stage_policy(settings, "encode"),
+                                      loads=partial(self.loads.read, "encode"))
+        self.prefills = SlotCursor((), counter=counters.prefill,
+                                   policy=stage_policy(settings, "prefill"),
+                                   loads=partial(self.loads.read, "prefill"))
+        self.decodes = SlotCursor((), counter=counters.decode,
+                                  policy=stage_policy(settings, "decode"),
+                                  loads=partial(self.loads.read, "decode"),
+                                  sizes=(partial(self.loads.read, DECODE_TOKENS)
+                                         if settings.size_tiebreak else None))
         self.pipeline = Pipeline(
             settings, pools=self.client,
-            routes=Routes(self.encoders, self.prefills, self.decodes), registry=self.registry,
+            routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
+            registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log),
             moriio_peer=lambda inst: self.roster.moriio_peer(inst.url),
             transfer_mode=lambda: self.roster.transfer_mode,
@@ -282,6 +296,16 @@ class Proxy:
                     self.registry, interval=self.settings.health_interval,
                     before_round=self._store.poll))
                 nursery.start_soon(self._housekeeping)
+                if self.settings.load_scrape_interval > 0:
+                    nursery.start_soon(partial(
+                        run_load_scraper, self._scrape_targets, client.pool, self.loads,
+                        interval=self.settings.load_scrape_interval,
+                        deadline=self.settings.health_timeout))
+
+    def _scrape_targets(self) -> list[tuple[str, Instance]]:
+        """Every instance the load-aware policies may read a scrape of, by stage."""
+        self._store.poll()
+        return [(m.stage, m.instance) for m in self.roster.members]
 
     async def _housekeeping(self) -> None:
         """Twice per upstream keep-alive: close the idle connections past it and the pools
@@ -355,6 +379,13 @@ class Proxy:
         targets = [(m.role, m.instance) for m in self.roster.members]
         return await run_profile(action, raw_body, targets, self.client,
                                  deadline=self.settings.profile_timeout)
+
+
+def stage_policy(settings: Settings, stage: str) -> StagePolicy:
+    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs)."""
+    return StagePolicy(getattr(settings, f"{stage}_policy"),
+                       Balance(settings.cache_balance_abs, settings.cache_balance_rel),
+                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size)
 
 
 def _log_health_change(state: Any) -> None:

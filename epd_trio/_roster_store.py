@@ -35,6 +35,7 @@ from ._core.counters import Counter, CursorCounters
 from ._core.errors import RosterFull
 from ._core.names import STAGES
 from ._core.roster import Roster
+from ._loads import LoadTable, LocalLoadTable, SharedLoadTable
 
 T = TypeVar("T")
 #: A change: the current roster and the counters' values -> the new roster and a result.
@@ -56,12 +57,15 @@ class RosterStore(Protocol):
     def current(self) -> Roster: ...
 
 
-def routing_state(shared: SharedRoutingState | None) -> tuple[CursorCounters, RosterStore]:
-    """The counters and the roster store of one proxy: this process's own, or ``shared``'s."""
+def routing_state(
+    shared: SharedRoutingState | None,
+) -> tuple[CursorCounters, RosterStore, LoadTable]:
+    """The counters, the roster store and the in-flight load table of one proxy: this
+    process's own, or ``shared``'s."""
     if shared is None:
         counters = CursorCounters.local()
-        return counters, LocalRosterStore(counters)
-    return shared.counters(), shared
+        return counters, LocalRosterStore(counters), LocalLoadTable()
+    return shared.counters(), shared, shared.loads
 
 
 class LocalRosterStore:
@@ -108,6 +112,8 @@ class SharedRoutingState:
         self._lock = ctx.Lock()
         self._words = ctx.RawArray(c_int64, _LENGTH + 1)
         self._blob = ctx.RawArray(c_char, capacity)
+        #: The in-flight counts per slot the load-aware policies read (``_loads``).
+        self.loads = SharedLoadTable(ctx)
         self._init_local()
 
     def _init_local(self) -> None:
@@ -116,7 +122,8 @@ class SharedRoutingState:
         self._listener: Listener | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"_lock": self._lock, "_words": self._words, "_blob": self._blob}
+        return {"_lock": self._lock, "_words": self._words, "_blob": self._blob,
+                "loads": self.loads}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

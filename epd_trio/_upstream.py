@@ -29,7 +29,16 @@ from ._core.errors import (
     UpstreamTransportError,
     sse_error_event,
 )
-from ._core.failover import NO_FAILOVER, UNOBSERVED, Failover, LegObserver, Slot, with_failover
+from ._core.failover import (
+    NO_FAILOVER,
+    UNOBSERVED,
+    Allowed,
+    Failover,
+    LegObserver,
+    Slot,
+    next_slot,
+    with_failover,
+)
 from ._core.names import CHAT_PATH
 from ._core.rewrite import build_encoder_body, ec_transfer_params_of, upstream_headers
 from ._core.routing import Instance, group_by_target
@@ -44,6 +53,7 @@ from ._http import (
     UpstreamPool,
     UpstreamResponse,
 )
+from ._loads import Loads
 
 
 def upstream_auth_headers(settings: Settings) -> dict[str, str]:
@@ -354,6 +364,7 @@ async def run_encoder_fanout(
     observer: LegObserver = UNOBSERVED,
     consumer_zmq: str | None = None,
     transfer_ids: Sequence[str] = (),
+    loads: Loads | None = None,
 ) -> list[EncoderCall]:
     """Encode every media item of one request, concurrently, on round-robin encoders.
 
@@ -368,12 +379,16 @@ async def run_encoder_fanout(
     attempt is bounded by ``deadline`` seconds and reported to ``observer`` (the proxy's
     accounting). ``EncoderCall.instance`` is where it succeeded, and ``ec_transfer_params``
     what that encoder reported. With a push (Mooncake) consumer, each sub-request names
-    ``consumer_zmq`` and its items' ``transfer_ids`` (by global item index).
+    ``consumer_zmq`` and its items' ``transfer_ids`` (by global item index). ``loads`` counts
+    each attempt's items in flight at its encoder (what the load-aware policies read); the
+    failover order is ``fallback_steps``, with the cursor's policy choosing within each step.
     """
     if not items:
         return []
     pool_for: PoolFor = client.pool if isinstance(client, UpstreamClient) else client
-    assigned = await cursor.assign(len(items), usable)
+    uuids = [str(item.get("uuid")) for item in items]
+    book = loads if loads is not None else Loads()  # a caller without policies: counts nothing
+    assigned = await cursor.assign(len(items), usable, uuids)
     planned = [
         EncoderCall(k, instance, tuple(indices))
         for k, (instance, indices) in enumerate(group_by_target(assigned, max_batch))
@@ -388,7 +403,8 @@ async def run_encoder_fanout(
         detail = f"items {list(call.item_indices)}: "
 
         async def attempt(slot: Slot) -> EncoderCall:
-            with observer.leg("encode", slot):
+            with book.held("encode", (slot[0].url, None), len(call.item_indices)), \
+                    observer.leg("encode", slot):
                 answer = await post_json(
                     pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
                     body=encoder_body, headers=headers, deadline=deadline, detail=detail,
@@ -396,19 +412,18 @@ async def run_encoder_fanout(
             return replace(call, instance=slot[0],
                            ec_transfer_params=ec_transfer_params_of(answer.content))
 
+        async def choose(allowed: Allowed | None, exclude: object) -> Slot:
+            (instance,) = await cursor.assign(1, allowed, [uuids[call.item_indices[0]]])
+            return instance, None
+
         async def pick_next(tried: set[Slot]) -> Slot | None:
-            urls = {inst.url for inst, _ in tried}
-            # An untried encoder in rotation, else one out of it (it may be back already).
-            for allowed in (lambda e: e.url not in urls and (usable is None or usable(e)),
-                            lambda e: e.url not in urls):
-                try:
-                    (instance,) = await cursor.assign(1, allowed)
-                except LookupError:
-                    continue
-                return instance, None
-            return None
+            return await next_slot(choose, tried, usable or _anything)
 
         return await with_failover(failover, "encode", (call.instance, None), attempt, pick_next,
                                    observer.retried)
 
     return await fan_out([partial(encode, call) for call in planned])
+
+
+def _anything(instance: Instance) -> bool:
+    return True

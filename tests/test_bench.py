@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import sys
@@ -215,6 +216,46 @@ async def test_compare_runs_epd_trio_and_direct_side_by_side(tmp_path: Path) -> 
     assert by_peer["epd_trio"]["ok"] == 20 and by_peer["direct"]["ok"] == 20
     assert by_peer["epd_trio"]["proxy_cpu_us_per_token"] > 0
     assert by_peer["epd_trio"]["events_per_request"] == 6  # the role chunk and 5 tokens
+
+
+# -- bench.policies: its workload, its ideal, and a tiny real run ---------------------------------
+def _policies_args(*extra: str) -> argparse.Namespace:
+    from bench.policies import parse_args as policies_args
+    return policies_args(["--duration", "4", "--prefixes", "2", "--prefix-share", "1",
+                          "--image-share", "0", *extra])
+
+
+def test_policies_workload_is_reproducible_and_its_ideal_counts_first_misses() -> None:
+    from bench.policies import ideal_hit_rate, policy_sets, workload
+    args = _policies_args()
+    jobs = workload(args, rate=5.0)
+    assert jobs == workload(args, rate=5.0) and len(jobs) > 5
+    assert all(0 < job.at < 4 for job in jobs)
+    # Two prefixes of 512 tokens: each misses once, then its 32 blocks always hit.
+    per_prompt = 512 + args.question_words
+    expected = (len(jobs) - 2) * 512 / (len(jobs) * per_prompt)
+    assert ideal_hit_rate(jobs) == pytest.approx(expected)
+    assert policy_sets("round_robin,cache_aware/least_loaded/power_of_two/counts") == {
+        "round_robin": ("round_robin", "round_robin", "round_robin", True),
+        "cache_aware/least_loaded/power_of_two/counts": (
+            "cache_aware", "least_loaded", "power_of_two", False)}
+
+
+async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
+    report_path = tmp_path / "policies.json"
+    with trio.fail_after(120):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.policies", "--duration", "2", "--load", "0.3",
+             "--policies", "round_robin,round_robin/cache_aware/least_loaded",
+             "--long-tokens", "32", "--decision-rounds", "50", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    rows = json.loads(report_path.read_text())["rows"]
+    assert [row["policy"] for row in rows] == ["round_robin", "round_robin/cache_aware/least_loaded"]
+    assert all(row["failed"] == 0 and row["requests"] > 0 for row in rows)
+    assert all(0 <= row["hit_rate"] <= 1 for row in rows)
+    assert "| round_robin | 30% " in out and "decision cost" in out
 
 
 async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:

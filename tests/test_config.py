@@ -147,10 +147,10 @@ async def test_the_upstream_pools_use_the_keepalive_setting() -> None:
 
 def test_unknown_epd_variables_are_named_with_the_closest_known_one() -> None:
     from epd_trio._core.config import unknown_settings
-    environ = {"EPD_PREFIL_URLS": "http://p:1", "EPD_DECODE_POLICY": "least_loaded",
+    environ = {"EPD_PREFIL_URLS": "http://p:1", "EPD_DECODE_POLICE": "least_loaded",
                "EPD_DECODE_URLS": "http://d:1", "EPD_CONFIG": "", "EPD_BENCH_EPD_PROXY": "x",
                "EPD_E2E_HOME": "/tmp", "EPD_VLLM_HOME": "/tmp", "VLLM_X": "1"}
-    assert unknown_settings(environ) == [("EPD_DECODE_POLICY", None),
+    assert unknown_settings(environ) == [("EPD_DECODE_POLICE", "EPD_DECODE_POLICY"),
                                          ("EPD_PREFIL_URLS", "EPD_PREFILL_URLS")]
 
 

@@ -155,10 +155,12 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
         return "sample-key"
     if isinstance(default, bool):
         return "false" if default else "true"
+    if isinstance(default, float) and 0 < default < 1:
+        return str(default / 2)  # a fraction (cache_threshold)
     if isinstance(default, int | float):
         return str(default + 1)
     samples = {"INFO": "DEBUG", "text": "json", "generic": "moriio",
-               "0.0.0.0:36367": "127.0.0.1:36368"}
+               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
 

@@ -15,7 +15,9 @@ siblings.
     config      ``Settings``: every setting, its default, and how it is parsed
     auth        the client-key and admin-key checks
     health      per-instance health and load state, and the rotation rules
-    failover    which failures are retried where, and the leg-observer protocol
+    failover    which failures are retried where, the fallback order, the leg-observer protocol
+    policies    the routing policies per stage and their bounded affinity indexes
+    engine_load vLLM's load gauges, read from a /metrics page
     trace       what happened to one request: the record behind its metrics and log line
     counters    what a routing counter is (the shared one lives in the shell)
     moriio      MoRIIO registration frames, its request id and both legs' kv_transfer_params

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .policies import DEFAULT_POLICY, POLICIES
 from .routing import Instance, parse_instance
 
 ENV_PREFIX = "EPD_"
@@ -40,6 +41,32 @@ class Settings:
     decode_urls: tuple[Instance, ...] = ()
     #: Max media items per encoder sub-request (0 = no cap, 1 = one item per sub-request).
     encoder_max_batch: int = 0
+    #: How the encode stage picks an encoder per media item (``_core/policies.py``):
+    #: ``round_robin`` (the global cursor), ``least_loaded``, ``power_of_two``, ``cache_aware``.
+    encode_policy: str = DEFAULT_POLICY
+    #: How the prefill stage picks an (instance, DP rank) slot (the same four policies).
+    prefill_policy: str = DEFAULT_POLICY
+    #: How the decode stage picks an (instance, DP rank) slot (the same four policies).
+    decode_policy: str = DEFAULT_POLICY
+    #: ``least_loaded`` and ``cache_aware`` on decode: among slots with equally many requests
+    #: in flight, prefer the one with the fewest ``max_tokens`` in flight (a request without
+    #: ``max_tokens`` counts 0). Only a tie-break: the count stays the signal (README).
+    size_tiebreak: bool = True
+    #: ``cache_aware``: the preferred slot gives way when its in-flight count exceeds the least
+    #: loaded candidate's by more than this many requests (and by ``cache_balance_rel``).
+    #: SGLang's 64 suits engines batching hundreds; 8 suits a ``--max-num-seqs`` of tens.
+    cache_balance_abs: int = 8
+    #: ``cache_aware``: ... and by more than this factor (SGLang's default, 1.5).
+    cache_balance_rel: float = 1.5
+    #: ``cache_aware``: the share of a prompt's first 4096 characters that must match a known
+    #: prefix for its slot to be preferred (SGLang's ``--cache-threshold``, 0.3).
+    cache_threshold: float = 0.3
+    #: ``cache_aware``: keys remembered per stage and worker (512-character prompt blocks, or
+    #: media uuids), least recently used first out; a few MiB at the default.
+    cache_size: int = 65_536
+    #: Seconds between two scrapes of each instance's ``/metrics`` for its running and waiting
+    #: requests (load other proxies and clients create); 0 = off, the proxy's own counts only.
+    load_scrape_interval: float = 0.0
     #: Seconds to establish a TCP connection to an instance.
     connect_timeout: float = 10.0
     #: Seconds for the whole encoder stage of one request.
@@ -230,6 +257,9 @@ SETTING_CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     "log_format": ("text", "json"),
     "kv_connector": ("generic", "moriio"),
+    "encode_policy": POLICIES,
+    "prefill_policy": POLICIES,
+    "decode_policy": POLICIES,
 }
 
 
@@ -257,11 +287,38 @@ def _bind_address(raw: Any) -> str:
     return value
 
 
+def _number(raw: Any, low: float, high: float) -> float:
+    try:
+        value = float(raw) if not isinstance(raw, bool) else math.nan
+    except (TypeError, ValueError):
+        value = math.nan
+    if not low <= value <= high:
+        raise ValueError(f"expected a number from {low:g} to {high:g}, got {raw!r}")
+    return value
+
+
+def _fraction(raw: Any) -> float:
+    return _number(raw, 0.0, 1.0)
+
+
+def _factor(raw: Any) -> float:
+    return _number(raw, 1.0, 1e6)
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "encode_urls": _instances,
     "prefill_urls": _instances,
     "decode_urls": _instances,
     "encoder_max_batch": _non_negative_int,
+    "encode_policy": _choice(POLICIES),
+    "prefill_policy": _choice(POLICIES),
+    "decode_policy": _choice(POLICIES),
+    "size_tiebreak": _bool,
+    "cache_balance_abs": _non_negative_int,
+    "cache_balance_rel": _factor,
+    "cache_threshold": _fraction,
+    "cache_size": _positive_int,
+    "load_scrape_interval": _non_negative_seconds,
     "connect_timeout": _seconds,
     "encode_timeout": _seconds,
     "prefill_timeout": _seconds,
@@ -307,7 +364,7 @@ def unknown_settings(environ: Mapping[str, str]) -> list[tuple[str, str | None]]
     """The ``EPD_*`` variables that name no setting, each with the closest known name (or None).
 
     Why: an unknown variable is ignored, so a typo (``EPD_PREFIL_URLS``) or a setting this
-    version does not have (``EPD_DECODE_POLICY``) would start the proxy as if nothing had been
+    version does not have (``EPD_RATE_LIMIT``) would start the proxy as if nothing had been
     said. vLLM warns about unknown ``VLLM_*`` variables the same way.
     """
     known = {env_name(name) for name in _PARSERS} | {ENV_PREFIX + "CONFIG"}

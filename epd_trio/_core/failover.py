@@ -108,3 +108,57 @@ async def with_failover(
             if on_retry is not None:
                 on_retry(stage, slot[0], error)
             slot = following
+
+
+#: Which instances a fallback step may choose (None: any), and which slots it must not.
+Allowed = Callable[[Instance], bool]
+#: Choose a slot among the ``allowed`` instances' slots minus ``exclude``, by the stage's
+#: policy; raises ``LookupError`` when there is none.
+Choose = Callable[[Allowed | None, Collection[Slot]], Awaitable[Slot]]
+
+
+def fallback_steps(
+    tried: Collection[Slot], usable: Allowed, *, other_ranks: bool, slot_count: int
+) -> list[tuple[Allowed | None, Collection[Slot]]]:
+    """Where a request that already tried ``tried`` looks next, in this order (the first step
+    that has a candidate wins, and the policy chooses within it):
+
+    1. a usable instance not tried yet;
+    2. (after a failure) an instance not tried yet that is out of rotation;
+    3. with ``other_ranks``, an untried slot (another DP rank) of a usable instance;
+    4. with ``other_ranks`` and a single slot in the stage, that slot again.
+
+    Why an instance out of rotation: it may be back already (restarted and listening, its
+    next probe not yet due), and trying it beats failing the request for sure, as panic
+    mode does for a whole stage.
+
+    Why the same slot: with one decode slot there is no *other* to fail over to, and the
+    failures worth retrying (a failed KV pull, an engine hiccup) are often transient, so
+    upstream's proxy retries its only decode instance; the retry stays within
+    ``decode_retries``. The first choice of a request is step 1 alone (``tried`` is empty).
+    """
+    urls = {instance.url for instance, _ in tried}
+    steps: list[tuple[Allowed | None, Collection[Slot]]] = [
+        (lambda inst: inst.url not in urls and usable(inst), ())]
+    if tried:
+        steps.append((lambda inst: inst.url not in urls, ()))
+    if other_ranks:
+        steps.append((usable, tried))
+        if slot_count == 1:
+            steps.append((None, ()))
+    return steps
+
+
+async def next_slot(
+    choose: Choose, tried: Collection[Slot], usable: Allowed, *, other_ranks: bool = False,
+    slot_count: int = 0,
+) -> Slot | None:
+    """The first slot ``fallback_steps`` yields, chosen by ``choose``; None when no step has
+    one (the retries end there)."""
+    for allowed, exclude in fallback_steps(tried, usable, other_ranks=other_ranks,
+                                           slot_count=slot_count):
+        try:
+            return await choose(allowed, exclude)
+        except LookupError:
+            continue
+    return None

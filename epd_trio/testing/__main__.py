@@ -2,6 +2,11 @@
 
     python -m epd_trio.testing --role decode --port 8200 --dp 2     one server
     python -m epd_trio.testing --cluster 3,2x2,2x2                  encoders, prefills x DP, decodes x DP
+    python -m epd_trio.testing --role decode --dp 4 --sim --max-num-seqs 8   a simulated engine
+
+``--sim`` answers through the simulated batch engine (``epd_trio.testing.sim_engine``: batches of
+``--max-num-seqs`` per rank, step times, prefix and encoder caches, vLLM's load gauges on
+``GET /metrics``); its other flags are that engine's parameters.
 
 ``--cluster`` starts a whole fake EPD cluster in this process on free ports and prints one
 ``EPD_ENCODE_URLS=...`` / ``EPD_PREFILL_URLS=...`` / ``EPD_DECODE_URLS=...`` line per role
@@ -14,10 +19,12 @@ import argparse
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 
 import trio
 
 from .fake_vllm import ROLES, Behaviour, FakeVLLM, Role
+from .sim_engine import EngineConfig, SimEngine
 
 
 def parse_cluster(spec: str) -> list[tuple[Role, int, int]]:
@@ -50,7 +57,7 @@ async def _run(args: argparse.Namespace) -> None:
                 urls = []
                 for _ in range(count):
                     fake = FakeVLLM(role=role, dp_size=dp, model=args.model, behaviour=behaviour,
-                                    api_key=args.api_key)
+                                    api_key=args.api_key, engine=_engine(args, dp))
                     url = await nursery.start(fake.serve, args.host)
                     urls.append(f"{url}#dp={dp}" if dp > 1 else url)
                 name = {"encode": "ENCODE", "prefill": "PREFILL"}.get(role, "DECODE")
@@ -58,7 +65,8 @@ async def _run(args: argparse.Namespace) -> None:
             print("ready", flush=True)
         else:
             fake = FakeVLLM(role=args.role, dp_size=args.dp, model=args.model,
-                            behaviour=behaviour, api_key=args.api_key)
+                            behaviour=behaviour, api_key=args.api_key,
+                            engine=_engine(args, args.dp))
             url = await nursery.start(fake.serve, args.host, args.port)
             print(f"fake vLLM {args.role} (DP{args.dp}, model {args.model!r}) on {url}",
                   flush=True)
@@ -66,6 +74,13 @@ async def _run(args: argparse.Namespace) -> None:
             async for _ in signals:
                 break
         nursery.cancel_scope.cancel()
+
+
+def _engine(args: argparse.Namespace, dp: int) -> SimEngine | None:
+    if not args.sim:
+        return None
+    config = EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+    return SimEngine(config, dp)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "--api-key)")
     parser.add_argument("--profiler", action="store_true",
                         help="serve /start_profile and /stop_profile (else they are 404)")
+    parser.add_argument("--sim", action="store_true",
+                        help="answer through the simulated batch engine (the flags below)")
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        default = getattr(defaults, f.name)
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(default),
+                            default=default, help=f"--sim: {f.name} (default {default})")
     trio.run(_run, parser.parse_args(argv))
     return 0
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -35,6 +35,7 @@ import trio
 
 from .._serving import quiet_config, serve_app
 from .moriio import MoriioSide
+from .sim_engine import SimEngine
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 ROLES: tuple[Role, ...] = ("encode", "prefill", "decode", "prefill_decode")
@@ -114,6 +115,9 @@ class FakeVLLM:
     #: producer, a WRITE-mode decode waits for its prefill's KV.
     moriio: MoriioSide | None = None
     behaviour: Behaviour = field(default_factory=Behaviour)
+    #: A simulated batch engine (``sim_engine``): answers are paced by its steps, its prefix
+    #: and encoder caches, and ``GET /metrics`` serves its gauges. None: fixed delays only.
+    engine: SimEngine | None = None
     received: list[Received] = field(default_factory=list)
     #: API (``/v1/...``) requests being answered now; health probes are not counted.
     in_flight: int = 0
@@ -164,6 +168,8 @@ class FakeVLLM:
         """Serve on ``host:port`` (0 = any free port) until cancelled; reports the base URL."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
+                if self.engine is not None:
+                    await nursery.start(self.engine.run)
                 self.url = await nursery.start(serve_app, self, quiet_config(host, port))
                 task_status.started(self.url)
 
@@ -269,6 +275,10 @@ class FakeVLLM:
         if record.path == "/fake/stats":
             await respond(200, orjson.dumps(self.stats()))
             return
+        if record.path == "/metrics" and self.engine is not None:
+            await respond(200, self.engine.metrics_text(self.model, self.role == "encode").encode(),
+                          "text/plain; version=0.0.4; charset=utf-8")
+            return
         if record.path == "/v1/models" and record.method == "GET":
             await respond(200, orjson.dumps({"object": "list", "data": [{
                 "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
@@ -297,20 +307,32 @@ class FakeVLLM:
         chat = record.path == "/v1/chat/completions"
         request_id = record.request_id or f"{next(self._ids)}"
         if self.role == "encode":
+            if self.engine is not None:
+                await self.engine.encode([str(p.get("uuid") or _content_hash(p))
+                                          for p in media_parts(body)])
             await respond(200, orjson.dumps(self._encoder_answer(request_id, body)))
             return
         words = self._generate(body)
         kv = self._kv_transfer_params(request_id, body, record.rank)
-        if streams:
-            # Like vLLM: a stream's 200 and SSE headers go out once the request is accepted,
-            # before the engine has it; its first body bytes wait for the engine (here the gate,
-            # latency and hang knobs; on real vLLM seconds when a KV pull is slow).
-            await respond(200, b"", "text/event-stream", more=True)
-            await self._engine_time()
+        ticks = self._engine_ticks(record, body, len(words))
+        try:
+            if streams:
+                # Like vLLM: a stream's 200 and SSE headers go out once the request is
+                # accepted, before the engine has it; its first body bytes wait for the engine
+                # (here the gate, latency and hang knobs; on real vLLM seconds when a KV pull
+                # is slow).
+                await respond(200, b"", "text/event-stream", more=True)
+                await self._engine_time()
+                await self._remote_kv(body)
+                await self._stream(request_id, body, words, chat, body_chunk, ticks)
+                return
             await self._remote_kv(body)
-            await self._stream(request_id, body, words, chat, body_chunk)
-            return
-        await self._remote_kv(body)
+            if ticks is not None:
+                async for _ in ticks:
+                    pass
+        finally:
+            if ticks is not None:
+                await ticks.aclose()  # leaves the engine's batch (the client may have left)
         text = " ".join(words)
         choice: dict[str, Any] = (
             {"index": 0, "message": {"role": "assistant", "content": text,
@@ -408,6 +430,20 @@ class FakeVLLM:
             }
         return None
 
+    def _engine_ticks(
+        self, record: Received, body: Mapping[str, Any], tokens: int
+    ) -> AsyncIterator[int] | None:
+        """The simulated engine's steps for this request (one per token), or None without one.
+
+        A decode whose KV comes from a prefill skips the prefill cost, as with NIXL."""
+        if self.engine is None:
+            return None
+        params = body.get("kv_transfer_params")
+        remote = self.role == "decode" and isinstance(params, dict) and bool(
+            params.get("do_remote_prefill"))
+        return self.engine.generate(record.rank or 0, prompt_words(body), tokens,
+                                    prefill=not remote)
+
     def _generate(self, body: Mapping[str, Any]) -> list[str]:
         limit = self.behaviour.tokens
         for key in ("max_tokens", "max_completion_tokens"):
@@ -420,7 +456,8 @@ class FakeVLLM:
         return [_WORDS[seed[i % len(seed)] % len(_WORDS)] for i in range(max(limit, 0))]
 
     async def _stream(self, request_id: str, body: Mapping[str, Any], words: list[str],
-                      chat: bool, body_chunk: Any) -> None:
+                      chat: bool, body_chunk: Any,
+                      ticks: AsyncIterator[int] | None = None) -> None:
         b = self.behaviour
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": obj,
@@ -456,6 +493,9 @@ class FakeVLLM:
             yield b"data: [DONE]\n\n"
 
         count = len(words) + 2 + chat + usage
+        # With an engine, frame i waits for its token's step: a chat's role chunk comes with
+        # the first token, and the finish chunk, usage and [DONE] right after the last.
+        first_word = 1 if chat else 0
         for i, data in enumerate(frames()):
             if b.break_after is not None and i >= b.break_after:
                 # End the handler without finishing the response: Hypercorn then closes the
@@ -463,7 +503,12 @@ class FakeVLLM:
                 raise _BrokenStream
             if b.chunk_delay and i:
                 await trio.sleep(b.chunk_delay)
+            if ticks is not None and (i == 0 or first_word < i <= len(words) - 1 + first_word):
+                await anext(ticks, None)
             await body_chunk(data, last=i == count - 1)
+        if ticks is not None:
+            async for _ in ticks:  # a chat with no word still took its step
+                pass
 
 
 class _BrokenStream(Exception):
@@ -517,6 +562,26 @@ def default_ec_report(parts: list[Mapping[str, Any]]) -> dict[str, Any]:
         entry = ec.setdefault(key, {"item_indices": [], "metadata": {"image_grid_thw": [[1, 4, 4]]}})
         entry["item_indices"].append(index)
     return ec
+
+
+def prompt_words(body: Mapping[str, Any]) -> list[str]:
+    """The prompt as the simulated engine tokenizes it: one token per word, a media item one
+    token (its ``uuid``)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.split()
+    words: list[str] = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            words += content.split()
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") == "text":
+                    words += str(part.get("text", "")).split()
+                elif isinstance(part, dict):
+                    words.append(str(part.get("uuid") or _content_hash(part)))
+    return words
 
 
 def _content_hash(part: Mapping[str, Any]) -> str:

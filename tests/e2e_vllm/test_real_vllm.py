@@ -31,7 +31,9 @@ import trio
 
 from epd_trio import Instance, Proxy, Settings
 from epd_trio._core.ec_handoff import EncoderReport, consumer_body, match_reports
+from epd_trio._core.engine_load import engine_loads
 from epd_trio._core.rewrite import build_encoder_body, parse_request, with_item_uuids
+from epd_trio._load_scraper import scrape_once
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
@@ -333,6 +335,23 @@ async def test_prompt_longer_than_the_context_is_vllms_400(
                     assert response.json() == direct.json()  # vLLM's own error, unchanged
     observe(f"400 {direct.json()['error']['message'][:90]!r}... relayed unchanged "
             "(chat and completions, stream and not, from prefill and from a combined instance)")
+
+
+async def test_the_load_scrape_reads_vllms_own_gauges(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    """The names and labels ``_core/engine_load`` parses are what real vLLM exports (issue 14):
+    one series per engine, ``engine="0"`` here, and a KV usage between 0 and 1."""
+    decode = cluster.url("decode")
+    async with proxy_for(cluster) as (_, proxy):
+        scraped = await scrape_once([("decode", Instance(decode))], proxy.client, 10.0)
+    page = (await client.get(decode + "/metrics")).text
+    loads = engine_loads(page)
+    assert set(loads) >= {"0"}, page[:2000]
+    assert 0 <= loads["0"].kv_usage <= 1
+    assert ("decode", (decode, None)) in scraped
+    observe(f"decode /metrics: engine 0 running {loads['0'].running:g}, waiting "
+            f"{loads['0'].waiting:g}, kv {loads['0'].kv_usage:.3f}; scraped {scraped}")
 
 
 async def test_encoder_stopped_fails_media_cleanly_and_text_still_works(

@@ -1,0 +1,76 @@
+"""What a vLLM instance says about its own load, read from its ``/metrics`` text.
+
+vLLM (0.32, checked on the CPU build: docs/contributing/upstream-notes/routing.md 4.1) exports
+per engine, that is per DP rank, with labels ``model_name`` and ``engine="0"``, ``"1"``...:
+``vllm:num_requests_running`` (in the batch), ``vllm:num_requests_waiting`` (queued) and
+``vllm:kv_cache_usage_perc`` (a fraction from 0 to 1, despite its name; vLLM up to 0.11 also
+called it ``vllm:gpu_cache_usage_perc``, read as a fallback). Only these lines are parsed, by
+hand: the core imports no Prometheus library, and the rest of a real ``/metrics`` page (hundreds
+of histogram lines) is skipped by a prefix test.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
+_NAMES = (RUNNING, WAITING, KV_USAGE, KV_USAGE_OLD)
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_ENGINE = re.compile(r'(?:^|,)\s*engine="(?P<engine>[^"]*)"')
+
+
+@dataclass(slots=True)
+class EngineLoad:
+    """One engine's (DP rank's) reported load."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+
+    @property
+    def requests(self) -> int:
+        """Requests the engine holds, running or queued: what the policies compare."""
+        return round(self.running + self.waiting)
+
+
+def engine_loads(text: str) -> dict[str, EngineLoad]:
+    """The load of each engine a ``/metrics`` page reports, by its ``engine`` label (``""`` when
+    a series has none). Malformed values are skipped, never an error: a scrape is a hint."""
+    loads: dict[str, EngineLoad] = {}
+    for line in text.splitlines():
+        if not line.startswith(_NAMES):
+            continue
+        match = _SAMPLE.match(line)
+        if match is None or match["name"] not in _NAMES:
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError:
+            continue
+        engine = _ENGINE.search(match["labels"] or "")
+        load = loads.setdefault(engine["engine"] if engine else "", EngineLoad())
+        name = match["name"]
+        if name == RUNNING:
+            load.running += value
+        elif name == WAITING:
+            load.waiting += value
+        elif name == KV_USAGE or not load.kv_usage:
+            load.kv_usage = value
+    return loads
+
+
+def rank_loads(loads: dict[str, EngineLoad], dp_size: int) -> dict[int | None, int]:
+    """Requests per routing rank of an instance with ``dp_size`` ranks: each engine's own when
+    it has DP ranks (engines outside ``[0, dp_size)`` are ignored), the sum under rank None
+    when it has one."""
+    if dp_size == 1:
+        return {None: sum(load.requests for load in loads.values())}
+    ranks: dict[int | None, int] = {}
+    for engine, load in loads.items():
+        if engine.isdigit() and int(engine) < dp_size:
+            ranks[int(engine)] = load.requests
+    return ranks
