@@ -253,8 +253,16 @@ class PrefixIndex:
         return best, min(depth * PREFIX_BLOCK_CHARS, hint.chars)
 
     def record(self, hint: PrefixHint, slot: SlotKey) -> None:
+        index = self._index
+        owners = index._owners
         for block in hint.blocks:
-            self._index.record(block, slot)
+            # Inlined common case (the block's last owner is this slot again): one dict lookup
+            # and an LRU touch per block, without a call (a decision records up to 8 blocks).
+            previous = owners.get(block)
+            if previous is not None and previous[0] == slot:
+                owners.move_to_end(block)
+            else:
+                index.record(block, slot)
 
 
 @dataclass(slots=True)
@@ -317,7 +325,8 @@ class StagePolicy:
         sizes: Sequence[int] | None,
     ) -> int:
         assert self._prefixes is not None and self._media is not None
-        present = set(keys)
+        position = {key: i for i, key in enumerate(keys)}  # membership and index, at once
+        present = position
         preferred: tuple[SlotKey, ...] = ()
         if isinstance(hint, PrefixHint) and hint.chars:
             owners, matched = self._prefixes.match(hint, present)
@@ -328,8 +337,7 @@ class StagePolicy:
         chosen = -1
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
-            index = keys.index
-            best = min((index(s) for s in preferred), key=loads.__getitem__)
+            best = min((position[s] for s in preferred), key=loads.__getitem__)
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
         if chosen < 0:  # a miss, or an overload
