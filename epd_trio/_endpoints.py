@@ -134,14 +134,12 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     try:
-        await stream.pump(send_body)
+        await stream.pump(send_body)  # closes the stream, however it ends
     except Exception:
         # A bug, not an upstream failure (the relay turns those into an error event itself):
         # the client still gets a stream that says it broke, not a silent truncation.
         log.exception("unexpected error while streaming request %s", request_id)
         await send_body(sse_error_event(INTERNAL_ERROR))
-    finally:
-        await stream.aclose()
     await send({"type": "http.response.body", "body": b""})
 
 

@@ -332,9 +332,6 @@ class Connection:
     def is_idle(self) -> bool:
         return self._state == "idle"
 
-    def is_closed(self) -> bool:
-        return self._state == "closed"
-
     def has_expired(self, now: float) -> bool:
         """Past its keep-alive, or closed (or written to) by the server while idle."""
         return now >= self.expires_at or self._transport.has_data_or_eof()
@@ -414,7 +411,7 @@ class Connection:
             with trio.fail_after(timeout):
                 return await self._transport.receive()
         except trio.TooSlowError:
-            reset_on_close(self.socket)
+            # No reset here: the owner closes a connection whose body did not end with one.
             raise ReadTimeout(f"no data for {timeout:g} s") from None
 
     async def _send(self, data: bytes, timeout: float | None) -> None:  # noqa: ASYNC109

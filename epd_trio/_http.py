@@ -48,7 +48,6 @@ from ._h1 import (
     TransportError,
     connect,
     encode_request,
-    reset_on_close,
 )
 
 #: Seconds an idle connection is kept: below vLLM's (uvicorn's) 5 s keep-alive.
@@ -359,5 +358,4 @@ class UpstreamClient:
 
 
 __all__ = ["KEEPALIVE_EXPIRY", "ConnectTimeout", "PoolTimeout", "TimeoutException",
-           "TransportError", "UpstreamClient", "UpstreamPool", "UpstreamResponse",
-           "reset_on_close"]
+           "TransportError", "UpstreamClient", "UpstreamPool", "UpstreamResponse"]
