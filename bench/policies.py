@@ -46,10 +46,11 @@ import trio
 from bench._load import _exchange, request_head
 from bench.burst import percentile
 from epd_trio import Settings
-from epd_trio._core.policies import PrefixHint, StagePolicy, prefix_hint, prompt_text
+from epd_trio._core.policies import PrefixHint, prefix_hint, prompt_text
 from epd_trio._core.routing import Instance
-from epd_trio._cursors import SlotCursor
-from epd_trio._loads import Loads
+from epd_trio._cursors import choose_slot
+from epd_trio._loads import DECODE_TOKENS
+from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.cluster import serve_proxy
 from epd_trio.testing.fake_vllm import Behaviour, prompt_words
@@ -323,37 +324,48 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
 
 
 def decision_costs(rounds: int) -> dict[str, float]:
-    """Microseconds per decision of each policy: a 16-slot cursor (2 instances x DP8) choosing
-    on live loads (each decision takes its slot; the one 32 decisions back is released, so
-    about 32 are in flight); for cache_aware the prompt's hint (its text and block hashes,
-    among 16 prompts with 2 KiB shared prefixes) is included. The best of 5 equal chunks of
-    ``rounds``: on a shared machine the others' load only ever adds to a chunk's time."""
+    """Microseconds per decode decision of each policy, on the path a request takes: a
+    ``Proxy`` built from ``Settings`` (16 slots: 2 instances x DP8; the default size
+    tie-break) and ``choose_slot`` on its health view, as the pipeline calls it, with the
+    prompt's hint (``prompt_text`` and ``prefix_hint``; 16 prompts with 2 KiB shared prefixes)
+    computed for ``cache_aware``, as the pipeline does per request. Each decision takes its
+    slot (and its ``max_tokens``); the one 32 decisions back is released, so about 32 are in
+    flight. The best of 5 equal chunks of ``rounds``: on a shared machine the others' load
+    only ever adds to a chunk's time."""
+    return trio.run(_decision_costs, rounds)
+
+
+async def _decision_costs(rounds: int) -> dict[str, float]:
     from collections import deque
 
-    instances = [Instance(f"http://i{k}:8000", 8) for k in range(2)]
+    urls = tuple(Instance(f"http://i{k}:8000", 8) for k in range(2))
     prompts = [{"messages": [
         {"role": "system", "content": f"You are careful assistant number {p}. " * 60},
         {"role": "user", "content": f"Question {q}: what is the weather like?"}]}
         for p in range(16) for q in range(4)]
     costs = {}
+    clock = time.perf_counter
     for name in ("round_robin", "least_loaded", "power_of_two", "cache_aware"):
-        loads = Loads()
-        cursor = SlotCursor(instances, policy=StagePolicy(name),
-                            loads=lambda keys, loads=loads: loads.read("decode", keys))
+        proxy = Proxy(Settings(decode_urls=urls, decode_policy=name), moriio_listener=False)
+        cursor, loads = proxy.decodes, proxy.loads
+        usable = proxy.registry.usable("decode")
         held: deque[Any] = deque()
         elapsed = 0.0
         chunk = max(rounds // 5, 1)
         best = math.inf
         for i in range(chunk * 5):
             prompt = prompts[i % len(prompts)]
-            started = time.perf_counter()
+            started = clock()
             hint: PrefixHint | None = (prefix_hint(prompt_text(prompt)) if name == "cache_aware"
                                        else None)
-            instance, rank = cursor.next(hint=hint)
-            elapsed += time.perf_counter() - started
-            held.append(loads.take("decode", (instance.url, rank)))
+            slot = await choose_slot(cursor, usable, hint, ())
+            elapsed += clock() - started
+            assert slot is not None
+            key = (slot[0].url, slot[1])
+            held.append((loads.take("decode", key), loads.take(DECODE_TOKENS, key, 16)))
             if len(held) > 32:
-                held.popleft()()
+                for release in held.popleft():
+                    release()
             if (i + 1) % chunk == 0:
                 best, elapsed = min(best, elapsed / chunk), 0.0
         costs[name] = best * 1e6

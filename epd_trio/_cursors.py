@@ -9,10 +9,12 @@ shared one would pin prefill slot i to decode slot i).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from functools import partial
 
 import trio
 
 from ._core.counters import Counter, LocalCounter
+from ._core.failover import Allowed, Slot, next_slot
 from ._core.policies import PrefixHint, SlotKey, StagePolicy, rotation
 from ._core.routing import Epoch, Instance, dp_slots, encoder_rr_assignment, rebase_epoch, slot_keys
 
@@ -149,6 +151,8 @@ class SlotCursor:
         self._instances = tuple(instances)
         self._slots = dp_slots(self._instances)
         self._key_of = _keys_of(self._instances, self._slots)
+        self._rotations: dict[
+            int, tuple[list[tuple[int, int | None]], tuple[SlotKey, ...]]] = {}
         self._counter = counter if counter is not None else LocalCounter()
         self._epoch: Epoch = (0, 0)
         self._generation = 0
@@ -170,18 +174,40 @@ class SlotCursor:
                                  slot_keys(instances, dp=True), self._counter.fetch_add(0))
         self._instances, self._slots, self._epoch = instances, dp_slots(instances), epoch
         self._key_of = _keys_of(instances, self._slots)
+        self._rotations = {}
         self._generation += 1
 
     def _candidates(
         self, usable: Usable | None, exclude: Collection[tuple[Instance, int | None]]
     ) -> list[tuple[int, int | None]]:
-        if usable is None and not exclude:
+        """The usable slots minus ``exclude``, in flat interleaved order: ``self._slots`` itself
+        when nothing is filtered out (the common case, whose rotations ``next`` caches).
+
+        ``usable`` is asked once per instance, not once per slot (two DP8 instances: 2 calls,
+        not 16), since it judges instances."""
+        instances = self._instances
+        allowed = (range(len(instances)) if usable is None else
+                   [i for i, inst in enumerate(instances) if usable(inst)])
+        if len(allowed) == len(instances) and not exclude:
             return self._slots
+        allowed_set = set(allowed)
         return [
             (index, rank) for index, rank in self._slots
-            if (usable is None or usable(self._instances[index]))
-            and (self._instances[index], rank) not in exclude
+            if index in allowed_set and (instances[index], rank) not in exclude
         ]
+
+    def _rotation(
+        self, position: int
+    ) -> tuple[list[tuple[int, int | None]], tuple[SlotKey, ...]]:
+        """All slots and their keys in rotation order from ``position``, built once per roster
+        (a policy reads them on every decision, and ``cache_aware`` keeps per tuple of keys
+        where each one stands)."""
+        cached = self._rotations.get(position)
+        if cached is None:
+            order = self._slots[position:] + self._slots[:position]
+            cached = (order, tuple(self._key_of[slot] for slot in order))
+            self._rotations[position] = cached
+        return cached
 
     @property
     def policy(self) -> StagePolicy:
@@ -209,14 +235,43 @@ class SlotCursor:
         k0, i0 = self._epoch
         position = (i0 + k - k0) % len(slots)
         if self._policy.reads_loads and len(slots) > 1:
-            order = slots[position:] + slots[:position]
-            key_of = self._key_of
-            keys = [key_of[slot] for slot in order]
-            sizes = self._sizes(keys) if self._sizes is not None else None
+            keys: Sequence[SlotKey]
+            if slots is self._slots:
+                order, keys = self._rotation(position)
+            else:
+                order = slots[position:] + slots[:position]
+                key_of = self._key_of
+                keys = [key_of[slot] for slot in order]
+            read_sizes = self._sizes
+            sizes = None if read_sizes is None else partial(read_sizes, keys)
             index, rank = order[self._policy.choose(keys, self._loads(keys), hint, sizes)]
         else:
             index, rank = slots[position]
         return self._instances[index], rank
+
+
+async def choose_slot(
+    cursor: SlotCursor, usable: Allowed, hint: PrefixHint | None, tried: Collection[Slot],
+    *, routable: Allowed | None = None, any_slot: bool = False,
+) -> Slot | None:
+    """The next slot of a prefill or decode leg that already tried ``tried``: the stage's
+    policy chooses within each step of ``fallback_steps`` (untried ``usable`` instances first;
+    with ``any_slot``, other DP ranks, and a single slot again), among the instances a leg may
+    go to at all (``routable``; None: any).
+
+    One function for the pipeline and ``bench.policies``, so the decision cost the bench
+    reports is the one a request pays.
+    """
+
+    async def choose(allowed: Allowed | None, exclude: Collection[Slot]) -> Slot:
+        if routable is not None:
+            step = allowed
+            allowed = routable if step is None else (
+                lambda inst: routable(inst) and step(inst))
+        return cursor.next(allowed, exclude, hint)
+
+    return await next_slot(choose, tried, usable, other_ranks=any_slot,
+                           slot_count=cursor.slot_count)
 
 
 def _keys_of(

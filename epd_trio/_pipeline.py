@@ -32,7 +32,7 @@ from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
-from ._core.failover import Allowed, Failover, Slot, next_slot, with_failover
+from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
 from ._core.moriio import (
     MoriioPeer,
@@ -52,7 +52,7 @@ from ._core.rewrite import (
     with_item_uuids,
 )
 from ._core.routing import Instance
-from ._cursors import EncoderCursor, SlotCursor, Usable
+from ._cursors import EncoderCursor, SlotCursor, Usable, choose_slot
 from ._fanout import fan_out
 from ._http import UpstreamPool
 from ._loads import DECODE_TOKENS, Loads
@@ -250,21 +250,9 @@ class Pipeline:
         self, cursor: SlotCursor, stage: str, hint: PrefixHint | None, tried: Collection[Slot],
         any_slot: bool = False,
     ) -> Slot | None:
-        """The next slot for a request that already tried ``tried``, chosen by the stage's
-        policy within each step of ``fallback_steps`` (untried usable instances first; with
-        ``any_slot``, other DP ranks, and a single slot again), among the instances a leg may
-        go to at all (``_routable``)."""
-        routable = self._routable()
-
-        async def choose(allowed: Allowed | None, exclude: Collection[Slot]) -> Slot:
-            if routable is not None:
-                step = allowed
-                allowed = (lambda inst: routable(inst)) if step is None else (
-                    lambda inst: routable(inst) and step(inst))
-            return cursor.next(allowed, exclude, hint)
-
-        return await next_slot(choose, tried, self._registry.usable(stage), other_ranks=any_slot,
-                               slot_count=cursor.slot_count)
+        """``choose_slot`` on this stage's health view and the instances a leg may go to."""
+        return await choose_slot(cursor, self._registry.usable(stage), hint, tried,
+                                 routable=self._routable(), any_slot=any_slot)
 
     def _routable(self) -> Usable | None:
         """Which instances a leg may go to at all: with MoRIIO, only those whose ZMQ address is

@@ -38,6 +38,39 @@ def test_least_loaded_takes_the_first_minimum_in_rotation_order(
     assert least_loaded(loads) == expected
 
 
+def test_sizes_break_only_the_ties_of_the_smallest_load() -> None:
+    assert least_loaded([1, 0, 0, 0], [0, 9, 4, 4]) == 2  # among the zeros, the smallest size
+    assert least_loaded([0, 1, 0], [5, 0, 5]) == 0        # equal sizes: the rotation's first
+    assert least_loaded([2, 1, 3], [0, 9, 0]) == 1        # no tie: the size is not weighed
+    reads: list[int] = []
+
+    def sizes() -> list[int]:
+        reads.append(1)
+        return [3, 3, 1]
+
+    assert least_loaded([4, 2, 7], sizes) == 1 and reads == []  # no tie: sizes never read
+    assert least_loaded([2, 2, 2], sizes) == 2 and reads == [1]
+
+
+def test_a_cursor_reads_the_sizes_of_its_candidates_in_rotation_order() -> None:
+    instances = [Instance("http://a:1", 2), Instance("http://b:1", 2)]
+    sizes = {("http://a:1", 0): 8, ("http://b:1", 0): 8, ("http://a:1", 1): 1,
+             ("http://b:1", 1): 8}
+    asked: list[list[SlotKey]] = []
+
+    def read_sizes(keys: list[SlotKey]) -> list[int]:
+        asked.append(list(keys))
+        return [sizes[key] for key in keys]
+
+    cursor = SlotCursor(instances, policy=StagePolicy("least_loaded"),
+                        loads=lambda keys: [0] * len(keys), sizes=read_sizes)
+    assert cursor.next() == (instances[0], 1)  # all idle: the least work in flight wins
+    assert asked == [[("http://a:1", 0), ("http://b:1", 0), ("http://a:1", 1),
+                      ("http://b:1", 1)]]
+    cursor.next()
+    assert asked[1][0] == ("http://b:1", 0)  # the next decision's rotation starts one on
+
+
 def test_rotation_starts_at_the_cursor() -> None:
     assert rotation(4, 0) == [0, 1, 2, 3]
     assert rotation(4, 6) == [2, 3, 0, 1]
@@ -184,6 +217,11 @@ def test_under_uniform_load_every_policy_is_round_robin(policy: str) -> None:
     plain = SlotCursor(instances)
     cursor, _ = _slot_cursor(policy, instances)
     assert [cursor.next() for _ in range(8)] == [plain.next() for _ in range(8)]
+    # After a roster change too (the rotations a policy reads are rebuilt, not reused).
+    changed = [Instance("http://c:1"), instances[1], Instance("http://d:1", 3)]
+    plain.update(changed)
+    cursor.update(changed)
+    assert [cursor.next() for _ in range(10)] == [plain.next() for _ in range(10)]
 
 
 def test_least_loaded_avoids_the_busy_slot_and_releasing_brings_it_back() -> None:
@@ -311,3 +349,18 @@ def test_cache_aware_sends_new_prefixes_to_the_slot_holding_the_least() -> None:
     # A miss with equal loads: B (holding nothing), though A is first in rotation.
     assert policy.choose(keys, [0, 0], prefix_hint("a new prefix " * 40)) == 1
     assert policy.choose(keys, [0, 1], prefix_hint("another one " * 40)) == 0  # load first
+
+
+def test_cache_aware_finds_its_slot_from_every_rotation_and_after_a_roster_change() -> None:
+    a, b, c = (Instance(f"http://{n}:1", 2) for n in "abc")
+    cursor, _ = _slot_cursor("cache_aware", [a, b, c])
+    hint = prefix_hint("a long shared system prompt " * 40)
+    home = cursor.next(hint=hint)
+    # Six slots: each decision starts the rotation elsewhere, and the index it finds the
+    # preferred slot at (cached per rotation) must be right from each of them.
+    assert [cursor.next(hint=hint) for _ in range(12)] == [home] * 12
+    others = [inst for inst in (a, b, c) if inst != home[0]]
+    cursor.update(others)  # the home instance leaves: its rotations' positions are stale
+    moved = cursor.next(hint=hint)
+    assert moved[0] in others
+    assert [cursor.next(hint=hint) for _ in range(8)] == [moved] * 8

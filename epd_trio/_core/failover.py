@@ -137,6 +137,8 @@ def fallback_steps(
     upstream's proxy retries its only decode instance; the retry stays within
     ``decode_retries``. The first choice of a request is step 1 alone (``tried`` is empty).
     """
+    if not tried and not other_ranks:  # every request's first choice: no filter to add
+        return [(usable, ())]
     urls = {instance.url for instance, _ in tried}
     steps: list[tuple[Allowed | None, Collection[Slot]]] = [
         (lambda inst: inst.url not in urls and usable(inst), ())]

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 #: The policies, in the order the docs list them; ``round_robin`` is the default of every stage.
@@ -48,26 +48,33 @@ PREFIX_BLOCK_CHARS = 512
 #: Blocks considered per prompt (8 x 512 = the first 4096 characters). Bounds the per-request
 #: cost whatever the prompt's length; prompts that agree on their first 4 KiB share a slot.
 PREFIX_MAX_BLOCKS = 8
+#: Rotations whose key positions ``cache_aware`` keeps (one per slot of the stage).
+POSITIONS_CACHED = 256
+#: The work in flight per candidate slot, or a function that reads it (on a tie only).
+Sizes = Sequence[int] | Callable[[], Sequence[int]]
 #: Slots remembered per key: a prefix served by several slots (after an overload diverted it)
 #: keeps them all, so affinity spreads a hot prefix instead of flapping between two slots.
 OWNERS_PER_KEY = 4
 
 
-def least_loaded(loads: Sequence[int], sizes: Sequence[int] | None = None) -> int:
+def least_loaded(
+    loads: Sequence[int], sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None
+) -> int:
     """Index of the smallest load; among equals the smallest ``size`` (the work outstanding
-    there, e.g. the ``max_tokens`` in flight), then the first in rotation order."""
-    best = 0
-    lowest = loads[0]
-    if sizes is None:
-        for index in range(1, len(loads)):
-            if loads[index] < lowest:
-                best, lowest = index, loads[index]
-        return best
-    smallest = sizes[0]
-    for index in range(1, len(loads)):
-        load = loads[index]
-        if load < lowest or (load == lowest and sizes[index] < smallest):
-            best, lowest, smallest = index, load, sizes[index]
+    there, e.g. the ``max_tokens`` in flight), then the first in rotation order.
+
+    ``sizes`` may be a function giving them: it is called only when the smallest load is tied
+    (reading the sizes is a table read per slot, a decision's largest cost after hashing)."""
+    lowest = min(loads)
+    first = loads.index(lowest)
+    if sizes is None or loads.count(lowest) == 1:
+        return first
+    if callable(sizes):
+        sizes = sizes()
+    best, smallest = first, sizes[first]
+    for index in range(first + 1, len(loads)):
+        if loads[index] == lowest and sizes[index] < smallest:
+            best, smallest = index, sizes[index]
     return best
 
 
@@ -180,12 +187,15 @@ def prefix_hint(text: str) -> PrefixHint:
     Python's ``hash`` is salted per process, which is fine: the index lives in one process.
     A trailing partial block counts too, so a short prompt still has an identity.
     """
-    chars = min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS)
+    limit = PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS
+    if len(text) > limit:
+        text = text[:limit]
     blocks = []
     chained = 0
-    for start in range(0, chars, PREFIX_BLOCK_CHARS):
-        chained = hash((chained, text[start:min(start + PREFIX_BLOCK_CHARS, chars)]))
+    for start in range(0, len(text), PREFIX_BLOCK_CHARS):
+        chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
         blocks.append(chained)
+    chars = len(text)
     return PrefixHint(tuple(blocks), chars)
 
 
@@ -240,7 +250,8 @@ class PrefixIndex:
         """
         best: tuple[SlotKey, ...] = ()
         depth = 0
-        peek = self._index.peek  # the LRU order is refreshed by ``record``, which follows
+        # ``peek``, inlined: the LRU order is refreshed by ``record``, which follows.
+        peek = self._index._owners.get
         for i, block in enumerate(hint.blocks):
             owners = peek(block)
             if not owners:
@@ -284,6 +295,8 @@ class StagePolicy:
     rng: random.Random | None = None
     _prefixes: PrefixIndex | None = None
     _media: AffinityIndex | None = None
+    _positions: dict[int, tuple[Sequence[SlotKey], dict[SlotKey, int]]] = field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -300,13 +313,14 @@ class StagePolicy:
 
     def choose(
         self, keys: Sequence[SlotKey], loads: Sequence[int],
-        hint: PrefixHint | str | None = None, sizes: Sequence[int] | None = None,
+        hint: PrefixHint | str | None = None, sizes: Sizes | None = None,
     ) -> int:
         """The index (into ``keys``, in rotation order) of the slot to use.
 
         ``hint`` is the request's ``PrefixHint`` (prefill, decode) or the item's ``uuid``
         (encode); without one, ``cache_aware`` is ``least_loaded``. ``sizes`` (the work in
-        flight per slot) break ``least_loaded``'s ties, and only those.
+        flight per slot, or a function reading it when needed) break ``least_loaded``'s ties,
+        and only those.
         """
         name = self.name
         if name == "round_robin" or len(keys) == 1:
@@ -322,10 +336,10 @@ class StagePolicy:
 
     def _affine(
         self, keys: Sequence[SlotKey], loads: Sequence[int], hint: PrefixHint | str | None,
-        sizes: Sequence[int] | None,
+        sizes: Sizes | None,
     ) -> int:
         assert self._prefixes is not None and self._media is not None
-        position = {key: i for i, key in enumerate(keys)}  # membership and index, at once
+        position = self._position(keys)
         present = position
         preferred: tuple[SlotKey, ...] = ()
         if isinstance(hint, PrefixHint) and hint.chars:
@@ -343,13 +357,29 @@ class StagePolicy:
         if chosen < 0:  # a miss, or an overload
             if sizes is None:  # among equally loaded slots, the one holding the least
                 held = (self._prefixes if isinstance(hint, PrefixHint) else self._media).held
-                sizes = [held.get(key, 0) for key in keys]
+                sizes = lambda: [held.get(key, 0) for key in keys]  # noqa: E731
             chosen = least_loaded(loads, sizes)
         if isinstance(hint, PrefixHint):
             self._prefixes.record(hint, keys[chosen])
         elif isinstance(hint, str):
             self._media.record(hint, keys[chosen])
         return chosen
+
+
+    def _position(self, keys: Sequence[SlotKey]) -> dict[SlotKey, int]:
+        """Each key's index in ``keys`` (membership and index at once), kept for tuples: the
+        cursor's rotations are the same tuple objects from one decision to the next until the
+        roster changes. The cache holds the tuples it was built from, so an ``id`` is never
+        reused while cached; it is bounded (a rotation per slot, and a new set per roster)."""
+        cached = self._positions.get(id(keys))
+        if cached is not None and cached[0] is keys:
+            return cached[1]
+        position = {key: i for i, key in enumerate(keys)}
+        if isinstance(keys, tuple):  # the cursor's cached rotations; lists are one-offs
+            if len(self._positions) >= POSITIONS_CACHED:
+                self._positions.clear()
+            self._positions[id(keys)] = (keys, position)
+        return position
 
 
 def rotation(length: int, start: int) -> list[int]:
