@@ -19,7 +19,8 @@ Reported per policy set and request class: p50/p99 time to first byte and end-to
 throughput (tokens/s), the prefill prefix-cache hit rate (from the engines' ``/metrics``) against
 the ideal (one cache large enough for everything: every repeated block hits), the encoder cache
 hit rate, and the load spread (most requests on one slot over the mean, per stage). Then the cost
-of one policy decision, measured in this process (``--decision-rounds``).
+of one policy decision on the pipeline's own path, measured in this process
+(``--decision-rounds``; ``--decisions-only`` runs just that).
 
 The capacity estimate is the decode stage's: ranks x ``max_num_seqs`` / (mean tokens x the step
 time of a full batch). The per-rank prefix cache is ``--cache-blocks`` blocks of 16 tokens: the
@@ -317,10 +318,14 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
             f"| {_pct(r['step_overrun'])} |"
             + (f" {r['failed']} failed" if r["failed"] else ""))
     lines.append("")
-    lines.append("decision cost (µs per request, 2 instances x DP8, 16 slots, best of 5): "
-                 + ", ".join(
-        f"{name} {cost:.1f}" for name, cost in decisions.items()))
+    lines.append(render_decisions(decisions))
     return "\n".join(lines)
+
+
+def render_decisions(decisions: dict[str, float]) -> str:
+    return ("decision cost (µs per decode decision, the pipeline's path, 2 instances x DP8, "
+            "16 slots, best of 5): "
+            + ", ".join(f"{name} {cost:.1f}" for name, cost in decisions.items()))
 
 
 def decision_costs(rounds: int) -> dict[str, float]:
@@ -432,6 +437,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prefix-cache blocks (16 tokens) per rank")
     p.add_argument("--encoder-cache-items", type=int, default=8)
     p.add_argument("--decision-rounds", type=int, default=20_000)
+    p.add_argument("--decisions-only", action="store_true",
+                   help="only measure the cost of one decision per policy (seconds, no engine)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PATH.png", help="short p99 e2e vs load (matplotlib)")
     return p.parse_args(argv)
@@ -471,6 +478,9 @@ async def run_all(args: argparse.Namespace) -> list[Run]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.decisions_only:
+        print(render_decisions(decision_costs(args.decision_rounds)))
+        return 0
     cpu = time.process_time()
     runs = trio.run(run_all, args)
     cpu = time.process_time() - cpu

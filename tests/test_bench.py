@@ -258,6 +258,22 @@ async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     assert "| round_robin | 30% " in out and "decision cost" in out
 
 
+def test_policies_decision_costs_time_every_policy_on_the_pipelines_path() -> None:
+    import math
+
+    from bench.policies import decision_costs
+    costs = decision_costs(50)
+    assert list(costs) == ["round_robin", "least_loaded", "power_of_two", "cache_aware"]
+    assert all(0 < cost < math.inf for cost in costs.values())
+
+
+def test_policies_decisions_only_prints_the_costs(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.policies import main
+    assert main(["--decisions-only", "--decision-rounds", "50"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("decision cost") and "cache_aware" in out and "|" not in out
+
+
 async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     with trio.fail_after(120):
