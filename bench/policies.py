@@ -343,7 +343,7 @@ def decision_costs(rounds: int) -> dict[str, float]:
 async def _decision_costs(rounds: int) -> dict[str, float]:
     from collections import deque
 
-    urls = tuple(Instance(f"http://i{k}:8000", 8) for k in range(2))
+    instances = tuple(Instance(f"http://i{k}:8000", 8) for k in range(2))
     prompts = [{"messages": [
         {"role": "system", "content": f"You are careful assistant number {p}. " * 60},
         {"role": "user", "content": f"Question {q}: what is the weather like?"}]}
@@ -351,7 +351,7 @@ async def _decision_costs(rounds: int) -> dict[str, float]:
     costs = {}
     clock = time.perf_counter
     for name in ("round_robin", "least_loaded", "power_of_two", "cache_aware"):
-        proxy = Proxy(Settings(decode_urls=urls, decode_policy=name), moriio_listener=False)
+        proxy = Proxy(Settings(decode_urls=instances, decode_policy=name), moriio_listener=False)
         cursor, loads = proxy.decodes, proxy.loads
         usable = proxy.registry.usable("decode")
         held: deque[Any] = deque()

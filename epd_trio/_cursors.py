@@ -200,14 +200,19 @@ class SlotCursor:
         self, position: int
     ) -> tuple[list[tuple[int, int | None]], tuple[SlotKey, ...]]:
         """All slots and their keys in rotation order from ``position``, built once per roster
-        (a policy reads them on every decision, and ``cache_aware`` keeps per tuple of keys
-        where each one stands)."""
+        (a policy reads them on every decision)."""
         cached = self._rotations.get(position)
         if cached is None:
-            order = self._slots[position:] + self._slots[:position]
-            cached = (order, tuple(self._key_of[slot] for slot in order))
+            cached = self._rotated(self._slots, position)
             self._rotations[position] = cached
         return cached
+
+    def _rotated(
+        self, slots: list[tuple[int, int | None]], position: int
+    ) -> tuple[list[tuple[int, int | None]], tuple[SlotKey, ...]]:
+        order = slots[position:] + slots[:position]
+        key_of = self._key_of
+        return order, tuple(key_of[slot] for slot in order)
 
     @property
     def policy(self) -> StagePolicy:
@@ -235,13 +240,8 @@ class SlotCursor:
         k0, i0 = self._epoch
         position = (i0 + k - k0) % len(slots)
         if self._policy.reads_loads and len(slots) > 1:
-            keys: Sequence[SlotKey]
-            if slots is self._slots:
-                order, keys = self._rotation(position)
-            else:
-                order = slots[position:] + slots[:position]
-                key_of = self._key_of
-                keys = [key_of[slot] for slot in order]
+            order, keys = (self._rotation(position) if slots is self._slots
+                           else self._rotated(slots, position))
             read_sizes = self._sizes
             sizes = None if read_sizes is None else partial(read_sizes, keys)
             index, rank = order[self._policy.choose(keys, self._loads(keys), hint, sizes)]

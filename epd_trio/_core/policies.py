@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 #: The policies, in the order the docs list them; ``round_robin`` is the default of every stage.
@@ -48,8 +48,6 @@ PREFIX_BLOCK_CHARS = 512
 #: Blocks considered per prompt (8 x 512 = the first 4096 characters). Bounds the per-request
 #: cost whatever the prompt's length; prompts that agree on their first 4 KiB share a slot.
 PREFIX_MAX_BLOCKS = 8
-#: Rotations whose key positions ``cache_aware`` keeps (one per slot of the stage).
-POSITIONS_CACHED = 256
 #: The work in flight per candidate slot, or a function that reads it (on a tie only).
 Sizes = Sequence[int] | Callable[[], Sequence[int]]
 #: Slots remembered per key: a prefix served by several slots (after an overload diverted it)
@@ -57,9 +55,7 @@ Sizes = Sequence[int] | Callable[[], Sequence[int]]
 OWNERS_PER_KEY = 4
 
 
-def least_loaded(
-    loads: Sequence[int], sizes: Sequence[int] | Callable[[], Sequence[int]] | None = None
-) -> int:
+def least_loaded(loads: Sequence[int], sizes: Sizes | None = None) -> int:
     """Index of the smallest load; among equals the smallest ``size`` (the work outstanding
     there, e.g. the ``max_tokens`` in flight), then the first in rotation order.
 
@@ -295,8 +291,6 @@ class StagePolicy:
     rng: random.Random | None = None
     _prefixes: PrefixIndex | None = None
     _media: AffinityIndex | None = None
-    _positions: dict[int, tuple[Sequence[SlotKey], dict[SlotKey, int]]] = field(
-        default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -339,8 +333,7 @@ class StagePolicy:
         sizes: Sizes | None,
     ) -> int:
         assert self._prefixes is not None and self._media is not None
-        position = self._position(keys)
-        present = position
+        present = set(keys)
         preferred: tuple[SlotKey, ...] = ()
         if isinstance(hint, PrefixHint) and hint.chars:
             owners, matched = self._prefixes.match(hint, present)
@@ -351,7 +344,8 @@ class StagePolicy:
         chosen = -1
         if preferred:
             # The least loaded of the slots that hold it (most recent first among equals).
-            best = min((position[s] for s in preferred), key=loads.__getitem__)
+            index = keys.index
+            best = min((index(s) for s in preferred), key=loads.__getitem__)
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
         if chosen < 0:  # a miss, or an overload
@@ -364,22 +358,6 @@ class StagePolicy:
         elif isinstance(hint, str):
             self._media.record(hint, keys[chosen])
         return chosen
-
-
-    def _position(self, keys: Sequence[SlotKey]) -> dict[SlotKey, int]:
-        """Each key's index in ``keys`` (membership and index at once), kept for tuples: the
-        cursor's rotations are the same tuple objects from one decision to the next until the
-        roster changes. The cache holds the tuples it was built from, so an ``id`` is never
-        reused while cached; it is bounded (a rotation per slot, and a new set per roster)."""
-        cached = self._positions.get(id(keys))
-        if cached is not None and cached[0] is keys:
-            return cached[1]
-        position = {key: i for i, key in enumerate(keys)}
-        if isinstance(keys, tuple):  # the cursor's cached rotations; lists are one-offs
-            if len(self._positions) >= POSITIONS_CACHED:
-                self._positions.clear()
-            self._positions[id(keys)] = (keys, position)
-        return position
 
 
 def rotation(length: int, start: int) -> list[int]:
