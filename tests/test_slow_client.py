@@ -59,7 +59,12 @@ async def trickle_head(url: str, seen: SlowHead, started: trio.Event) -> None:
         pattern = b"x-slow: a\r\n"
         while True:
             with trio.move_on_after(TRICKLE_GAP):
-                data = await stream.receive_some()
+                try:
+                    data = await stream.receive_some()
+                except trio.BrokenResourceError:
+                    # The proxy closed with our last byte unread in its buffer: the kernel
+                    # then resets the connection instead of ending it, and that is its close.
+                    data = b""
                 seen.received += data
                 if not data:  # the proxy closed the connection
                     seen.closed = trio.current_time()
