@@ -151,6 +151,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     default = field.default
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
+    if field.name == "state_url":
+        return "redis://sample:1/0"
     if default is None or default == ():
         return "sample-key"
     if isinstance(default, bool):
@@ -160,7 +162,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     if isinstance(default, int | float):
         return str(default + 1)
     samples = {"INFO": "DEBUG", "text": "json", "generic": "moriio",
-               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded"}
+               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded",
+               "epd:": "fleet-b:"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
 
@@ -198,7 +201,8 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
     for field in fields:
         name = env_var(field.name)
         # The variable really is the one the code reads.
-        value = getattr(settings_from({**base, name: sample_value(field)}), field.name)
+        needs = {"EPD_STATE_URL": "redis://sample:1/0"} if field.name == "global_cursor" else {}
+        value = getattr(settings_from({**base, **needs, name: sample_value(field)}), field.name)
         assert value != field.default, f"{name} does not change Settings.{field.name}"
         default_cell = rows[name][2]
         shown = "none" if default_cell.startswith("none") else (code_spans(default_cell) or [""])[0]
