@@ -69,6 +69,10 @@ class EncoderCursor:
         return self._encoders
 
     @property
+    def policy(self) -> StagePolicy:
+        return self._policy
+
+    @property
     def position(self) -> int:
         """Where the next request starts (an index into ``encoders``)."""
         k0, i0 = self._epoch

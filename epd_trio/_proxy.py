@@ -433,10 +433,13 @@ class Proxy:
 
 
 def stage_policy(settings: Settings, stage: str) -> StagePolicy:
-    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs)."""
+    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs);
+    with a shared state store, ``cache_aware`` places what it has not seen alike on every
+    replica (``StagePolicy.placement``)."""
     return StagePolicy(getattr(settings, f"{stage}_policy"),
                        Balance(settings.cache_balance_abs, settings.cache_balance_rel),
-                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size)
+                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size,
+                       placement=settings.state_url is not None)
 
 
 def _log_health_change(state: Any) -> None:

@@ -116,6 +116,8 @@ class StateLink:
         self._rng = random.Random()
         self._sessions = 0
         self._last_logged: str | None = None
+        #: Set once the shared roster has been read (``/ready`` says not ready until then).
+        self.roster_loaded = trio.Event()
         #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
         self.problem: str | None = "not connected yet"
         self._cursor_keys = {stage: self.keys.cursor(stage) for stage in STAGES}
@@ -172,6 +174,7 @@ class StateLink:
         async with redis.pubsub(channels=[self.keys.channel]) as pubsub:
             # Subscribed before the first full read: nothing announced in between is lost.
             await self._resync(redis)
+            self.roster_loaded.set()
             self._redis, self.problem = redis, None
             self._sessions += 1
             self._metrics.state_up(True)

@@ -7,21 +7,20 @@ own roster events (``Proxy.wait_roster``) with a deadline, never with a sleep.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
-import orjson
 import trio
 
 from epd_trio import Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
-from helpers import CHAT, chat_body, image, metric, start_fakes
+
+from helpers import CHAT, chat_body, start_fakes
 from real_servers import RedisServer
 
 ADMIN = {"x-api-key": "admin-secret"}
@@ -44,16 +43,18 @@ async def replicas(
         for index in range(count):
             replica = Settings(**config, replica_id=f"r{index}")
             started.append(await stack.enter_async_context(serve_proxy(replica)))
-        for _, proxy in started:
-            await wait_for(proxy, lambda roster, p=proxy: p._replicated.loaded)
+        with trio.fail_after(CONVERGE):
+            for _, proxy in started:
+                assert proxy.state is not None
+                await proxy.state.roster_loaded.wait()
         yield started
 
 
 async def wait_for(proxy: Proxy, predicate: Callable[[Roster], bool],
-                   timeout: float = CONVERGE) -> None:
+                   within: float = CONVERGE) -> None:
     """Until ``predicate`` holds on ``proxy``'s roster (re-checked at each new version and
     every 50 ms of the link's own progress)."""
-    with trio.fail_after(timeout):
+    with trio.fail_after(within):
         while not predicate(proxy.roster):
             with trio.move_on_after(0.05):
                 await proxy.wait_roster(predicate)
