@@ -115,10 +115,10 @@ class Proxy:
         self.state: StateLink | None = None
         if replicated:
             # Imported only here: without a state store, no Redis client is even loaded.
-            from ._state_sync import StateLink, default_replica_id, usable_member
+            from ._state_sync import StateLink, default_replica_id, live_member
             self.state = StateLink(settings, self._replicated, self.loads, self.metrics,
                                    replica_id=settings.replica_id or default_replica_id(),
-                                   usable=usable_member(self.registry))
+                                   live=live_member(self.registry))
         take = self.state.take if self.state is not None and settings.global_cursor else None
         cursor_of = {stage: None if take is None else partial(take, stage) for stage in STAGES}
         self.encoders = EncoderCursor((), counter=counters.encode,

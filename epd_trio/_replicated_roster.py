@@ -118,12 +118,12 @@ class ReplicatedRoster:
         writes back after a reconnect or when the store lost its data."""
         return [self._to_wall(record) for record in self._records.values()]
 
-    def live_registered(self, usable: Callable[[Member], bool]) -> list[str]:
-        """URLs of HTTP-registered members this replica sees as ``usable`` (it keeps their
+    def live_registered(self, live: Callable[[Member], bool]) -> list[str]:
+        """URLs of HTTP-registered members this replica sees as ``live`` (it keeps their
         entries alive: an instance is forgotten only when nobody routes to it and it is
         silent, as without a store)."""
         return [record.member.url for record in self._records.values()
-                if record.member.moriio is None and usable(record.member)]
+                if record.member.moriio is None and live(record.member)]
 
     def apply_put(self, record: Record) -> None:
         """Another replica registered or refreshed an instance (``record`` has wall time)."""

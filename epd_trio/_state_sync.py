@@ -96,7 +96,7 @@ class StateLink:
 
     def __init__(
         self, settings: Settings, store: ReplicatedRoster, loads: Loads, metrics: ProxyMetrics,
-        *, replica_id: str, usable: Callable[[Member], bool],
+        *, replica_id: str, live: Callable[[Member], bool],
         wall: Callable[[], float] = time.time,
     ) -> None:
         assert settings.state_url is not None
@@ -105,17 +105,19 @@ class StateLink:
         self._store = store
         self._loads = loads
         self._metrics = metrics
-        self._usable = usable
+        self._live = live
         self._wall = wall
         self.replica_id = replica_id
         self.keys = StateKeys(settings.state_prefix)
         self._redis: coredis.Redis[bytes] | None = None
+        self._cursor: coredis.Redis[bytes] | None = None
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
         self._rng = random.Random()
         self._sessions = 0
         self._last_logged: str | None = None
+        self._loads_read = trio.Event()
         #: Set once the shared roster has been read (``/ready`` says not ready until then).
         self.roster_loaded = trio.Event()
         #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
@@ -133,12 +135,16 @@ class StateLink:
                 "roster_loaded": self._store.loaded, "problem": self.problem,
                 "global_cursor": self._settings.global_cursor}
 
+    async def next_load_read(self) -> None:
+        """Until the others' counts have been read once more (tests and benchmarks)."""
+        await self._loads_read.wait()
+
     # -- the global cursor (on a request's path) --------------------------------------------------
     async def take(self, stage: str, n: int) -> int | None:
         """The global cursor's position for ``n`` slots of ``stage`` (its value before adding
         ``n``), or None (then the caller uses its own cursor): the link is down, or the store
         did not answer within ``EPD_GLOBAL_CURSOR_TIMEOUT``."""
-        redis = self._redis
+        redis = self._cursor
         if redis is not None:
             with trio.move_on_after(self._settings.global_cursor_timeout):
                 try:
@@ -157,8 +163,12 @@ class StateLink:
             sessions = self._sessions
             try:
                 async with redis_client(self._url, self._settings.state_timeout,
-                                        f"epd-trio:{self.replica_id}") as redis:
-                    await self._session(redis)
+                                        f"epd-trio:{self.replica_id}") as redis, \
+                        redis_client(self._url, self._settings.state_timeout,
+                                     f"epd-trio:{self.replica_id}:cursor") as cursor:
+                    # The cursor has a connection of its own: a burst of requests must not
+                    # queue the link's own calls behind their increments, nor the reverse.
+                    await self._session(redis, cursor)
             except BaseException as exc:  # any failure of the link ends the session
                 self._lost(_unless_cancelled(exc))
             if self._sessions != sessions:
@@ -166,16 +176,18 @@ class StateLink:
             await trio.sleep(delay * self._rng.uniform(0.75, 1.25))
             delay = min(BACKOFF_CAP, delay * 2)
 
-    async def _session(self, redis: coredis.Redis[bytes]) -> None:
+    async def _session(self, redis: coredis.Redis[bytes], cursor: coredis.Redis[bytes]) -> None:
         with trio.fail_after(self._settings.state_timeout):
             await redis.ping()
+            if self._settings.global_cursor:
+                await cursor.ping()
         await self._flush(redis)
         await self._write_back(redis, self._store.known_records())
         async with redis.pubsub(channels=[self.keys.channel]) as pubsub:
             # Subscribed before the first full read: nothing announced in between is lost.
             await self._resync(redis)
             self.roster_loaded.set()
-            self._redis, self.problem = redis, None
+            self._redis, self._cursor, self.problem = redis, cursor, None
             self._sessions += 1
             self._metrics.state_up(True)
             log.warning("shared state %s: connected as replica %s (%s)", self._url.redacted(),
@@ -187,11 +199,11 @@ class StateLink:
                     nursery.start_soon(self._resync_loop, redis)
                     nursery.start_soon(self._load_loop, redis)
             finally:
-                self._redis = None
+                self._redis = self._cursor = None
 
     def _lost(self, exc: BaseException) -> None:
         was_up = self.up or self.problem is None
-        self._redis = None
+        self._redis = self._cursor = None
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
         self.problem = f"{type(_leaf(exc)).__name__}: {_leaf(exc)}"
@@ -309,7 +321,7 @@ class StateLink:
 
     async def _keep_alive(self, redis: coredis.Redis[bytes]) -> None:
         """Refresh the entries of the HTTP-registered instances this replica routes to."""
-        urls = self._store.live_registered(self._usable)
+        urls = self._store.live_registered(self._live)
         if not urls:
             return
         ttl_ms = max(1, int(self._settings.instance_ttl * 1000))
@@ -357,6 +369,8 @@ class StateLink:
             for _ in range(bad):
                 self._metrics.state_malformed()
             self._loads.remote = total
+            self._loads_read.set()
+            self._loads_read = trio.Event()
             await trio.sleep(interval)
 
 
@@ -365,11 +379,12 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def usable_member(registry: Any) -> Callable[[Member], bool]:
-    """Whether this replica routes to a member now (its own health view)."""
-    def usable(member: Member) -> bool:
-        return registry.usable(member.stage)(member.instance)
-    return usable
+def live_member(registry: Any) -> Callable[[Member], bool]:
+    """Whether this replica's probes have the member in rotation now (not ``usable``, whose
+    panic mode would keep a dead instance alive when its whole stage is down)."""
+    def live(member: Member) -> bool:
+        return registry.state_for(member.stage, member.instance).live
+    return live
 
 
 def _unless_cancelled(exc: BaseException) -> Exception:
