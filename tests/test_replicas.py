@@ -41,7 +41,9 @@ async def replicas(
     config: dict[str, Any] = {"admin_key": "admin-secret", "state_url": redis.url,
                               "state_prefix": prefix, "health_interval": 0.2,
                               "state_resync_interval": 0.2, "state_load_interval": 0.05,
-                              **settings}
+                              # Generous: a CI machine running the suite lags the event loop
+                              # by seconds at times; the link must not flap because of it.
+                              "state_timeout": 10.0, **settings}
     async with AsyncExitStack() as stack:
         started = []
         for index in range(count):
