@@ -118,6 +118,7 @@ class StateLink:
         self._sessions = 0
         self._last_logged: str | None = None
         self._loads_read = trio.Event()
+        self._up_changed = trio.Event()
         #: Set once the shared roster has been read (``/ready`` says not ready until then).
         self.roster_loaded = trio.Event()
         #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
@@ -134,6 +135,14 @@ class StateLink:
         return {"backend": self._url.redacted(), "prefix": self.keys.prefix, "up": self.up,
                 "roster_loaded": self._store.loaded, "problem": self.problem,
                 "global_cursor": self._settings.global_cursor}
+
+    async def next_change(self) -> None:
+        """Until the link next goes up or down (tests and benchmarks)."""
+        await self._up_changed.wait()
+
+    def _changed(self) -> None:
+        self._up_changed.set()
+        self._up_changed = trio.Event()
 
     async def next_load_read(self) -> None:
         """Until the others' counts have been read once more (tests and benchmarks)."""
@@ -190,6 +199,7 @@ class StateLink:
             self._redis, self._cursor, self.problem = redis, cursor, None
             self._sessions += 1
             self._metrics.state_up(True)
+            self._changed()
             log.warning("shared state %s: connected as replica %s (%s)", self._url.redacted(),
                         self.replica_id, "roster loaded")
             try:
@@ -206,6 +216,7 @@ class StateLink:
         self._redis = self._cursor = None
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
+        self._changed()
         self.problem = f"{type(_leaf(exc)).__name__}: {_leaf(exc)}"
         if was_up or self.problem != self._last_logged:
             log.warning("shared state %s unreachable (%s); routing on the last view and "
@@ -371,6 +382,7 @@ class StateLink:
             self._loads.remote = total
             self._loads_read.set()
             self._loads_read = trio.Event()
+        self._up_changed = trio.Event()
             await trio.sleep(interval)
 
 

@@ -231,3 +231,100 @@ async def test_no_state_store_means_no_client_no_task_no_extra_metric() -> None:
             "print('ok')")
     result = await trio.run_process([sys.executable, "-c", code], capture_stdout=True)
     assert result.stdout.strip() == b"ok"
+
+
+async def test_redis_killed_and_restarted_empty_under_load_fails_no_request(
+    client: httpx.AsyncClient
+) -> None:
+    redis = RedisServer().start()
+    try:
+        async with trio.open_nursery() as nursery:
+            decodes = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                        FakeVLLM(role="prefill_decode"))
+            async with replicas(redis, 3, decode_urls=(), decode_policy="least_loaded",
+                                global_cursor=True, global_cursor_timeout=0.5,
+                                state_timeout=1.0) as fleet:
+                for n, fake in enumerate(decodes):
+                    r = await client.post(fleet[n][0] + "/instances", headers=ADMIN,
+                                          json={"role": "prefill_decode", "url": fake.url})
+                    assert r.status_code == 200
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: len(roster.of("decode")) == 2)
+                    await wait_for(proxy, lambda _, p=proxy: p.ready())
+                statuses: list[int] = []
+                done = trio.Event()
+
+                async def load(url: str) -> None:
+                    while not done.is_set():
+                        r = await client.post(url + CHAT, json=chat_body(text="steady"))
+                        statuses.append(r.status_code)
+
+                async with trio.open_nursery() as traffic:
+                    for url, _ in fleet:
+                        traffic.start_soon(load, url)
+                    await trio.sleep(0.3)  # traffic flowing (time is what this measures)
+                    redis.kill()
+                    for _, proxy in fleet:  # every replica notices, and keeps routing
+                        with trio.fail_after(CONVERGE):
+                            while proxy.state.up:
+                                await proxy.state.next_change()
+                    served_while_down = len(statuses)
+                    await trio.sleep(0.5)
+                    assert len(statuses) > served_while_down  # requests kept flowing
+                    redis.start()  # back, empty: no persistence
+                    for _, proxy in fleet:
+                        with trio.fail_after(CONVERGE):
+                            while not proxy.state.up:
+                                await proxy.state.next_change()
+                    await trio.sleep(0.3)
+                    done.set()
+                assert statuses and set(statuses) == {200}, sorted(set(statuses))
+                # The replicas wrote back what they knew: both instances are in the store
+                # again, and no replica dropped one it was routing to.
+                keys = fleet[0][1].state.keys
+                assert sorted(redis.command("SMEMBERS", keys.index).split()) == sorted(
+                    f.url for f in decodes)
+                for _, proxy in fleet:
+                    assert len(proxy.roster.of("decode")) == 2
+                    assert metric(proxy, "epd_trio_state_backend_up") == 1
+                    assert metric(proxy, "epd_trio_global_cursor_fallbacks_total",
+                                  stage="decode") > 0  # counted while Redis was gone
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_unreachable_at_start_serves_static_and_says_why_it_is_not_ready(
+    client: httpx.AsyncClient
+) -> None:
+    redis = RedisServer()  # not started: nothing listens on its port yet
+    try:
+        async with trio.open_nursery() as nursery:
+            static, registered = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                                   FakeVLLM(role="prefill_decode"))
+            settings = Settings(admin_key="admin-secret", state_url=redis.url,
+                                state_prefix="start:", decode_urls=(Instance(static.url),),
+                                state_resync_interval=0.2, health_interval=0.2)
+            async with serve_proxy(settings) as (url, proxy):
+                r = await client.post(url + CHAT, json=chat_body(text="static still works"))
+                assert r.status_code == 200
+                assert (await client.get(url + "/health")).status_code == 200
+                ready = await client.get(url + "/ready")
+                assert ready.status_code == 503
+                assert "shared roster is not loaded yet" in ready.json()["reason"]
+                assert metric(proxy, "epd_trio_state_backend_up") == 0
+                # A registration taken meanwhile is kept, routed, and written on connect.
+                r = await client.post(url + "/instances", headers=ADMIN,
+                                      json={"role": "prefill_decode", "url": registered.url})
+                assert r.status_code == 200
+                assert len(proxy.roster.of("decode")) == 2
+                redis.start()
+                assert proxy.state is not None
+                with trio.fail_after(CONVERGE):
+                    await proxy.state.roster_loaded.wait()
+                assert (await client.get(url + "/ready")).status_code == 200
+                assert metric(proxy, "epd_trio_state_backend_up") == 1
+                assert redis.command("SMEMBERS", "start:instances") == registered.url
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
