@@ -382,7 +382,6 @@ class StateLink:
             self._loads.remote = total
             self._loads_read.set()
             self._loads_read = trio.Event()
-        self._up_changed = trio.Event()
             await trio.sleep(interval)
 
 
