@@ -80,6 +80,29 @@ return 1
 """
 
 
+#: One round trip per load interval: publish this replica's counts (an expiring hash, and its
+#: name in the sorted set of live replicas), drop replicas gone for long, and return every
+#: other live replica's counts. KEYS: this replica's hash, the replicas' set. ARGV: replica id,
+#: now (ms), expiry (ms), the load-hash prefix, then field, value, field, value...
+_LOAD_EXCHANGE = """
+redis.call('del', KEYS[1])
+if #ARGV > 4 then
+  redis.call('hset', KEYS[1], unpack(ARGV, 5))
+  redis.call('pexpire', KEYS[1], ARGV[3])
+end
+local now, expiry = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('zadd', KEYS[2], now, ARGV[1])
+redis.call('zremrangebyscore', KEYS[2], '-inf', now - 10 * expiry)
+local out = {}
+for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf')) do
+  if other ~= ARGV[1] then
+    out[#out + 1] = redis.call('hgetall', ARGV[4] .. other)
+  end
+end
+return out
+"""
+
+
 def redis_client(url: StateURL, timeout: float, name: str) -> coredis.Redis[bytes]:
     """A client for ``url``; no retries of its own (the link reconnects, the cursor falls
     back), every call bounded by ``timeout``."""
@@ -355,34 +378,29 @@ class StateLink:
     async def _load_loop(self, redis: coredis.Redis[bytes]) -> None:
         interval = self._settings.state_load_interval
         expiry_ms = max(1, int(interval * LOAD_EXPIRY_INTERVALS * 1000))
-        mine = self.keys.load(self.replica_id)
+        keys = [self.keys.load(self.replica_id), self.keys.replicas]
+        head = [self.replica_id, 0, expiry_ms, self.keys.load("")]
         while True:
+            head[1] = int(self._wall() * 1000)
             fields = load_fields(self._loads.table.snapshot())
-            now_ms = int(self._wall() * 1000)
+            args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):
-                async with redis.pipeline(transaction=True) as pipe:
-                    pipe.delete([mine])
-                    if fields:
-                        pipe.hset(mine, fields)
-                        pipe.pexpire(mine, expiry_ms)
-                    pipe.zadd(self.keys.replicas, {self.replica_id: now_ms})
-                    pipe.zremrangebyscore(self.keys.replicas, "-inf", now_ms - 10 * expiry_ms)
-                others = [r.decode() for r in await redis.zrange(
-                    self.keys.replicas, now_ms - expiry_ms, "+inf",
-                    sortby=coredis.PureToken.BYSCORE)]
-                others = [r for r in others if r != self.replica_id]
-                hashes = []
-                if others:
-                    async with redis.pipeline(transaction=False) as pipe:
-                        pending = [pipe.hgetall(self.keys.load(r)) for r in others]
-                    hashes = [await result for result in pending]
-            total, bad = sum_loads(hashes)
+                replies = await redis.eval(_LOAD_EXCHANGE, keys, args)
+            total, bad = sum_loads(_as_mapping(reply) for reply in replies or ())
             for _ in range(bad):
                 self._metrics.state_malformed()
             self._loads.remote = total
             self._loads_read.set()
             self._loads_read = trio.Event()
             await trio.sleep(interval)
+
+
+def _as_mapping(reply: Any) -> Mapping[Any, Any]:
+    """An ``HGETALL`` reply from a script: a flat list (RESP2 semantics inside Lua)."""
+    if isinstance(reply, Mapping):
+        return reply
+    items = list(reply)
+    return dict(zip(items[::2], items[1::2], strict=False))
 
 
 def default_replica_id() -> str:
