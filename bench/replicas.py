@@ -127,6 +127,13 @@ def upstream_counts(texts: list[str]) -> dict[tuple[str, str], float]:
     return counts
 
 
+def fallbacks(texts: list[str]) -> float:
+    """Routing decisions that fell back from the global cursor to a replica's own."""
+    return sum(sample.value for text in texts for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == "epd_trio_global_cursor_fallbacks_total")
+
+
 def spreads(counts: dict[tuple[str, str], float], backends: Any) -> dict[str, float | None]:
     """Most requests on one instance over fewest, per role (None: fewer than two instances)."""
     out: dict[str, float | None] = {}
@@ -204,6 +211,7 @@ async def measure(args: argparse.Namespace, mode: str, backends: Any, state_url:
             "latency_p50_ms": _ms(percentile(sorted(r.latency for r in ok), 50)),
             "latency_p99_ms": _ms(percentile(sorted(r.latency for r in ok), 99)),
             "spread": spreads(counts, backends),
+            "global_cursor_fallbacks": fallbacks(after) - fallbacks(before),
         }
         if mode == "shared" and args.registrations:
             times = sorted(await convergence([url for _, url in replicas], args.registrations))
@@ -246,7 +254,8 @@ def render(report: dict[str, Any]) -> str:
              f"{report['config']['concurrency']}, stream={report['config']['stream']}, "
              f"{report['config']['images']} image(s) per request", "",
              "| mode | proxy CPU ms/request (3 replicas) | vs local, same round | latency p50 / "
-             "p99 ms | spread E / P / D (max/min) | failed |", "|---|---|---|---|---|---|"]
+             "p99 ms | spread E / P / D (max/min) | global cursor fallbacks | failed |",
+             "|---|---|---|---|---|---|---|"]
 
     def span(values: list[float | None], digits: int = 2) -> str:
         found = [v for v in values if v is not None]
@@ -266,6 +275,7 @@ def render(report: dict[str, Any]) -> str:
             f"| {mode} | {span([run['proxy_cpu_ms_per_request'] for run in runs], 3)} | "
             f"x{span(ratios)} | {span([run['latency_p50_ms'] for run in runs], 1)} / "
             f"{span([run['latency_p99_ms'] for run in runs], 1)} | {spread} | "
+            f"{span([run['global_cursor_fallbacks'] for run in runs], 0)} | "
             f"{sum(run['requests'] - run['ok'] for run in runs)} |")
     shared = [r["shared"]["convergence_ms"] for r in rounds
               if "shared" in r and "convergence_ms" in r["shared"]]
