@@ -179,6 +179,8 @@ def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
 #: says nothing about encoder-cache addresses, so neither may erase what the other registered.
 HTTP_FIELDS = frozenset({"instance", "role", "ec_zmq_addrs"})
 MORIIO_FIELDS = frozenset({"instance", "role", "moriio"})
+#: A whole member, as the shared store records it (``shared_state.merge``).
+EVERY_FIELD = HTTP_FIELDS | MORIIO_FIELDS
 
 
 def register(
