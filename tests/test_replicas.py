@@ -21,6 +21,7 @@ from epd_trio import Instance, Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.registrar import run_registrar
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
 from real_servers import RedisServer
@@ -328,3 +329,33 @@ async def test_unreachable_at_start_serves_static_and_says_why_it_is_not_ready(
             nursery.cancel_scope.cancel()
     finally:
         redis.kill()
+
+
+async def test_vllms_registrar_against_three_replicas_whether_it_names_all_or_one(
+    redis_server: RedisServer,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        listed, unlisted = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                             FakeVLLM(role="prefill_decode"))
+        async with replicas(redis_server, 3, decode_urls=()) as fleet:
+            urls = [url for url, _ in fleet]
+            # One registrar naming every replica, another naming only the first: both reach
+            # all three (the second through the store).
+            async with run_registrar(urls, role="prefill_decode", url=listed.url,
+                                     api_key="admin-secret") as everywhere, \
+                    run_registrar(urls[0], role="prefill_decode", url=unlisted.url,
+                                  api_key="admin-secret") as one:
+                with trio.fail_after(CONVERGE):
+                    await everywhere.wait_until(lambda: everywhere.registered)
+                    await one.wait_until(lambda: one.registered)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: sorted(urls_of_roster(roster)) ==
+                                   sorted([listed.url, unlisted.url]))
+            # Leaving the blocks sends the registrars' DELETEs: gone from every replica.
+            for _, proxy in fleet:
+                await wait_for(proxy, lambda roster: not roster.of("decode"))
+        nursery.cancel_scope.cancel()
+
+
+def urls_of_roster(roster: Roster) -> list[str]:
+    return [inst.url for inst in roster.of("decode")]
