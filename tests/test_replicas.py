@@ -8,6 +8,7 @@ own roster events (``Proxy.wait_roster``) with a deadline, never with a sleep.
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -359,3 +360,29 @@ async def test_vllms_registrar_against_three_replicas_whether_it_names_all_or_on
 
 def urls_of_roster(roster: Roster) -> list[str]:
     return [inst.url for inst in roster.of("decode")]
+
+
+async def test_a_slow_redis_delays_no_request(
+    redis_server: RedisServer, client: httpx.AsyncClient
+) -> None:
+    """Redis paused (every command waits): the only call on a request's path, the opt-in global
+    cursor, gives up after its timeout and the replica's own cursor routes."""
+    async with trio.open_nursery() as nursery:
+        decodes = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                    FakeVLLM(role="prefill_decode"))
+        async with replicas(redis_server, 1, global_cursor=True, global_cursor_timeout=0.05,
+                            decode_urls=tuple(Instance(f.url) for f in decodes)) as [(url, proxy)]:
+            pause = 6.0
+            redis_server.command("CLIENT", "PAUSE", str(int(pause * 1000)), "ALL")
+            started = time.monotonic()
+            try:
+                for _ in range(6):
+                    r = await client.post(url + CHAT, json=chat_body(text="no waiting"))
+                    assert r.status_code == 200
+                elapsed = time.monotonic() - started
+            finally:
+                redis_server.command("CLIENT", "UNPAUSE")
+            assert elapsed < pause / 2, elapsed  # no request waited for Redis
+            assert metric(proxy, "epd_trio_global_cursor_fallbacks_total", stage="decode") >= 6
+            assert [len(f.requests(CHAT)) for f in decodes] == [3, 3]  # still round-robin
+        nursery.cancel_scope.cancel()
