@@ -78,6 +78,12 @@ class RedisServer:
         self.kill()
         raise RuntimeError(f"redis-server did not start on port {self.port}: {''.join(seen)}")
 
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.kill()
+
     def kill(self) -> None:
         if self.process is not None:
             self.process.kill()
