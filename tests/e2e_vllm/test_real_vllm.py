@@ -227,15 +227,20 @@ async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
     if cluster.owned:  # started by this session: nothing has reached decode yet
         assert (pulls, prompts) == (0, 0)
     body = chat(text="Hello there, friend.")
+    started = trio.current_time()
     async with proxy_for(cluster) as (url, proxy):
         got = await ask(client, url, CHAT, salted(body))
         assert kv_missing(proxy) == 0
         assert proxy.registry.state("encode", cluster.url("encode")).sent == 0
+    proxied = trio.current_time() - started
     after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 1)
     assert cluster.healthy() == []  # decode's engine survived its first pull
+    started = trio.current_time()
     assert got == await direct_answer(client, cluster, CHAT, body)
+    direct = trio.current_time() - started
     observe(f"{'first request of a fresh cluster' if pulls == 0 else 'reused cluster'}: "
-            f"{got!r} (= decode direct); decode NIXL pulls +{after - pulls:g}; all servers healthy")
+            f"{got!r} in {proxied:.1f} s (= decode direct, {direct:.1f} s); decode NIXL pulls "
+            f"+{after - pulls:g}; all servers healthy")
 
 
 async def test_prompts_longer_than_one_kv_block_equal_decode_direct_answer(
