@@ -18,10 +18,12 @@ any test that runs after it anyway (``-k``, reordering).
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,6 +40,7 @@ from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
 from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster
+from .provision import VLLM_CLI
 from helpers import client_cancels
 from helpers import metric as proxy_metric
 
@@ -53,6 +56,18 @@ NIXL_PULLS = "vllm:nixl_xfer_time_seconds_count"
 #: New images every session: a reused cluster's encoder remembers the items it has seen (and then
 #: writes no new cache entry), so a test's image must be one it has never encoded.
 SESSION_SEED = secrets.randbits(48)
+#: ``vllm bench serve`` through the proxy: prompts per run and requests in flight. The text
+#: prompts are over two KV blocks long (128 tokens a block here); the image prompts are one
+#: 64x64 image each plus text, so they go E -> P -> D.
+BENCH_PROMPTS = 32
+BENCH_CONCURRENCY = 4
+BENCH_DATASETS = {
+    "random": ["--random-input-len", "300", "--random-output-len", "16"],
+    "random-mm": ["--random-input-len", "150", "--random-output-len", "16",
+                  "--random-mm-base-items-per-request", "1",
+                  "--random-mm-limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                  "--random-mm-bucket-config", "{(64, 64, 1): 1.0}"],
+}
 #: Seconds allowed for a server's /metrics to show what just happened (updated per engine step).
 METRICS_DEADLINE = 10.0
 
@@ -176,7 +191,84 @@ async def proxy_for(
         yield served
 
 
+async def kv_block_size(client: httpx.AsyncClient, url: str) -> int:
+    """The server's KV block size in tokens, from vLLM's ``vllm:cache_config_info`` labels."""
+    page = (await client.get(url + "/metrics")).text
+    for line in page.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(pair.split("=", 1) for pair in line[line.index("{") + 1:
+                                                               line.index("}")].split(","))
+            return int(labels["block_size"].strip('"'))
+    pytest.fail(f"{url}/metrics has no vllm:cache_config_info")
+
+
+async def direct_usage(client: httpx.AsyncClient, cluster: Cluster, path: str,
+                       body: dict[str, Any]) -> tuple[str, int]:
+    """Decode's own greedy answer (as ``direct_answer``) and the prompt's length in tokens."""
+    response = await client.post(cluster.url("decode") + path, json=salted(body, stream=False))
+    return generated_text(response, stream=False), response.json()["usage"]["prompt_tokens"]
+
+
+def long_text(words: int) -> str:
+    """A prompt of about ``words`` distinct words (several tokens each with the tiny tokenizer)."""
+    return " ".join(f"item{i} of the list," for i in range(words))
+
+
 # -- tests -----------------------------------------------------------------------------------------
+async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    """Issue 23: the very first request a fresh cluster sees is text-only, through P -> D. Its
+    KV pull is decode's first NIXL hand-shake and transfer, with no encoder-cache entry anywhere
+    and nothing run on decode before (the other tests all ask decode directly first)."""
+    decode = cluster.url("decode")
+    pulls = await metric(client, decode, NIXL_PULLS)
+    prompts = await metric(client, decode, "vllm:prompt_tokens_total")
+    if cluster.owned:  # started by this session: nothing has reached decode yet
+        assert (pulls, prompts) == (0, 0)
+    body = chat(text="Hello there, friend.")
+    started = trio.current_time()
+    async with proxy_for(cluster) as (url, proxy):
+        got = await ask(client, url, CHAT, salted(body))
+        assert kv_missing(proxy) == 0
+        assert proxy.registry.state("encode", cluster.url("encode")).sent == 0
+    proxied = trio.current_time() - started
+    after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 1)
+    assert cluster.healthy() == []  # decode's engine survived its first pull
+    started = trio.current_time()
+    assert got == await direct_answer(client, cluster, CHAT, body)
+    direct = trio.current_time() - started
+    observe(f"{'first request of a fresh cluster' if pulls == 0 else 'reused cluster'}: "
+            f"{got!r} in {proxied:.1f} s (= decode direct, {direct:.1f} s); decode NIXL pulls "
+            f"+{after - pulls:g}; all servers healthy")
+
+
+async def test_prompts_longer_than_one_kv_block_equal_decode_direct_answer(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe
+) -> None:
+    """A pulled prompt of several KV blocks (the short prompts elsewhere fit in one): text
+    through P -> D and an image with a long text through E -> P -> D, stream and not."""
+    decode = cluster.url("decode")
+    block = await kv_block_size(client, decode)
+    cases = {"text": chat(text=long_text(block // 2)),
+             "image": chat(image_part(seed=4004), text=long_text(block // 2))}
+    pulls = await metric(client, decode, NIXL_PULLS)
+    seen = {}
+    async with proxy_for(cluster) as (url, proxy):
+        for name, body in cases.items():
+            want, tokens = await direct_usage(client, cluster, CHAT, body)
+            assert tokens > 2 * block, (name, tokens, block)
+            for stream in (False, True):
+                assert await ask(client, url, CHAT, salted(body, stream=stream)) == want, name
+            seen[name] = tokens
+        assert kv_missing(proxy) == 0
+    after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + 4)
+    assert cluster.healthy() == []
+    observe(f"KV block {block} tokens; prompts of {seen} tokens (= "
+            f"{ {k: -(-v // block) for k, v in seen.items()} } blocks) equal decode direct, "
+            f"stream and not; decode NIXL pulls +{after - pulls:g}")
+
+
 async def test_image_request_through_e_p_d_equals_decode_direct_answer(
     cluster: Cluster, client: httpx.AsyncClient, observe: Observe
 ) -> None:
@@ -283,6 +375,54 @@ async def test_the_encoders_metadata_rewrite_is_answered_like_the_raw_media(
     observe(f"encoder reported {entry['metadata']}; the metadata-only image_embeds part answered "
             f"{want!r} (= decode direct on the raw image), and so did E -> PD and E -> P -> D "
             f"through the proxy with the rewrite on and off")
+
+
+async def run_bench(cluster: Cluster, url: str, dataset: str, out: Path) -> dict[str, Any]:
+    """``vllm bench serve`` (vLLM's own benchmark client) against ``url``; its saved result."""
+    cmd = [str(cluster.home.python), str(VLLM_CLI), "bench", "serve", "--backend", "openai-chat",
+           "--endpoint", CHAT, "--base-url", url, "--model", MODEL_NAME,
+           "--tokenizer", str(cluster.home.model(cluster.model)), "--dataset-name", dataset,
+           *BENCH_DATASETS[dataset], "--ignore-eos", "--num-prompts", str(BENCH_PROMPTS),
+           "--max-concurrency", str(BENCH_CONCURRENCY), "--seed", str(SESSION_SEED % 2**31),
+           "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(out),
+           "--result-filename", "result.json"]
+    done = await trio.run_process(cmd, env=cluster.home.server_env(out / "tmp"), check=False,
+                                  capture_stdout=True, capture_stderr=True)
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    tail = "\n".join(line for line in output.splitlines() if "leaked" not in line)[-3000:]
+    assert done.returncode == 0, f"vllm bench serve exited {done.returncode}:\n{tail}"
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.parametrize("dataset", sorted(BENCH_DATASETS))
+async def test_vllm_bench_serve_through_the_proxy_completes_every_request(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe, tmp_path: Path, dataset: str
+) -> None:
+    """Issue 23: vLLM's own benchmark client, as a new user points it at the proxy: every
+    request completes (its ``completed`` and ``failed`` counts, and each request's error)."""
+    decode = cluster.url("decode")
+    block = await kv_block_size(client, decode)
+    pulls = await metric(client, decode, NIXL_PULLS)
+    async with proxy_for(cluster) as (url, proxy):
+        result = await run_bench(cluster, url, dataset, tmp_path)
+        assert kv_missing(proxy) == 0
+        encoded = proxy.registry.state("encode", cluster.url("encode")).sent
+    errors = [e for e in result["errors"] if e]
+    assert (result["completed"], result["failed"], errors[:3]) == (BENCH_PROMPTS, 0, [])
+    assert result["output_lens"] == [16] * BENCH_PROMPTS  # --ignore-eos: every token came
+    if dataset == "random":
+        assert min(result["input_lens"]) > 2 * block and encoded == 0
+    else:  # one image per prompt, the bench's first test request included
+        assert encoded >= BENCH_PROMPTS
+    # Every request pulled its KV over NIXL. (The bench's initial test request is its first
+    # prompt, sent again in the run: decode may answer that one from its own prefix cache.)
+    after = await wait_metric(client, decode, NIXL_PULLS, lambda v: v >= pulls + BENCH_PROMPTS)
+    assert cluster.healthy() == []
+    observe(f"{dataset}: {result['completed']}/{BENCH_PROMPTS} completed at concurrency "
+            f"{BENCH_CONCURRENCY}, prompts {min(result['input_lens'])}-"
+            f"{max(result['input_lens'])} tokens, {result['duration']:.1f} s, mean TTFT "
+            f"{result['mean_ttft_ms']:.0f} ms; encoder requests {encoded}; decode NIXL pulls "
+            f"+{after - pulls:g}")
 
 
 async def test_client_disconnect_mid_stream_aborts_decode(
