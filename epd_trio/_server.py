@@ -29,6 +29,11 @@ stream, the worker's lifespan and shutdown) and changes three things:
    write (h11's end of a ``content-length`` body) is not sent.
 4. A connection whose client closed it is closed without ``send_eof`` first (a ``shutdown``
    call and a checkpoint): ``close`` sends the same FIN.
+5. The head of a response that declares its ``content-length`` is held until the body's first
+   bytes (or the end of the response) and written with them in one ``send``: one socket write
+   per non-stream answer instead of two (h11 frames such a body's end as ``b""``, not written).
+   A response without a length (a stream: chunked) sends its head at once, as before, so an
+   SSE head still goes out before the first token.
 
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
@@ -43,12 +48,15 @@ the patch Hypercorn could take, with its measured effect.
 from __future__ import annotations
 
 import types
+from functools import partial
 from math import inf
 from typing import Any
 
 import trio
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
@@ -94,6 +102,8 @@ class ProxyTCPServer(TCPServer):
         self._idle_set: set[ProxyTCPServer] | None = getattr(context, "idle", None)
         #: The client closed its side (end of file read).
         self._peer_closed = False
+        #: Writes held back (a content-length response's head) until its body; None: write.
+        self._corked: list[bytes] | None = None
 
     async def run(self) -> None:
         """Hypercorn's ``TCPServer.run`` with the idle timer armed instead of started."""
@@ -123,6 +133,7 @@ class ProxyTCPServer(TCPServer):
                     alpn_protocol,
                 )
                 await self.protocol.initiate()
+                self._cork_heads()
                 self._set_idle(True)
                 await self._read_data()
         except OSError:
@@ -131,10 +142,39 @@ class ProxyTCPServer(TCPServer):
             self._set_idle(False)
             await self._close()
 
+    def _cork_heads(self) -> None:
+        """Route the HTTP/1.1 protocol's stream events through ``_stream_send``.
+
+        ``H11Protocol`` hands ``self.stream_send`` to each ``HTTPStream`` it creates, so an
+        instance attribute set before the first request is what every stream calls."""
+        inner = getattr(self.protocol, "protocol", None)
+        if isinstance(inner, H11Protocol):
+            inner.stream_send = partial(self._stream_send, inner.stream_send)
+
+    async def _stream_send(self, stream_send: Any, event: Any) -> None:
+        if (isinstance(event, Response) and event.status_code >= 200
+                and any(name.lower() == b"content-length" for name, _ in event.headers)):
+            self._corked = []
+            await stream_send(event)  # the head's RawData is held in _corked
+            return
+        if self._corked is None:
+            await stream_send(event)
+            return
+        if isinstance(event, Body | EndBody):
+            await stream_send(event)  # appended to the held head
+        corked, self._corked = self._corked, None
+        if corked:
+            await self.protocol_send(RawData(data=b"".join(corked)))
+        if not isinstance(event, Body | EndBody):
+            await stream_send(event)
+
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):
             if not event.data:
                 return  # h11 frames the end of a content-length body as b"": nothing to write
+            if self._corked is not None:
+                self._corked.append(event.data)
+                return
             lock = self.send_lock
             if lock.locked():
                 await lock.acquire()
@@ -151,6 +191,7 @@ class ProxyTCPServer(TCPServer):
             finally:
                 lock.release()
         elif isinstance(event, Closed):
+            self._corked = None  # the client is gone: nothing held is wanted any more
             await self._close()
             await self.protocol.handle(Closed())
         elif isinstance(event, Updated):

@@ -22,6 +22,7 @@ import trio
 import trio.testing
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import tcp_server, worker_context
 from hypercorn.trio.task_group import TaskGroup
@@ -49,6 +50,24 @@ COPIED_SOURCES = {
     "_idle_timeout": "210ce1014d98e1cb",
     "__init__": "4c1d42457bc197b2",
 }
+
+
+# The head-corking hook (ProxyTCPServer._cork_heads): ProtocolWrapper builds an H11Protocol as
+# its ``protocol``, H11Protocol hands ``self.stream_send`` to each HTTPStream it creates, and
+# stream_send turns Response/Body/EndBody into h11 writes.
+HOOKED_SOURCES = {
+    (ProtocolWrapper, "__init__"): "df25e181b9e2e64d",
+    (H11Protocol, "_create_stream"): "a2338a57ab343908",
+    (H11Protocol, "stream_send"): "56a36254a368d71a",
+}
+
+
+@pytest.mark.parametrize(("owner", "name"), sorted(HOOKED_SOURCES, key=str),
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_hypercorn_h11_methods_the_cork_relies_on(owner: Any, name: str) -> None:
+    assert _source_hash(getattr(owner, name)) == HOOKED_SOURCES[(owner, name)], (
+        f"Hypercorn's {owner.__name__}.{name} changed: check that ProxyTCPServer._cork_heads "
+        "still sees every response event, then update HOOKED_SOURCES")
 
 
 def _source_hash(function: Any) -> str:
@@ -302,3 +321,73 @@ async def test_idle_set_follows_requests() -> None:
         await poll_until(lambda: not context.idle, GUARD)
         nursery.cancel_scope.cancel()
 
+
+
+async def _serve_recording(app: Any, nursery: trio.Nursery) -> tuple[int, list[bytes]]:
+    """Serve ``app`` on ProxyTCPServer, recording every socket write; the port and the list."""
+    writes: list[bytes] = []
+
+    class Recording(_server.ProxyTCPServer):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            send_all = self.stream.send_all
+
+            async def recorded(data: bytes) -> None:
+                writes.append(bytes(data))
+                await send_all(data)
+
+            self.stream.send_all = recorded  # type: ignore[method-assign]
+
+    serve = _server._rebound(hypercorn_run.worker_serve, TCPServer=Recording,
+                             WorkerContext=_server.ProxyWorkerContext)
+    config = quiet_config()
+    binds = await nursery.start(partial(
+        serve, wrap_app(app, config.wsgi_max_body_size, None), config,
+        sockets=listening_sockets(config)))
+    return int(binds[0].rsplit(":", 1)[1]), writes
+
+
+async def test_a_response_with_its_length_is_one_write() -> None:
+    async with trio.open_nursery() as nursery:
+        port, writes = await _serve_recording(health_app, nursery)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            for _ in range(2):  # two requests on one connection: one write each
+                await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                answer = b""
+                while not answer.endswith(b"ok"):
+                    answer += await stream.receive_some()
+        assert len(writes) == 2
+        assert all(w.startswith(b"HTTP/1.1 200") and w.endswith(b"\r\n\r\nok") for w in writes)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_stream_head_goes_out_before_its_first_chunk() -> None:
+    """No length (a chunked stream, as SSE is): the head is not held for the body."""
+    go = trio.Event()
+
+    async def stream_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        await go.wait()
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with trio.open_nursery() as nursery:
+        port, writes = await _serve_recording(stream_app, nursery)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive_some()
+            assert b"data: 1" not in head  # the head came alone, before the app went on
+            go.set()
+            rest = head
+            while not rest.endswith(b"0\r\n\r\n"):
+                rest += await stream.receive_some()
+        assert b"Transfer-Encoding: chunked" in writes[0] and b"data: 1" not in writes[0]
+        nursery.cancel_scope.cancel()
