@@ -75,8 +75,12 @@ class _Exchange:
 
 def run_load_epoll(host: str, port: int, path: str, make_body: Callable[[int], bytes], *,
                    requests: int, concurrency: int, stream: bool, request_timeout: float,
-                   record_gaps: bool = False) -> list[Result]:
-    """Send ``requests`` requests over ``concurrency`` keep-alive connections (blocking call)."""
+                   record_gaps: bool = False, split_head: bool = False) -> list[Result]:
+    """Send ``requests`` requests over ``concurrency`` keep-alive connections (blocking call).
+
+    ``split_head``: write each request's head and body with two ``send`` calls, as httpx (the
+    OpenAI SDK's client) does, instead of one. With TCP_NODELAY each is a segment of its own,
+    and a server may need two reads (two wake-ups) for one request."""
     authority = f"{host}:{port}"
     indices = itertools.count()
     results: list[Result] = []
@@ -101,7 +105,12 @@ def run_load_epoll(host: str, port: int, path: str, make_body: Callable[[int], b
                     ep.register(sock.fileno(), select.EPOLLIN)
                 live[sock.fileno()] = _Exchange(sock, index, stream, record_gaps,
                                                 request_timeout, began)
-                sock.sendall(request_head("POST", path, authority, len(body)) + body)
+                head = request_head("POST", path, authority, len(body))
+                if split_head:
+                    sock.sendall(head)
+                    sock.sendall(body)
+                else:
+                    sock.sendall(head + body)
             except OSError as exc:  # this request failed; the next one gets a new connection
                 if sock is not None:
                     live.pop(sock.fileno(), None)

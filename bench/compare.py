@@ -35,6 +35,12 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
 - ``epd_trio@DIR``: epd_trio from another checkout (``git worktree add DIR REV``), to measure a
   change side by side with the commit before it.
 
+Clients (``--client``): ``epoll`` (default; ``bench._epoll_load``: one epoll loop, each request
+written with one ``send``), ``split`` (the same loop writing each request's head and body with two
+``send`` calls, as httpx and so the OpenAI SDK do), ``aiohttp`` (``bench._aiohttp_load``: a plain
+aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``). The load
+generator's CPU in the report is the client's, whichever it is.
+
 docs/performance.md says how to install the references and gives the figures.
 """
 
@@ -69,6 +75,10 @@ REFS = Path.home() / ".cache" / "epd-refs"
 DEFAULT_VLLM_ROUTER = REFS / "vllm-router-venv" / "bin" / "vllm-router"
 DEFAULT_EPD_PROXY = REFS / "disagg_epd_proxy.py"
 DEFAULT_EPD_PROXY_PYTHON = REFS / "epd-proxy-venv" / "bin" / "python"
+#: A Python with aiohttp for ``--client aiohttp`` (the EPD proxy's venv has it).
+DEFAULT_AIOHTTP_PYTHON = DEFAULT_EPD_PROXY_PYTHON
+CLIENTS = ("epoll", "split", "aiohttp")
+AIOHTTP_LOAD = Path(__file__).with_name("_aiohttp_load.py")
 PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
 DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
 #: Seconds a peer gets to answer its readiness probe after it was started.
@@ -239,7 +249,8 @@ def render(report: dict[str, Any]) -> str:
     names = [n for n in cfg["peers"] if any(n in r for r in rounds)]
     kind = (f"stream, max_tokens {cfg['max_tokens']}" if cfg["stream"]
             else f"non-stream, max_tokens {cfg['max_tokens']}")
-    lines = [f"compare: layout {cfg['layout']}, {kind}, C={cfg['concurrency']}, "
+    lines = [f"compare: client {cfg.get('client', 'epoll')}, layout {cfg['layout']}, {kind}, "
+             f"C={cfg['concurrency']}, "
              f"{cfg['requests']} requests x {len(rounds)} round(s), token interval "
              f"{cfg['token_interval'] * 1000:g} ms, lean fakes "
              f"({report['backends']})"]
@@ -388,18 +399,22 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
         host, port_ = url.removeprefix("http://").rsplit(":", 1)
         make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
 
-        async def load(requests: int, concurrency: int) -> list[Result]:
+        async def load(requests: int, concurrency: int) -> tuple[list[Result], float]:
+            """The results, and the CPU seconds a client process of its own spent."""
+            if args.client == "aiohttp":
+                return await run_load_aiohttp(args, host, int(port_), make_body, requests,
+                                              concurrency, logdir)
             # The epoll client runs in a thread: this process has nothing else to do meanwhile,
             # and its CPU (os.times: every thread) is the load generator's.
             return await trio.to_thread.run_sync(partial(
                 run_load_epoll, host, int(port_), CHAT, make_body, requests=requests,
                 concurrency=concurrency, stream=args.stream, request_timeout=args.timeout,
-                record_gaps=args.stream))
+                record_gaps=args.stream, split_head=args.client == "split")), 0.0
 
         await load(args.warmup, min(args.concurrency, 16))
         proxy0 = process_tree_cpu(process.pid) if process else None
         fakes0, self0, t0 = process_tree_cpu(fakes_pid), _self_cpu(), trio.current_time()
-        results = await load(args.requests, args.concurrency)
+        results, client_cpu = await load(args.requests, args.concurrency)
         wall = trio.current_time() - t0
         self1, fakes1 = _self_cpu(), process_tree_cpu(fakes_pid)
         proxy1 = process_tree_cpu(process.pid) if process else None
@@ -407,10 +422,33 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
             results, wall, requests=args.requests, stream=args.stream,
             max_tokens=args.max_tokens,
             proxy_cpu=None if proxy0 is None or proxy1 is None else proxy1 - proxy0,
-            fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0)
+            fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0 + client_cpu)
     finally:
         if process is not None:
             await stop(process)
+
+
+async def run_load_aiohttp(args: argparse.Namespace, host: str, port: int,
+                           make_body: Callable[[int], bytes], requests: int, concurrency: int,
+                           logdir: Path) -> tuple[list[Result], float]:
+    """``bench._aiohttp_load`` in a process of its own; its results and its CPU seconds.
+
+    The bodies are made here (the client's Python has only aiohttp) and written to a file, one a
+    line; the client's wall clock starts after its imports, so they are not in its figures."""
+    bodies = logdir / "bodies.jsonl"
+    bodies.write_bytes(b"\n".join(make_body(i) for i in range(requests)) + b"\n")
+    cmd = [str(args.aiohttp_python), str(AIOHTTP_LOAD), "--host", host, "--port", str(port),
+           "--path", CHAT, "--bodies", str(bodies), "--concurrency", str(concurrency),
+           "--timeout", str(args.timeout)]
+    if args.stream:
+        cmd += ["--stream", "--record-gaps"]
+    done = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False,
+                                  preexec_fn=pinned(args.rest_cpus))
+    if done.returncode != 0:
+        raise RuntimeError(f"the aiohttp client failed ({done.returncode}):\n"
+                           f"{done.stderr.decode(errors='replace')[-3000:]}")
+    report = json.loads(done.stdout)
+    return [Result(**r) for r in report["results"]], float(report["cpu"])
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -469,6 +507,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rest-cpus", type=_cpu_list, default=None, metavar="LIST",
                    help="run the fakes and the load generator on these CPUs only")
     p.add_argument("--model", default="fake-model")
+    p.add_argument("--client", choices=CLIENTS, default="epoll",
+                   help="the load: epoll (one send per request; default), split (head and body "
+                   "as two sends, as httpx / the OpenAI SDK write), aiohttp (an aiohttp "
+                   "ClientSession in a process of its own)")
+    p.add_argument("--aiohttp-python", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_AIOHTTP_PYTHON", DEFAULT_AIOHTTP_PYTHON)),
+        help="a Python with aiohttp, for --client aiohttp (default: the EPD proxy's venv)")
     p.add_argument("--vllm-router", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_VLLM_ROUTER", DEFAULT_VLLM_ROUTER)))
     p.add_argument("--epd-proxy", type=Path, default=Path(os.environ.get(
@@ -485,6 +530,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
         args.images = 1 if args.layout == "epd" else 0
+    if args.client == "aiohttp" and not os.access(args.aiohttp_python, os.X_OK):
+        p.error(f"--client aiohttp: no Python at {args.aiohttp_python} (--aiohttp-python / "
+                "EPD_BENCH_AIOHTTP_PYTHON; bench/install_references.sh makes one)")
     return args
 
 

@@ -123,11 +123,15 @@ class CompletionEndpoints:
 
 
 async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
-    await send({"type": "http.response.start", "status": reply.status,
-                "headers": _asgi_headers(reply.headers)})
     if reply.stream is None:
+        # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
+        # no terminating chunk as a third write (the server can send head and body as one).
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": _asgi_headers(reply.headers, len(reply.body))})
         await send({"type": "http.response.body", "body": reply.body})
         return
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": _asgi_headers(reply.headers)})
     stream = reply.stream
 
     async def send_body(chunk: bytes) -> None:
@@ -147,7 +151,7 @@ async def _send_error(send: Send, exc: BaseException,
                       extra_headers: Mapping[str, str] | None = None) -> None:
     status, headers, body = error_reply(exc)
     await send({"type": "http.response.start", "status": status,
-                "headers": _asgi_headers({**headers, **(extra_headers or {})})})
+                "headers": _asgi_headers({**headers, **(extra_headers or {})}, len(body))})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -157,8 +161,12 @@ async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.Cancel
     scope.cancel()
 
 
-def _asgi_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+def _asgi_headers(headers: Mapping[str, str],
+                  length: int | None = None) -> list[tuple[bytes, bytes]]:
+    out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    if length is not None and "content-length" not in headers:
+        out.append((b"content-length", str(length).encode()))
+    return out
 
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:

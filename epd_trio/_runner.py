@@ -34,7 +34,6 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client.multiprocess import mark_process_dead
 
@@ -43,6 +42,7 @@ from ._core.config import Settings
 from ._metrics import MULTIPROC_ENV
 from ._process import setup_serving_process
 from ._roster_store import SharedRoutingState
+from ._server import worker_serve  # Hypercorn's worker, our connection class (see _server)
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
 #: Seconds past the graceful timeout after which a worker process exits no matter what.

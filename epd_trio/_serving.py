@@ -1,8 +1,10 @@
 """Serving an ASGI app in-process on Hypercorn's trio worker (tests, demo, bench).
 
-``hypercorn --worker-class trio epd_trio.app:app`` is the production path; this is the same
-worker started programmatically so a test or the demo owns the server's lifetime through a
-nursery and learns the bound port from ``task_status`` (bind to port 0, no races on free ports).
+This is the worker ``epd-trio serve`` runs (``_server.worker_serve``: Hypercorn's, with the
+connection class of ``_server``), started programmatically so a test or the demo owns the
+server's lifetime through a nursery and learns the bound port from ``task_status`` (bind to port
+0, no races on free ports). ``plain_hypercorn=True`` serves with Hypercorn's own classes instead,
+as ``hypercorn --worker-class trio epd_trio.app:app`` does.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config, Sockets
-from hypercorn.trio.run import worker_serve
+from hypercorn.trio.run import worker_serve as hypercorn_worker_serve
 from hypercorn.utils import wrap_app
+
+from ._server import worker_serve
 
 #: Hypercorn's own default listen backlog is 100: a burst of simultaneous connections beyond it
 #: gets refused or reset. The kernel caps the value at net.core.somaxconn.
@@ -63,6 +67,7 @@ async def serve_app(
     shutdown: trio.Event | None = None,
     *,
     client_write_timeout: float | None = None,
+    plain_hypercorn: bool = False,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app``; reports the base URL (``http://host:port``) once bound.
@@ -71,10 +76,11 @@ async def serve_app(
     ``config.graceful_timeout``, then the app's shutdown hooks run and close its upstream
     client); without an event it serves until cancelled.
     """
+    serve = hypercorn_worker_serve if plain_hypercorn else worker_serve
     trigger = shutdown.wait if shutdown is not None else None
     sockets = listening_sockets(config, client_write_timeout)
     async with trio.open_nursery() as nursery:
         binds = await nursery.start(partial(
-            worker_serve, wrap_app(app, config.wsgi_max_body_size, None), config,
+            serve, wrap_app(app, config.wsgi_max_body_size, None), config,
             sockets=sockets, shutdown_trigger=trigger))
         task_status.started(binds[0])

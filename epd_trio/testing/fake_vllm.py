@@ -232,10 +232,11 @@ class FakeVLLM:
             await send({"type": "http.response.body", "body": content, "more_body": not last})
 
         def client_left() -> None:
+            # Counted in ``disconnects`` once the handler has finished (below), so a test that
+            # sees the disconnect also sees the request no longer in flight.
             if not finishing and not record.disconnected:
                 record.disconnected = True
                 record.disconnected_at = trio.current_time()
-                self.disconnects += 1
 
         # Hypercorn either delivers ``http.disconnect`` (seen by the watcher) or cancels the app
         # task when the connection closes; both count as the client going away.
@@ -261,6 +262,7 @@ class FakeVLLM:
             raise
         finally:
             self.in_flight -= api
+            self.disconnects += record.disconnected
             self._notify()
 
     async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:
