@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
@@ -22,6 +22,7 @@ import trio
 
 from ._accounting import Accounting
 from ._core.config import Settings
+from ._core.discovery import Discovered
 from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.moriio import MoriioRegistration
@@ -36,12 +37,14 @@ from ._core.roster import (
     parse_registration,
     register,
     register_moriio,
+    replace_source,
     silent_moriio,
     static_roster,
     unregister,
 )
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
+from ._discovery import discovery_sources
 from ._http import UpstreamClient, UpstreamPool
 from ._load_scraper import run_load_scraper
 from ._loads import DECODE_TOKENS, Loads
@@ -73,12 +76,15 @@ class Proxy:
 
     def __init__(
         self, settings: Settings, shared: SharedRoutingState | None = None, *,
-        moriio_listener: bool = True, clock: Callable[[], float] = time.monotonic,
+        moriio_listener: bool = True, discovery: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``moriio_listener``: with ``EPD_KV_CONNECTOR=moriio``, whether this process binds the
         registration socket (one worker of ``epd-trio serve --workers N`` does; the shared roster
         carries the registrations to the others). ``clock`` stamps MoRIIO registrations and
-        judges their silence (tests pass trio's virtual clock)."""
+        judges their silence (tests pass trio's virtual clock). ``discovery``: whether this
+        process runs the DNS and Kubernetes discovery loops (one worker of ``epd-trio serve
+        --workers N`` does, like the MoRIIO listener; the shared roster carries what it finds)."""
         self.settings = settings
         self._clock = clock
         #: The ``host:port`` the MoRIIO registration socket is bound to, once it is.
@@ -122,7 +128,10 @@ class Proxy:
         self._listener_scope: trio.CancelScope | None = None
         self._roster_changed = trio.Event()
         self.roster = Roster()
-        initial = static_roster(settings.encode_urls, settings.prefill_urls, settings.decode_urls)
+        #: The discovery sources this process runs (``_discovery``), started with the prober.
+        self.discovery = discovery_sources(settings, self.discovered) if discovery else []
+        initial = static_roster(settings.listed("encode"), settings.listed("prefill"),
+                                settings.listed("decode"))
         self._apply(initial)
         self._store.attach(initial, self._apply)
 
@@ -162,6 +171,14 @@ class Proxy:
             log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
+
+    def discovered(
+        self, source: str, role: str, instances: Sequence[Discovered]
+    ) -> tuple[list[str], list[str]]:
+        """A discovery source's whole current answer: it replaces that source's members;
+        ``(URLs that joined, URLs that left)``. Idempotent (no new version when nothing changed)."""
+        return self._store.update(
+            lambda roster, counters: replace_source(roster, source, role, instances, counters))
 
     def _ec_zmq_addrs(self, instance: Instance) -> tuple[str, ...]:
         member = self.roster.find(instance.url)
@@ -228,7 +245,9 @@ class Proxy:
             entry = self.registry.state_for(member.stage, member.instance).report()
             entry.update(source="static" if member.static else "registered",
                          ec_zmq_addrs=list(member.ec_zmq_addrs))
-            if not member.static:
+            if member.source is not None:
+                entry.update(source="discovered", discovered_by=member.source)
+            if not member.static and member.source is None:
                 entry["registered_seconds_ago"] = round(now - member.registered_at, 3)
             if member.moriio is not None:
                 entry.update(source="moriio", zmq_address=member.moriio.zmq_address,
@@ -289,8 +308,10 @@ class Proxy:
         """The proxy's background work, until cancelled: the health prober, and housekeeping
         on the keep-alive clock."""
         with trio.CancelScope() as scope:
-            task_status.started(scope)
             async with trio.open_nursery() as nursery:
+                for source in self.discovery:  # each finds its instances once before serving
+                    await nursery.start(source.run)
+                task_status.started(scope)
                 nursery.start_soon(partial(
                     run_prober, health_check(client, self.settings.health_timeout),
                     self.registry, interval=self.settings.health_interval,

@@ -139,9 +139,9 @@ class AsyncioBridge:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._encoders = EncoderCursor(settings.encode_urls)
-        self._prefills = SlotCursor(settings.prefill_urls)
-        self._decodes = SlotCursor(settings.decode_urls)
+        self._encoders = EncoderCursor(settings.listed("encode"))
+        self._prefills = SlotCursor(settings.listed("prefill"))
+        self._decodes = SlotCursor(settings.listed("decode"))
         self._failover = Failover(max_attempts=settings.max_attempts)
         self._client: UpstreamClient | None = None
         self._loop: trio_asyncio.TrioEventLoop | None = None

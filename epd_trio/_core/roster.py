@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from .discovery import Discovered
 from .errors import BadRequest, Conflict, RegistrationRefused
 from .moriio import MoriioPeer, MoriioRegistration
 from .names import ROLES, STAGE_OF_ROLE, STAGES
@@ -44,6 +45,11 @@ class Member:
     registered_at: float = 0.0
     #: Registered over ZMQ by vLLM's MoRIIO connector: its address and parallel sizes.
     moriio: MoriioPeer | None = None
+    #: Found by a discovery source (``_core/discovery``), named here: the ``dns+``/``dnssrv+``
+    #: URL, or ``kubernetes <role> <selector>``. Like a static instance, it belongs to each
+    #: replica of the proxy (each discovers on its own) and is never forgotten for silence: it
+    #: leaves when its source stops listing it (``replace_source``).
+    source: str | None = None
 
     @property
     def url(self) -> str:
@@ -91,7 +97,8 @@ class Roster:
                 {"url": m.url, "dp_size": m.instance.dp_size, "role": m.role, "static": m.static,
                  "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
                  "moriio": None if m.moriio is None else
-                 [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size]}
+                 [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
+                 "source": m.source}
                 for m in self.members
             ],
         })
@@ -106,7 +113,8 @@ class Roster:
             members=tuple(
                 Member(Instance(m["url"], m["dp_size"]), m["role"], m["static"],
                        tuple(m["ec_zmq_addrs"]), m["registered_at"],
-                       None if m["moriio"] is None else MoriioPeer(*m["moriio"]))
+                       None if m["moriio"] is None else MoriioPeer(*m["moriio"]),
+                       m.get("source"))
                 for m in data["members"]
             ),
         )
@@ -195,7 +203,7 @@ def register(
             raise Conflict(f"{member.url} is already known as {known.role}; unregister it "
                            f"(DELETE /instances?url=...) before registering it as {member.role}")
         _check_mix(roster, member)
-        refreshed = replace(member, static=known.static)
+        refreshed = replace(member, static=known.static, source=known.source)
         members = tuple(refreshed if m is known else m for m in roster.members)
         return _changed(roster, members, counters), False
     _check_mix(roster, member)
@@ -276,7 +284,7 @@ def expired(
     instances are never forgotten.
     """
     return [m.url for m in roster.members
-            if not m.static and m.url in evicted_since
+            if not m.static and m.source is None and m.url in evicted_since
             and now - max(m.registered_at, evicted_since[m.url]) >= ttl]
 
 
@@ -284,6 +292,44 @@ def forget(roster: Roster, urls: Sequence[str], counters: Mapping[str, int]) -> 
     gone = set(urls)
     members = tuple(m for m in roster.members if m.url not in gone)
     return roster if len(members) == len(roster.members) else _changed(roster, members, counters)
+
+
+def replace_source(
+    roster: Roster, source: str, role: str, discovered: Sequence[Discovered],
+    counters: Mapping[str, int],
+) -> tuple[Roster, tuple[list[str], list[str]]]:
+    """Make ``discovered`` the members of ``source`` (a discovery source serving ``role``);
+    ``(new roster, (URLs that joined, URLs that left))``.
+
+    Idempotent: the same list again changes nothing (no new version), so every round of a
+    discovery loop can apply its whole answer, and a second process applying the same answer is
+    harmless. The members that stay keep their place, newcomers join at the end in the given
+    order, and the epochs continue each rotation (``_changed``), as for registrations. A URL
+    another member already holds (listed, registered, or another source's) stays that member's.
+    """
+    mine = {m.url: m for m in roster.members if m.source == source and m.role == role}
+    others = {m.url for m in roster.members if m.url not in mine}
+    wanted: dict[str, Discovered] = {}
+    for found in discovered:
+        if found.instance.url not in others:
+            wanted.setdefault(found.instance.url, found)
+    members: list[Member] = []
+    for member in roster.members:
+        if member.url not in mine:
+            members.append(member)
+        elif member.url in wanted:
+            found = wanted[member.url]
+            members.append(replace(member, instance=found.instance,
+                                   ec_zmq_addrs=found.ec_zmq_addrs))
+    joined = [url for url in wanted if url not in mine]
+    members += [Member(wanted[url].instance, role, ec_zmq_addrs=wanted[url].ec_zmq_addrs,
+                       source=source) for url in joined]
+    left = [url for url in mine if url not in wanted]
+    if not joined and not left and all(
+            (mine[u].instance, mine[u].ec_zmq_addrs) == (wanted[u].instance, wanted[u].ec_zmq_addrs)
+            for u in wanted):
+        return roster, ([], [])
+    return _changed(roster, tuple(members), counters), (joined, left)
 
 
 def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
