@@ -191,8 +191,9 @@ def next_view(
         addresses = _addresses(name.host, answers, view.last)
         result = (Found(frozenset((a, name.port) for a in addresses.values))
                   if isinstance(addresses, Found) else addresses)
-    if isinstance(result, Found):
-        return DnsView(frozenset(result.values), 0, last)
+    failures = "; ".join(a.reason for a in answers.values() if isinstance(a, Failed)) or None
+    if isinstance(result, Found):  # failed queries (if any) answered with their last records
+        return DnsView(frozenset(result.values), 0, last, failures)
     if isinstance(result, Empty):
         rounds = view.empty_rounds + 1
         emptied = rounds > confirmations
