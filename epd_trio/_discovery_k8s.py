@@ -178,7 +178,11 @@ class KubernetesDiscovery:
         timeout = httpx.Timeout(REQUEST_TIMEOUT, read=WATCH_SECONDS + 30)
         log.info("Kubernetes discovery in namespace %s at %s: %s", namespace, base,
                  "; ".join(f"{role} {sel}" for role, sel in self._selectors))
-        async with httpx.AsyncClient(base_url=base, verify=verify, timeout=timeout) as client:
+        # A connection per call (a watch lasts a minute, lists are rare): no reuse of a
+        # connection the API server may be closing, and nothing to go stale between calls.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base, verify=verify, timeout=timeout,
+                                     limits=limits) as client:
             path = f"/api/v1/namespaces/{namespace}/pods"
             firsts = []
             async with trio.open_nursery() as nursery:
@@ -192,7 +196,7 @@ class KubernetesDiscovery:
 
     async def _follow(self, client: httpx.AsyncClient, path: str, role: str, selector: str,
                       first: trio.Event) -> None:
-        failures = 0
+        failures = gone = 0
         view: PodView | None = None
         while True:
             try:
@@ -202,11 +206,14 @@ class KubernetesDiscovery:
                     self._publish(role, selector, view)
                     first.set()
                 view = await self._watch(client, path, role, selector, view)
-                failures = 0  # a watch the API ended in time: watch again from where it stood
+                failures = gone = 0  # the API ended the watch in time: watch on from there
             except Gone:
                 log.info("Kubernetes %s watch: resource version gone (410); listing again", role)
                 view = None
-                failures = 0
+                failures, gone = 0, gone + 1
+                if gone > 1:  # Gone again straight after a list: do not hammer the API
+                    self.reconnects[role] += 1
+                    await trio.sleep(backoff(gone - 1, self._jitter()))
             except (httpx.HTTPError, ApiError, WatchProtocolError, OSError) as exc:
                 first.set()
                 view = self.views[role]  # the events before the break are kept

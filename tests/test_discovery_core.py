@@ -69,7 +69,7 @@ def test_settings_take_dns_names_in_the_url_lists() -> None:
         ("prefill", "dnssrv+http://_http._tcp.vllm-p"), ("decode", "dns+http://vllm-d:8000#dp=4")]
     # A DNS name alone is a configured decode stage.
     assert settings_from({"EPD_DECODE_URLS": "dns+http://vllm-d:8000"}).layout == "PD"
-    with pytest.raises(ConfigError, match="EPD_DNS_NAMESERVER.*IP address"):
+    with pytest.raises(ConfigError, match=r"EPD_DNS_NAMESERVER.*IP address"):
         settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_DNS_NAMESERVER": "kube-dns"})
     assert settings_from({"EPD_DECODE_URLS": "http://d:1",
                           "EPD_DNS_NAMESERVER": "[::1]:5353"}).dns_nameserver == "[::1]:5353"
