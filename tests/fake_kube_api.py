@@ -18,6 +18,7 @@ so the JSON is the API's own shape (camelCase, ``podIP``, ``deletionTimestamp``)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 from typing import Any
@@ -185,10 +186,8 @@ class FakeKubeApi:
 
     def _send_all(self, item: Any) -> None:
         for channel in list(self._watchers):
-            try:
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
                 channel.send_nowait(item)
-            except (trio.WouldBlock, trio.ClosedResourceError):
-                pass
 
     def _step(self) -> None:
         self._changed.set()
@@ -279,10 +278,9 @@ class FakeKubeApi:
     async def _watch(self, conn: h11.Connection, stream: trio.SocketStream,
                      query: dict[str, str]) -> bool:
         since = int(query.get("resourceVersion") or 0)
-        if since and since < self.oldest:
-            if self.gone_as == "status":
-                await self._json(conn, stream, 410, self._gone_event()["object"])
-                return True
+        if since and since < self.oldest and self.gone_as == "status":
+            await self._json(conn, stream, 410, self._gone_event()["object"])
+            return True
         selector = query.get("labelSelector", "")
         bookmarks = query.get("allowWatchBookmarks") == "true"
         send, receive = trio.open_memory_channel[Any](1000)
