@@ -7,6 +7,9 @@ Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's re
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -14,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
@@ -23,6 +25,7 @@ from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, parse_dns_url
 from epd_trio._discovery_dns import DnsDiscovery
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
+from epd_trio.testing.process import read_url
 
 from helpers import CHAT, chat_body
 
@@ -187,10 +190,10 @@ async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> N
         assert set(statuses) == {200}
 
 
-@pytest.mark.parametrize("bad", ["dns+http://vllm-decode.test:1"])
 async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(
-    tmp_path: Path, bad: str
+    tmp_path: Path,
 ) -> None:
+    bad = "dns+http://vllm-decode.test:1"
     async with dnsmasq(tmp_path, []) as server:
         server.pause()
         try:
@@ -201,3 +204,52 @@ async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(
                 await until(found, lambda: found.rounds > rounds)
         finally:
             server.resume()
+
+
+async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES)
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+             "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
+             "--dns-interval", "0.05", "--dns-timeout", "0.3"],
+            stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
+        try:
+            assert process.stderr is not None
+            url = await read_url(process.stderr, rb"listening on (http://\S+)")
+            log = bytearray()
+
+            async def drain() -> None:
+                async for chunk in process.stderr:  # type: ignore[union-attr]
+                    log.extend(chunk)
+
+            nursery.start_soon(drain)
+
+            async def listing() -> dict[str, Any]:
+                # A fresh connection per call, so both workers answer some of them.
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    return (await client.get(url + "/instances", headers={"x-api-key": "k"})).json()
+
+            async def every_worker_lists(count: int) -> None:
+                seen: set[int] = set()
+                with trio.fail_after(30):
+                    while len(seen) < 2:
+                        answer = await listing()
+                        if len(answer["instances"]["decode"]) == count:
+                            seen.add(answer["worker_pid"])
+
+            await every_worker_lists(1)
+            await server.set_hosts([(a, NAME) for a in ADDRESSES])
+            await every_worker_lists(3)
+            statuses = []
+            for _ in range(9):
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    statuses.append((await client.post(url + CHAT, json=chat_body())).status_code)
+            assert set(statuses) == {200}
+            assert all(fake.requests() for fake in fakes)
+            assert log.count(b"DNS discovery of") == 1, log.decode(errors="replace")
+        finally:
+            process.kill()
+            await process.wait()
