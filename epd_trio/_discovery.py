@@ -8,6 +8,7 @@ of ``epd-trio serve --workers N`` that runs them.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import trio
@@ -21,13 +22,19 @@ class Source(Protocol):
     async def run(self, task_status: trio.TaskStatus[Any] = ...) -> None: ...
 
 
-def discovery_sources(settings: Settings, apply: Apply) -> list[Source]:
+def discovery_sources(
+    settings: Settings, apply: Apply, *, registered: Callable[[], Sequence[tuple[str, str]]],
+    apply_registered: Apply,
+) -> list[Source]:
+    """The sources ``settings`` ask for. DNS runs also when instances may register (an admin
+    key): a registration may name a DNS name (``registered``, ``apply_registered``)."""
     sources: list[Source] = []
-    if settings.dns_names():
+    if settings.dns_names() or settings.admin_key:
         sources.append(DnsDiscovery(settings.dns_names(), apply,
                                     nameserver=settings.dns_nameserver,
                                     interval=settings.dns_interval,
-                                    timeout=settings.dns_timeout))
+                                    timeout=settings.dns_timeout, registered=registered,
+                                    apply_registered=apply_registered))
     if settings.selectors():
         sources.append(KubernetesDiscovery(
             settings.selectors(), apply, api=kube_api(settings),

@@ -42,6 +42,7 @@ from ._core.discovery import (
     address_queries,
     dns_instances,
     next_view,
+    parse_dns_url,
 )
 
 log = logging.getLogger("epd_trio.discovery")
@@ -91,19 +92,29 @@ async def ask(resolver: dns.asyncresolver.Resolver, query: Query, *, search: boo
 
 
 class DnsDiscovery:
-    """The DNS names of the settings, each resolved in its own task until cancelled.
+    """The DNS names of the settings, and those registered since, each resolved in its own
+    task until cancelled.
 
-    ``run`` resolves every name once before it reports started, so a proxy serves with its
-    discovered instances from its first request (a name whose first round fails starts empty
-    and is retried every interval).
+    ``run`` resolves every configured name once before it reports started, so a proxy serves
+    with its discovered instances from its first request (a name whose first round fails starts
+    empty and is retried every interval). Then, every interval, it follows the names registered
+    through ``POST /instances`` (``registered()``: the roster's ``names``): a new one gets its
+    task, an unregistered one's task is cancelled (the roster change already took its
+    instances away). ``apply_registered`` applies a registered name's answer only while the
+    name is still registered, so a round finishing after a ``DELETE`` brings nothing back.
     """
 
     def __init__(
         self, names: Sequence[tuple[str, DnsName]], apply: Apply, *,
         nameserver: str | None, interval: float, timeout: float,
+        registered: Callable[[], Sequence[tuple[str, str]]] = tuple,
+        apply_registered: Apply | None = None,
     ) -> None:
         self._names = list(names)
         self._apply = apply
+        self._registered = registered
+        self._apply_registered = apply_registered or apply
+        self._resolver: dns.asyncresolver.Resolver | None = None
         self._nameserver = nameserver
         self._interval = interval
         self._timeout = timeout
@@ -114,29 +125,60 @@ class DnsDiscovery:
         self._round_done = trio.Event()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
-        """Wait until ``predicate()`` holds, re-checked after every round (tests sync on it)."""
+        """Wait until ``predicate()`` holds, re-checked after every round and every name that
+        stopped being resolved (tests sync on it)."""
         while not predicate():
             await self._round_done.wait()
 
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        """Made at the first name (a proxy that only might get names registered needs no
+        resolver configuration until one is)."""
+        if self._resolver is None:
+            self._resolver = make_resolver(self._nameserver, self._timeout)
+        return self._resolver
+
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        resolver = make_resolver(self._nameserver, self._timeout)
-        log.info("DNS discovery of %s through %s, every %g s",
-                 ", ".join(name.spec for _role, name in self._names),
-                 self._nameserver or "the system resolver", self._interval)
-        async with trio.open_nursery() as first:
-            for role, name in self._names:
-                first.start_soon(self._round, resolver, role, name)
+        if self._names:
+            log.info("DNS discovery of %s through %s, every %g s",
+                     ", ".join(name.spec for _role, name in self._names),
+                     self._nameserver or "the system resolver", self._interval)
+            async with trio.open_nursery() as first:
+                for role, name in self._names:
+                    first.start_soon(self._round, role, name, self._apply)
         task_status.started()
+        configured = {(role, name.spec) for role, name in self._names}
+        running: dict[tuple[str, str], trio.CancelScope] = {}
         async with trio.open_nursery() as nursery:
             for role, name in self._names:
-                nursery.start_soon(self._loop, resolver, role, name)
+                nursery.start_soon(self._loop, trio.CancelScope(), role, name, self._apply, False)
+            while True:
+                wanted = {key for key in self._registered() if key not in configured}
+                for role, spec in wanted - running.keys():
+                    name = parse_dns_url(spec)
+                    log.warning("DNS name %s registered as %s: resolving it every %g s", spec,
+                                role, self._interval)
+                    self.views[spec] = DnsView()
+                    running[(role, spec)] = scope = trio.CancelScope()
+                    nursery.start_soon(self._loop, scope, role, name, self._apply_registered,
+                                       True)
+                for key in running.keys() - wanted:
+                    running.pop(key).cancel()
+                    self.views.pop(key[1], None)
+                    log.warning("DNS name %s unregistered", key[1])
+                    self._signal()
+                await trio.sleep(self._interval)
 
-    async def _loop(self, resolver: dns.asyncresolver.Resolver, role: str, name: DnsName) -> None:
-        while True:
-            await trio.sleep(self._interval)
-            await self._round(resolver, role, name)
+    async def _loop(self, scope: trio.CancelScope, role: str, name: DnsName, apply: Apply,
+                    now: bool) -> None:
+        with scope:
+            if now:
+                await self._round(role, name, apply)
+            while True:
+                await trio.sleep(self._interval)
+                await self._round(role, name, apply)
 
-    async def _round(self, resolver: dns.asyncresolver.Resolver, role: str, name: DnsName) -> None:
+    async def _round(self, role: str, name: DnsName, apply: Apply) -> None:
+        resolver = self.resolver()
         view = self.views[name.spec]
         answers: dict[Query, Answer] = {}
         srv = None
@@ -157,12 +199,15 @@ class DnsDiscovery:
         new = next_view(name, view, answers)
         self._report(name, view, new)
         self.views[name.spec] = new
-        joined, left = self._apply(name.spec, role, dns_instances(name, new))
+        joined, left = apply(name.spec, role, dns_instances(name, new))
         for url in joined:
             log.warning("%s instance %s joined (DNS %s)", role, url, name.spec)
         for url in left:
             log.warning("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
         self.rounds += 1
+        self._signal()
+
+    def _signal(self) -> None:
         self._round_done.set()
         self._round_done = trio.Event()
 

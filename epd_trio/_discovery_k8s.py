@@ -19,9 +19,12 @@ members in the roster (``apply``; idempotent, so an event that changes no instan
 comparison).
 
 Why httpx and not a Kubernetes client: the official client is synchronous (a thread per
-watch); ``kubernetes-asyncio`` is asyncio only; ``kr8s`` runs on anyio, but its watch does not
-resume from bookmarks and leaves 410 to its caller, and it brings a dozen dependencies for the
-two GETs used here. httpx is already a dependency and runs on trio natively.
+watch); ``kubernetes-asyncio`` is asyncio only. ``kr8s`` runs on anyio (so on trio), but its
+``async_watch`` (read in kr8s' ``_api.py``) does what this module must not: it asks for no
+bookmarks, reads with no timeout (a half-open connection hangs it for ever), answers a 410 by
+watching again from the same expired version instead of listing, and ends with an exception on
+a dropped connection; it also brings a dozen dependencies for the two GETs used here. httpx is
+already a dependency and runs on trio natively.
 
 In-cluster configuration (no kubeconfig): the API at ``KUBERNETES_SERVICE_HOST``/``_PORT``, the
 service account's token (re-read at every connection: the kubelet rotates it) and CA, and its

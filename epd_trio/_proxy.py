@@ -22,7 +22,7 @@ import trio
 
 from ._accounting import Accounting
 from ._core.config import Settings
-from ._core.discovery import Discovered
+from ._core.discovery import Discovered, is_dns_url
 from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.moriio import MoriioRegistration
@@ -34,13 +34,16 @@ from ._core.roster import (
     forget,
     layout_name,
     parse_instance_url,
+    parse_name_registration,
     parse_registration,
     register,
     register_moriio,
+    register_name,
     replace_source,
     silent_moriio,
     static_roster,
     unregister,
+    unregister_name,
 )
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
@@ -129,7 +132,9 @@ class Proxy:
         self._roster_changed = trio.Event()
         self.roster = Roster()
         #: The discovery sources this process runs (``_discovery``), started with the prober.
-        self.discovery = discovery_sources(settings, self.discovered) if discovery else []
+        self.discovery = discovery_sources(
+            settings, self.discovered, registered=self._registered_names,
+            apply_registered=partial(self.discovered, registered=True)) if discovery else []
         initial = static_roster(settings.listed("encode"), settings.listed("prefill"),
                                 settings.listed("decode"))
         self._apply(initial)
@@ -165,6 +170,11 @@ class Proxy:
         Raises ``BadRequest`` (400) for a bad body or a prefill_decode / prefill+decode mix,
         ``Conflict`` (409) for a known URL changing its role.
         """
+        name = parse_name_registration(raw_body)
+        if name is not None:
+            role, dns_name = name
+            return self._store.update(
+                lambda roster, counters: register_name(roster, role, dns_name.spec))
         member = parse_registration(raw_body, time.monotonic())
         created = self._store.update(lambda roster, counters: register(roster, member, counters))
         if created:
@@ -173,12 +183,22 @@ class Proxy:
         return created
 
     def discovered(
-        self, source: str, role: str, instances: Sequence[Discovered]
+        self, source: str, role: str, instances: Sequence[Discovered], *, registered: bool = False
     ) -> tuple[list[str], list[str]]:
         """A discovery source's whole current answer: it replaces that source's members;
-        ``(URLs that joined, URLs that left)``. Idempotent (no new version when nothing changed)."""
-        return self._store.update(
-            lambda roster, counters: replace_source(roster, source, role, instances, counters))
+        ``(URLs that joined, URLs that left)``. Idempotent (no new version when nothing changed).
+        ``registered``: a registered DNS name's answer, dropped once the name is unregistered."""
+
+        def change(roster: Roster, counters: Any) -> tuple[Roster, tuple[list[str], list[str]]]:
+            if registered and (role, source) not in roster.names:
+                return roster, ([], [])
+            return replace_source(roster, source, role, instances, counters)
+
+        return self._store.update(change)
+
+    def _registered_names(self) -> tuple[tuple[str, str], ...]:
+        self._store.poll()
+        return self.roster.names
 
     def _ec_zmq_addrs(self, instance: Instance) -> tuple[str, ...]:
         member = self.roster.find(instance.url)
@@ -211,6 +231,15 @@ class Proxy:
 
     def unregister(self, url: object) -> bool:
         """``DELETE /instances``: remove the instance at ``url``; True when it was there."""
+        if isinstance(url, str) and url.startswith(("dns ", "dnssrv ")):
+            url = url.replace(" ", "+", 1)  # an unencoded '+' in the query became a space
+        if isinstance(url, str) and is_dns_url(url):
+            spec = url.strip()
+            removed = self._store.update(
+                lambda roster, counters: unregister_name(roster, spec, counters))
+            if removed:
+                log.warning("DNS name %s unregistered", spec)
+            return removed
         target = parse_instance_url(url).url
         removed = self._store.update(lambda roster, counters: unregister(roster, target, counters))
         if removed:
@@ -255,8 +284,11 @@ class Proxy:
                              registered_seconds_ago=round(moriio_now - member.registered_at, 3))
             listing[member.role].append(entry)
         # Health is each worker's own view (each probes on its own): say whose view this is.
+        names = [{"role": role, "url": name.spec, "source": "static"}
+                 for role, name in self.settings.dns_names()]
+        names += [{"role": role, "url": spec, "source": "registered"} for role, spec in roster.names]
         return {"layout": layout_name(roster), "version": roster.version,
-                "worker_pid": os.getpid(), "instances": listing}
+                "worker_pid": os.getpid(), "instances": listing, "dns_names": names}
 
     def client(self, instance: Instance) -> UpstreamPool:
         """The connection pool for ``instance`` (one per instance, see ``make_client``)."""

@@ -254,3 +254,25 @@ def test_discovered_members_survive_serialization_and_registration() -> None:
     from epd_trio._core.roster import parse_registration
     refreshed, created = register(roster, parse_registration(orjson.dumps(body), 5.0), ZERO)
     assert not created and refreshed.members[0].source == "kubernetes decode app=x"
+
+
+def test_registered_dns_names_are_roster_data() -> None:
+    from epd_trio._core.errors import BadRequest, Conflict
+    from epd_trio._core.roster import parse_name_registration, register_name, unregister_name
+
+    assert parse_name_registration(orjson.dumps({"role": "decode", "url": "http://d:1"})) is None
+    role, name = parse_name_registration(orjson.dumps(  # type: ignore[misc]
+        {"role": "decode", "url": "dns+http://vllm-d:8000", "dp_size": 4}))
+    assert (role, name.spec, name.dp_size) == ("decode", "dns+http://vllm-d:8000#dp=4", 4)
+    with pytest.raises(BadRequest, match="role"):
+        parse_name_registration(orjson.dumps({"role": "x", "url": "dns+http://vllm-d:1"}))
+    roster, created = register_name(Roster(), "decode", name.spec)
+    assert created and roster.version == 1 and roster.names == (("decode", name.spec),)
+    assert register_name(roster, "decode", name.spec) == (roster, False)
+    with pytest.raises(Conflict):
+        register_name(roster, "prefill", name.spec)
+    roster, _ = replace_source(roster, name.spec, "decode", found("http://a:1"), ZERO)
+    assert Roster.from_bytes(roster.to_bytes()) == roster
+    gone, removed = unregister_name(roster, name.spec, ZERO)
+    assert removed and gone.names == () and gone.members == () and gone.version > roster.version
+    assert unregister_name(gone, name.spec, ZERO) == (gone, False)

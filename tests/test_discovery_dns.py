@@ -253,3 +253,42 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
         finally:
             process.kill()
             await process.wait()
+
+
+async def test_a_registered_dns_name_is_resolved_until_unregistered(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES[:2], dp_size=2)
+    spec = f"dns+http://{NAME}:{port}"
+    admin = {"x-api-key": "admin-key"}
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]]) as server, \
+            serve_proxy(Settings(admin_key="admin-key", dns_nameserver=server.nameserver,
+                                 dns_interval=0.05, dns_timeout=0.3)) as (url, proxy), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        found = discovery_of(proxy)
+        assert decode_urls(proxy) == []
+        r = await client.post("/instances", headers=admin,
+                              json={"role": "decode", "url": spec, "dp_size": 2})
+        assert r.status_code == 200 and r.json() == {"registered": True}
+        # Registering it again is idempotent; another role for it is a conflict.
+        r = await client.post("/instances", headers=admin, json={"role": "decode", "url": spec,
+                                                                 "dp_size": 2})
+        assert r.json() == {"registered": False}
+        r = await client.post("/instances", headers=admin, json={"role": "prefill",
+                                                                 "url": f"{spec}#dp=2"})
+        assert r.status_code == 409
+        await until(found, lambda: len(decode_urls(proxy)) == 2)
+        assert {i.dp_size for i in proxy.roster.of("decode")} == {2}
+        assert (await client.get("/instances", headers=admin)).json()["dns_names"] == [
+            {"role": "decode", "url": f"{spec}#dp=2", "source": "registered"}]
+        for _ in range(4):
+            assert (await client.post(CHAT, json=chat_body())).status_code == 200
+        assert all(fake.requests() for fake in fakes)
+        r = await client.delete("/instances", headers=admin, params={"url": f"{spec}#dp=2"})
+        assert r.status_code == 200
+        assert decode_urls(proxy) == []  # at once, not at the next round
+        await until(found, lambda: f"{spec}#dp=2" not in found.views)  # its task has ended
+        assert decode_urls(proxy) == []
+        r = await client.post("/instances", headers=admin,
+                              json={"role": "decode", "url": "dns+http://10.0.0.1:80"})
+        assert r.status_code == 400 and "names an address" in r.json()["error"]["message"]
