@@ -139,6 +139,7 @@ class DnsDiscovery:
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._names:
+            self.resolver()  # no resolver configuration: start-up fails, naming the fix
             log.info("DNS discovery of %s through %s, every %g s",
                      ", ".join(name.spec for _role, name in self._names),
                      self._nameserver or "the system resolver", self._interval)
@@ -178,6 +179,17 @@ class DnsDiscovery:
                 await self._round(role, name, apply)
 
     async def _round(self, role: str, name: DnsName, apply: Apply) -> None:
+        """One round for ``name``. Never raises (but Cancelled): a name that cannot be resolved
+        or applied is logged and tried again at the next round, its last view kept."""
+        try:
+            await self._resolve(role, name, apply)
+        except Exception as exc:
+            log.warning("DNS %s: round failed (%s: %s); keeping its last answer", name.spec,
+                        type(exc).__name__, exc)
+        self.rounds += 1
+        self._signal()
+
+    async def _resolve(self, role: str, name: DnsName, apply: Apply) -> None:
         resolver = self.resolver()
         view = self.views[name.spec]
         answers: dict[Query, Answer] = {}
@@ -204,8 +216,6 @@ class DnsDiscovery:
             log.warning("%s instance %s joined (DNS %s)", role, url, name.spec)
         for url in left:
             log.warning("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
-        self.rounds += 1
-        self._signal()
 
     def _signal(self) -> None:
         self._round_done.set()

@@ -51,7 +51,6 @@ from ._core.config import Settings
 from ._core.discovery import (
     Discovered,
     PodView,
-    WatchProtocolError,
     backoff,
     watch_event,
 )
@@ -217,7 +216,8 @@ class KubernetesDiscovery:
                 if gone > 1:  # Gone again straight after a list: do not hammer the API
                     self.reconnects[role] += 1
                     await trio.sleep(backoff(gone - 1, self._jitter()))
-            except (httpx.HTTPError, ApiError, WatchProtocolError, OSError) as exc:
+            except Exception as exc:
+                # httpx errors, error statuses, malformed lines or objects, the roster full.
                 first.set()
                 view = self.views[role]  # the events before the break are kept
                 failures += 1

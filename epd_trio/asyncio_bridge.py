@@ -131,7 +131,8 @@ class AsyncioBridge:
     proxy's per-instance pools (``EPD_MAX_CONNECTIONS``, ``EPD_QUEUE_TIMEOUT``); encoder sub-requests
     fail over like the proxy's (``EPD_MAX_ATTEMPTS``) within ``EPD_ENCODE_TIMEOUT`` per attempt.
     There is no background health probing here: a dead encoder costs each request that lands on
-    it one failed attempt.
+    it one failed attempt. Nor discovery: the bridge routes over the instances listed by URL
+    (``dns+`` names and Kubernetes selectors need the proxy's background tasks).
 
     Use it as ``async with AsyncioBridge(settings) as bridge:`` inside a program started by
     ``run()``. Leaving the block closes the upstream connections.

@@ -139,6 +139,10 @@ class FakeKubeApi:
         self._send_all(("error", self._gone_event()))
         self._send_all(("end", None))
 
+    def send_raw(self, data: bytes) -> None:
+        """Bytes on every open watch, as they are (a malformed line)."""
+        self._send_all(("raw", data))
+
     def drop_watches(self) -> None:
         """Cut every open watch connection mid-stream."""
         self._send_all(("drop", None))
@@ -313,7 +317,9 @@ class FakeKubeApi:
                         return False
                     if kind == "end":
                         break
-                    if kind == "error":
+                    if kind == "raw":
+                        await self._send(conn, stream, h11.Data(data=event))
+                    elif kind == "error":
                         await line(event)
                     elif kind == "bookmark":
                         if bookmarks:

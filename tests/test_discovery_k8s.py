@@ -119,6 +119,22 @@ async def test_bookmarks_move_the_version_a_dropped_watch_resumes_from(
     await until(found, lambda: len(roles.urls("decode")) == 2)
 
 
+async def test_a_malformed_watch_line_reconnects_and_keeps_the_view(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    await fake.wait_until(lambda: fake.watching == 1)
+    version = fake.put(make_pod("d1", "127.0.1.2", DECODE))
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    fake.send_raw(b'{"type": "ADDED"}\n')  # no object: not a watch event
+    await fake.wait_until(lambda: len(fake.watches()) == 2 and fake.watching == 1)
+    assert found.reconnects["decode"] == 1 and found.lists["decode"] == 1
+    assert fake.watches()[1]["resourceVersion"] == str(version)
+    assert len(roles.urls("decode")) == 2
+
+
 @pytest.mark.parametrize("gone_as", ["status", "event"])
 async def test_410_gone_lists_again(
     nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any, gone_as: str
