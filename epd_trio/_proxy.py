@@ -194,6 +194,12 @@ class Proxy:
                 return roster, ([], [])
             return replace_source(roster, source, role, instances, counters)
 
+        # Most rounds change nothing: check on this process's copy first, so that they never
+        # take the shared lock the routing counters use (a change missed because another
+        # worker changed the roster meanwhile is made at the next round).
+        self._store.poll()
+        if change(self.roster, dict.fromkeys(STAGES, 0))[0] is self.roster:
+            return [], []
         return self._store.update(change)
 
     def _registered_names(self) -> tuple[tuple[str, str], ...]:

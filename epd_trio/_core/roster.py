@@ -367,22 +367,24 @@ def replace_source(
     for found in discovered:
         if found.instance.url not in others:
             wanted.setdefault(found.instance.url, found)
+    joined = [url for url in wanted if url not in mine]
+    left = [url for url in mine if url not in wanted]
+    resized = {url for url, found in wanted.items() if url in mine and (
+        mine[url].instance != found.instance or mine[url].ec_zmq_addrs != found.ec_zmq_addrs)}
+    if not joined and not left and not resized:
+        return roster, ([], [])  # the common case, every round: checked without copying
     members: list[Member] = []
     for member in roster.members:
         if member.url not in mine:
             members.append(member)
-        elif member.url in wanted:
+        elif member.url in resized:
             found = wanted[member.url]
             members.append(replace(member, instance=found.instance,
                                    ec_zmq_addrs=found.ec_zmq_addrs))
-    joined = [url for url in wanted if url not in mine]
+        elif member.url in wanted:
+            members.append(member)
     members += [Member(wanted[url].instance, role, ec_zmq_addrs=wanted[url].ec_zmq_addrs,
                        source=source) for url in joined]
-    left = [url for url in mine if url not in wanted]
-    if not joined and not left and all(
-            (mine[u].instance, mine[u].ec_zmq_addrs) == (wanted[u].instance, wanted[u].ec_zmq_addrs)
-            for u in wanted):
-        return roster, ([], [])
     return _changed(roster, tuple(members), counters), (joined, left)
 
 
