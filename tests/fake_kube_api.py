@@ -94,6 +94,8 @@ class FakeKubeApi:
         #: Every request: ``(kind, query)``, kind ``list`` or ``watch``.
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.authorization: list[str | None] = []
+        #: Continue tokens to refuse with 410 (the API's "continue token expired"), then serve.
+        self.expire_continues = 0
         self._watchers: list[trio.MemorySendChannel[Any]] = []
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -270,6 +272,12 @@ class FakeKubeApi:
         selector = query.get("labelSelector", "")
         names = sorted(n for n, p in self.pods.items()
                        if matches(selector, p["metadata"].get("labels") or {}))
+        if "continue" in query and self.expire_continues:
+            self.expire_continues -= 1
+            await self._json(conn, stream, 410, to_json(V1Status(
+                api_version="v1", kind="Status", status="Failure", reason="Expired", code=410,
+                message="The provided continue parameter is too old", metadata=V1ListMeta())))
+            return
         start = int(query.get("continue", "0"))
         size = min(int(query.get("limit", "500")), self.page_size)
         page = names[start:start + size]

@@ -210,7 +210,8 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     port, fakes = await serve_fakes(nursery, ADDRESSES)
-    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
+    alias = "vllm-extra.test"
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[2], alias)]) as server:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
              "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
@@ -241,7 +242,13 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
                             seen.add(answer["worker_pid"])
 
             await every_worker_lists(1)
-            await server.set_hosts([(a, NAME) for a in ADDRESSES])
+            await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]] + [(ADDRESSES[2], alias)])
+            await every_worker_lists(2)
+            # A name registered with whichever worker takes the call reaches the one resolving.
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                r = await client.post(url + "/instances", headers={"x-api-key": "k"},
+                                      json={"role": "decode", "url": f"dns+http://{alias}:{port}"})
+            assert r.json() == {"registered": True}
             await every_worker_lists(3)
             statuses = []
             for _ in range(9):

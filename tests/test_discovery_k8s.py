@@ -101,6 +101,18 @@ async def test_list_then_watch_ready_pods_only(
     assert found.lists == {"decode": 1, "prefill": 1} and found.reconnects["decode"] == 0
 
 
+async def test_an_expired_continue_token_lists_from_the_start(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    for n in range(5):
+        fake.put(make_pod(f"d{n}", f"127.0.1.{n + 1}", DECODE))
+    fake.expire_continues = 1
+    roles = Roles()
+    await start(nursery, fake, roles)
+    assert [q.get("continue") for q in fake.lists()] == [None, "2", None, "2", "4"]
+    assert len(roles.urls("decode")) == 5
+
+
 async def test_bookmarks_move_the_version_a_dropped_watch_resumes_from(
     nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
 ) -> None:
