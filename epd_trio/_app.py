@@ -62,8 +62,9 @@ def create_app(
     (``epd-trio serve`` passes its shared memory); by default each app routes on its own.
     With ``EPD_KV_CONNECTOR=moriio`` the app's lifespan also owns the ZMQ registration socket,
     unless ``moriio_listener`` is False (the other workers of ``epd-trio serve``); ``clock``
-    times MoRIIO registrations (tests pass trio's virtual clock). ``discovery`` (default: as
-    ``moriio_listener``) says whether this app runs the DNS and Kubernetes discovery loops.
+    times MoRIIO registrations (tests pass trio's virtual clock). ``discovery`` says whether this app
+    runs the DNS and Kubernetes discovery loops (default: unless it shares its roster's memory
+    with other workers and is not the one binding the MoRIIO socket).
     """
     app = QuartTrio("epd_trio")
     app.config.update(
@@ -72,8 +73,13 @@ def create_app(
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    proxy = Proxy(settings, shared, moriio_listener=moriio_listener,
-                  discovery=moriio_listener if discovery is None else discovery, clock=clock)
+    if discovery is None:
+        # One process of those sharing a roster in memory discovers for them all; a process
+        # with a roster of its own (one worker, or each worker a replica of EPD_STATE_URL,
+        # which shares no discovered instance) discovers for itself.
+        discovery = moriio_listener or shared is None
+    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
+                  clock=clock)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
@@ -114,8 +120,11 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = proxy.ready()
-        return _json(200 if ok else 503, {"ready": ok, "roles": proxy.registry.report()})
+        ok, reason = proxy.readiness()
+        body: dict[str, object] = {"ready": ok, "roles": proxy.registry.report()}
+        if reason is not None:
+            body["reason"] = reason
+        return _json(200 if ok else 503, body)
 
     # -- admin routes: X-API-Key (docs/how-to/operations.md) -----------------------------------------
     @app.post("/instances")

@@ -26,7 +26,7 @@ from epd_trio._core.discovery import (
     pod_endpoint,
     watch_event,
 )
-from epd_trio._core.roster import Roster, register, replace_source, static_roster
+from epd_trio._core.roster import Member, Roster, register, replace_source, static_roster
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
 
@@ -276,3 +276,16 @@ def test_registered_dns_names_are_roster_data() -> None:
     gone, removed = unregister_name(roster, name.spec, ZERO)
     assert removed and gone.names == () and gone.members == () and gone.version > roster.version
     assert unregister_name(gone, name.spec, ZERO) == (gone, False)
+
+
+def test_discovered_members_stay_each_replicas_own_with_a_shared_roster() -> None:
+    from epd_trio._core.shared_state import Record, merge, records_of
+
+    roster = static_roster([], [], [Instance("http://static:1")])
+    roster, _ = replace_source(roster, "dns+http://d:1", "decode", found("http://a:1"), ZERO)
+    assert records_of(roster) == {}  # nothing of it goes to the store
+    registered = Record(Member(Instance("http://r:1"), "decode", registered_at=5.0))
+    merged, skipped = merge(roster, {"http://r:1": registered}, ZERO)
+    assert not skipped
+    assert [(m.url, m.source) for m in merged.members] == [
+        ("http://static:1", None), ("http://a:1", "dns+http://d:1"), ("http://r:1", None)]

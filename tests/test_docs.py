@@ -151,7 +151,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     default = field.default
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
-    special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001"}
+    special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
+               "state_url": "redis://sample:1/0"}
     if field.name in special:
         return special[field.name]
     if default is None or default == ():
@@ -163,7 +164,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     if isinstance(default, int | float):
         return str(default + 1)
     samples = {"INFO": "DEBUG", "text": "json", "generic": "moriio",
-               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded"}
+               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded",
+               "epd:": "fleet-b:"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
 
@@ -172,6 +174,8 @@ def needs(field: str) -> dict[str, str]:
     """The other variables a sample value of ``field`` is valid only with."""
     if field == "service_discovery":
         return {"EPD_DECODE_SELECTOR": "app=sample"}
+    if field == "global_cursor":
+        return {"EPD_STATE_URL": "redis://sample:1/0"}
     if field.endswith("_selector"):
         return {"EPD_SERVICE_DISCOVERY": "true"}
     return {}

@@ -395,10 +395,18 @@ def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
 def _changed(
     roster: Roster, members: tuple[Member, ...], counters: Mapping[str, int]
 ) -> Roster:
+    return changed_members(roster, members, counters, roster.transfer_mode)
+
+
+def changed_members(
+    roster: Roster, members: tuple[Member, ...], counters: Mapping[str, int],
+    transfer_mode: str | None,
+) -> Roster:
     """The roster with ``members``: a new version, and epochs that continue each rotation."""
     if _routing_view(members) == _routing_view(roster.members):
-        return replace(roster, members=members)  # only registration times changed
-    new = Roster(members=members, transfer_mode=roster.transfer_mode)
+        # Only registration times changed (or the transfer mode, which no rotation reads).
+        return replace(roster, members=members, transfer_mode=transfer_mode)
+    new = Roster(members=members, transfer_mode=transfer_mode)
     epochs = dict(roster.epochs)
     for stage in STAGES:
         dp = stage != "encode"
@@ -406,4 +414,4 @@ def _changed(
         if old_keys != new_keys:
             epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
     return Roster(version=roster.version + 1, members=members, epochs=epochs,
-                  transfer_mode=roster.transfer_mode, names=roster.names)
+                  transfer_mode=transfer_mode, names=roster.names)
