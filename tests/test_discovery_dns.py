@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -299,3 +299,31 @@ async def test_a_registered_dns_name_is_resolved_until_unregistered(
         r = await client.post("/instances", headers=admin,
                               json={"role": "decode", "url": "dns+http://10.0.0.1:80"})
         assert r.status_code == 400 and "names an address" in r.json()["error"]["message"]
+
+
+async def test_with_a_shared_roster_each_replica_discovers_and_shares_none_of_it(
+    nursery: trio.Nursery, tmp_path: Path, redis_server: Any
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    spec = f"dns+http://{NAME}:{port}"
+    prefix = "disc:"
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server, AsyncExitStack() as stack:
+        fleet = []
+        for index in range(2):
+            settings = settings_for(spec, server, admin_key="k", state_url=redis_server.url,
+                                    state_prefix=prefix, replica_id=f"r{index}",
+                                    state_resync_interval=0.2, state_timeout=10.0)
+            fleet.append(await stack.enter_async_context(serve_proxy(settings)))
+        for _url, proxy in fleet:
+            assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
+        await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]])
+        for _url, proxy in fleet:  # each replica's own loop sees the new record
+            await until(discovery_of(proxy), lambda p=proxy: len(decode_urls(p)) == 2)
+        assert redis_server.command("SCARD", f"{prefix}instances") == "0"  # nothing shared
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(fleet[0][0] + "/instances", headers={"x-api-key": "k"},
+                                  json={"role": "decode", "url": f"dns+http://other.test:{port}"})
+            assert r.status_code == 400 and "every replica" in r.json()["error"]["message"]
+            for url, _proxy in fleet:
+                assert (await client.post(url + CHAT, json=chat_body())).status_code == 200
+        assert sum(len(f.requests()) for f in fakes) == 2
