@@ -21,10 +21,18 @@ import trio
 from real_servers import require_binary
 
 
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port() -> int:
+    """A loopback port free for UDP and TCP now (dnsmasq listens on both)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+            udp.bind(("127.0.0.1", 0))
+            port = udp.getsockname()[1]
+            with socket.socket() as tcp:
+                try:
+                    tcp.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
 
 
 class Dnsmasq:
@@ -33,6 +41,7 @@ class Dnsmasq:
         self.hosts = hosts
         self.port = port
         self.lines: list[str] = []
+        self.ended = False
         self._line = trio.Event()
 
     @property
@@ -48,11 +57,13 @@ class Dnsmasq:
             self.lines += [line.decode(errors="replace") for line in done]
             self._line.set()
             self._line = trio.Event()
+        self.ended = True  # dnsmasq exited (its stderr closed)
+        self._line.set()
 
     async def wait_line(self, text: str, after: int = 0) -> None:
         """Wait for a log line containing ``text`` among the lines from index ``after`` on."""
         while not any(text in line for line in self.lines[after:]):
-            if self.process.poll() is not None:
+            if self.ended:
                 raise AssertionError(f"dnsmasq exited: {self.lines[-5:]}")
             await self._line.wait()
 
@@ -79,24 +90,33 @@ async def dnsmasq(
     binary = require_binary("dnsmasq")
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text("".join(f"{address} {name}\n" for address, name in hosts))
-    port = free_udp_port()
-    command = [binary, "--keep-in-foreground", "--conf-file=/dev/null", f"--port={port}",
-               "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv", "--no-hosts",
-               f"--addn-hosts={hosts_file}", f"--local=/{zone}/", "--cache-size=0",
-               "--log-facility=-", f"--user={getpass.getuser()}", "--pid-file=",
-               *(f"--srv-host={record}" for record in srv)]
-    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
-    server = Dnsmasq(process, hosts_file, port)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server._read)
-            await server.wait_line(f"read {hosts_file}")
-            try:
-                yield server
-            finally:
-                nursery.cancel_scope.cancel()
-    finally:
-        server.resume()
-        process.terminate()
-        with trio.CancelScope(shield=True):
-            await process.wait()
+    for attempt in range(3):  # the free port may be taken before dnsmasq binds it
+        port = free_port()
+        command = [binary, "--keep-in-foreground", "--conf-file=/dev/null", f"--port={port}",
+                   "--listen-address=127.0.0.1", "--bind-interfaces", "--no-resolv",
+                   "--no-hosts", f"--addn-hosts={hosts_file}", f"--local=/{zone}/",
+                   "--cache-size=0", "--log-facility=-", f"--user={getpass.getuser()}",
+                   "--pid-file=", *(f"--srv-host={record}" for record in srv)]
+        process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE)
+        server = Dnsmasq(process, hosts_file, port)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(server._read)
+                try:
+                    await server.wait_line(f"read {hosts_file}")
+                except AssertionError:
+                    if attempt == 2 or not any("in use" in line for line in server.lines):
+                        raise
+                    nursery.cancel_scope.cancel()
+                    continue
+                try:
+                    yield server
+                finally:
+                    nursery.cancel_scope.cancel()
+                return
+        finally:
+            server.resume()
+            if process.returncode is None:
+                process.terminate()
+            with trio.CancelScope(shield=True):
+                await process.wait()
