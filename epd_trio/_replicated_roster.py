@@ -81,16 +81,18 @@ class ReplicatedRoster:
         new, result = change(self._roster, values)
         if new is self._roster:
             return result
-        records = {url: self._to_wall(record) for url, record in records_of(new).items()}
-        known = {url: self._to_wall(record) for url, record in self._records.items()}
-        for url, record in records.items():
-            before = known.get(url)
-            if before != record:
-                quiet = before is not None and _same_but_time(before, record)
-                self._pending[url] = (record, quiet)
-        for url in known.keys() - records.keys():
+        # Diff what this view held against what the change left: a record this replica could
+        # not take (``merge`` skipped it) is not in the view, so no change here deletes it.
+        before, after = records_of(self._roster), records_of(new)
+        for url, record in after.items():
+            known = before.get(url)
+            if known != record:
+                quiet = known is not None and _same_but_time(known, record)
+                self._pending[url] = (self._to_wall(record), quiet)
+        for url in before.keys() - after.keys():
             self._pending[url] = None
-        self._records = records_of(new)
+        self._records = {**{url: r for url, r in self._records.items() if url not in before},
+                         **after}
         self._install(values, statics_from=new)
         if self.on_pending is not None:
             self.on_pending()

@@ -38,6 +38,8 @@ import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
 from epd_trio.testing import run_cluster
 
+from real_servers import RedisServer
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
@@ -270,6 +272,36 @@ def documented_metrics() -> dict[str, tuple[str, set[str]]]:
     return metrics
 
 
+#: The families only a replica with a shared state store exports (their own table).
+STATE_METRICS = ("epd_trio_state_", "epd_trio_global_cursor_")
+
+
+async def test_metrics_page_lists_what_a_replica_with_a_state_store_adds(
+    client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    async with run_cluster(decodes=1, state_url=redis_server.url, state_prefix="docs:",
+                           global_cursor=True) as c:
+        assert c.proxy.state is not None
+        with trio.fail_after(10):
+            await c.proxy.state.roster_loaded.wait()
+        c.proxy.metrics.global_cursor_fallback("decode")  # a sample to read the label from
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    exported = {name: kind for name, kind in re.findall(r"^# TYPE (epd_trio_\w+) (\w+)$", text,
+                                                        flags=re.M)
+                if name.startswith(STATE_METRICS)}
+    documented = {name: row for name, row in documented_metrics().items()
+                  if name.startswith(STATE_METRICS)}
+    assert set(documented) == set(exported)
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    for name, (kind, doc_labels) in documented.items():
+        assert kind == exported[name]
+        seen = [labels[name + suffix] for suffix in SAMPLE_SUFFIXES[kind] if name + suffix in labels]
+        assert seen and seen[0] == doc_labels, (name, seen, doc_labels)
+
+
 async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClient) -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo1"}}
     body = {"model": "fake-model", "max_tokens": 3,
@@ -293,7 +325,8 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
     exported = {name: kind for name, kind in types.items()
                 if not (name.endswith("_created") and kind == "gauge" and any(
                     other in types for other in (name[:-8], name[:-8] + "_total")))}
-    documented = documented_metrics()
+    documented = {name: row for name, row in documented_metrics().items()
+                  if not name.startswith(STATE_METRICS)}
     assert set(documented) == set(exported), (
         f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
         f"on the page but not exported: {sorted(set(documented) - set(exported))}")

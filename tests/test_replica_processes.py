@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from typing import Any
 import httpx
 import trio
 
-from epd_trio.testing import FakeVLLM
+from epd_trio import Instance, Settings
+from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
 from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 from epd_trio.testing.process import read_url
 from epd_trio.testing.redis_server import free_port
@@ -148,5 +150,51 @@ async def test_a_moriio_registration_through_one_replica_reaches_the_others(
                     r = await client.post(url + CHAT, json=chat_body(text="moriio"))
                     assert r.status_code == 200, r.text
             assert len(decode.requests()) == 2
+    finally:
+        redis.kill()
+
+
+async def test_a_dead_replicas_requests_stop_counting_within_5_s(nursery: trio.Nursery) -> None:
+    """A replica killed with requests in flight (SIGKILL: no goodbye) leaves no count behind:
+    there is no shared decrement to miss, its published counts expire."""
+    redis = RedisServer().start()
+    held = trio.Event()
+    try:
+        (busy,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode",
+                                                      behaviour=Behaviour(gate=held.wait)))
+        prefix = f"d{uuid.uuid4().hex[:8]}:"
+        env = fleet_env(redis, prefix, EPD_DECODE_URLS=busy.url,
+                        EPD_DECODE_POLICY="least_loaded")
+        process = await trio.lowlevel.open_process(SERVE, env=env, stderr=subprocess.PIPE)
+        try:
+            assert process.stderr is not None
+            url = await read_url(process.stderr, rb"listening on (http://\S+)", limit=60)
+
+            async def hold() -> None:
+                async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                    with contextlib.suppress(httpx.TransportError):
+                        await client.post(url + CHAT, json=chat_body(text="hold"))
+
+            for _ in range(3):
+                nursery.start_soon(hold)
+            settings = Settings(state_url=redis.url, state_prefix=prefix, replica_id="watcher",
+                                decode_urls=(Instance(busy.url),), state_timeout=10.0)
+            async with serve_proxy(settings) as (_, watcher):
+                link = watcher.state
+                assert link is not None
+                with trio.fail_after(CONVERGE):
+                    while watcher.loads.read("decode", [(busy.url, None)]) != [3]:
+                        await link.next_load_read()
+                process.kill()
+                killed = time.monotonic()
+                with trio.fail_after(CONVERGE):
+                    while watcher.loads.read("decode", [(busy.url, None)]) != [0]:
+                        await link.next_load_read()
+                assert time.monotonic() - killed < 5.0
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            held.set()
     finally:
         redis.kill()

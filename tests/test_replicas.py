@@ -8,6 +8,7 @@ own roster events (``Proxy.wait_roster``) with a deadline, never with a sleep.
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -21,6 +22,7 @@ from epd_trio import Instance, Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.registrar import run_registrar
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
 from real_servers import RedisServer
@@ -328,3 +330,59 @@ async def test_unreachable_at_start_serves_static_and_says_why_it_is_not_ready(
             nursery.cancel_scope.cancel()
     finally:
         redis.kill()
+
+
+async def test_vllms_registrar_against_three_replicas_whether_it_names_all_or_one(
+    redis_server: RedisServer,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        listed, unlisted = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                             FakeVLLM(role="prefill_decode"))
+        async with replicas(redis_server, 3, decode_urls=()) as fleet:
+            urls = [url for url, _ in fleet]
+            # One registrar naming every replica, another naming only the first: both reach
+            # all three (the second through the store).
+            async with run_registrar(urls, role="prefill_decode", url=listed.url,
+                                     api_key="admin-secret") as everywhere, \
+                    run_registrar(urls[0], role="prefill_decode", url=unlisted.url,
+                                  api_key="admin-secret") as one:
+                with trio.fail_after(CONVERGE):
+                    await everywhere.wait_until(lambda: everywhere.registered)
+                    await one.wait_until(lambda: one.registered)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: sorted(urls_of_roster(roster)) ==
+                                   sorted([listed.url, unlisted.url]))
+            # Leaving the blocks sends the registrars' DELETEs: gone from every replica.
+            for _, proxy in fleet:
+                await wait_for(proxy, lambda roster: not roster.of("decode"))
+        nursery.cancel_scope.cancel()
+
+
+def urls_of_roster(roster: Roster) -> list[str]:
+    return [inst.url for inst in roster.of("decode")]
+
+
+async def test_a_slow_redis_delays_no_request(
+    redis_server: RedisServer, client: httpx.AsyncClient
+) -> None:
+    """Redis paused (every command waits): the only call on a request's path, the opt-in global
+    cursor, gives up after its timeout and the replica's own cursor routes."""
+    async with trio.open_nursery() as nursery:
+        decodes = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                    FakeVLLM(role="prefill_decode"))
+        async with replicas(redis_server, 1, global_cursor=True, global_cursor_timeout=0.05,
+                            decode_urls=tuple(Instance(f.url) for f in decodes)) as [(url, proxy)]:
+            pause = 6.0
+            redis_server.command("CLIENT", "PAUSE", str(int(pause * 1000)), "ALL")
+            started = time.monotonic()
+            try:
+                for _ in range(6):
+                    r = await client.post(url + CHAT, json=chat_body(text="no waiting"))
+                    assert r.status_code == 200
+                elapsed = time.monotonic() - started
+            finally:
+                redis_server.command("CLIENT", "UNPAUSE")
+            assert elapsed < pause / 2, elapsed  # no request waited for Redis
+            assert metric(proxy, "epd_trio_global_cursor_fallbacks_total", stage="decode") >= 6
+            assert [len(f.requests(CHAT)) for f in decodes] == [3, 3]  # still round-robin
+        nursery.cancel_scope.cancel()

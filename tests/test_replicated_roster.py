@@ -120,3 +120,13 @@ def test_only_live_http_registrations_are_kept_alive_by_this_replica() -> None:
     put(store, registration("http://up:1"))
     put(store, registration("http://down:1"))
     assert store.live_registered(lambda m: m.url == "http://up:1") == ["http://up:1"]
+
+
+def test_a_record_this_replica_cannot_take_is_kept_and_never_deleted_by_it() -> None:
+    store, _, clocks = make(static_roster([], [Instance("http://p:1")], []))
+    # Another replica's combined instance clashes with this replica's static prefill.
+    store.apply_put(Record(registration("http://pd:1", "prefill_decode", at=clocks.wall)))
+    assert store.current().find("http://pd:1") is None
+    put(store, registration("http://d:1"))
+    assert list(store.take_pending()) == ["http://d:1"]  # no delete of http://pd:1
+    assert {r.member.url for r in store.known_records()} == {"http://pd:1", "http://d:1"}

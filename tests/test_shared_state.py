@@ -109,6 +109,18 @@ def test_merge_skips_what_contradicts_this_replica() -> None:
     assert [i.url for i in roster.of("prefill")] == ["http://p:1", "http://m1:1"]
 
 
+def test_merge_takes_a_static_instances_record_whole() -> None:
+    """A static prefill that also registered over MoRIIO and HTTP: the record carries both
+    paths' fields, and the merge keeps them all (and the static flag)."""
+    base = static_roster([], [Instance("http://p:1")], [Instance("http://d:1")])
+    record = Record(member("http://p:1", "prefill", moriio=MoriioPeer("a"),
+                           ec_zmq_addrs=("tcp://p:7001",)), "READ")
+    roster, skipped = merge(base, {"http://p:1": record}, ZERO)
+    p = roster.find("http://p:1")
+    assert skipped == [] and p is not None and p.static
+    assert (p.moriio, p.ec_zmq_addrs) == (MoriioPeer("a"), ("tcp://p:7001",))
+
+
 def test_merge_keeps_the_version_when_only_registration_times_move() -> None:
     first, _ = merge(Roster(), {"http://a:1": Record(member("http://a:1", at=1.0))}, ZERO)
     again, _ = merge(first, {"http://a:1": Record(member("http://a:1", at=9.0))}, ZERO)

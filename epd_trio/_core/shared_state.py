@@ -33,7 +33,7 @@ from .errors import BadRequest, Conflict
 from .moriio import MoriioPeer
 from .names import ROLES, STAGES
 from .policies import SlotKey
-from .roster import Member, Roster, changed_members, register
+from .roster import EVERY_FIELD, Member, Roster, changed_members, register
 from .routing import Instance, slot_keys
 
 #: The record layout this version writes; a record with another ``v`` is skipped, not guessed at.
@@ -215,7 +215,8 @@ def merge(
                                  f"{view.transfer_mode}"))
             continue
         try:
-            view, _ = register(view, record.member, zero)
+            # The record is the whole member (a static one's MoRIIO peer included).
+            view, _ = register(view, record.member, zero, carries=EVERY_FIELD)
         except (BadRequest, Conflict) as exc:
             skipped.append((url, exc.message))
             continue
