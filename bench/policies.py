@@ -37,8 +37,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import AsyncExitStack, ExitStack, contextmanager
+from collections.abc import Sequence
+from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -504,7 +504,7 @@ async def run_all(args: argparse.Namespace) -> list[Run]:
     with ExitStack() as stack:
         state_url = args.state_url
         if state_url is None and max(counts) > 1:
-            state_url = stack.enter_context(_redis()).url
+            state_url = stack.enter_context(RedisServer()).url
         for load in loads:
             rate = load * capacity(args, config)
             jobs = workload(args, rate)
@@ -517,15 +517,6 @@ async def run_all(args: argparse.Namespace) -> list[Run]:
                         runs.append(await run_once(args, label, policies, load, config, jobs,
                                                    rate, count, state_url, placement))
     return runs
-
-
-@contextmanager
-def _redis() -> Iterator[RedisServer]:
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -65,11 +65,8 @@ def redis_url(given: str | None) -> Iterator[str]:
     if given:
         yield given
         return
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server.url
-    finally:
-        server.kill()
 
 
 def replica_env(mode: str, state_url: str, fleet: str, index: int) -> dict[str, str]:

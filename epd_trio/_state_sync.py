@@ -57,6 +57,7 @@ from ._core.shared_state import (
     sum_loads,
 )
 from ._core.state_url import StateURL
+from ._cursor_link import CursorLink
 from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._replicated_roster import Pending, ReplicatedRoster
@@ -133,7 +134,7 @@ class StateLink:
         self.replica_id = replica_id
         self.keys = StateKeys(settings.state_prefix)
         self._redis: coredis.Redis[bytes] | None = None
-        self._cursor: coredis.Redis[bytes] | None = None
+        self._cursor: CursorLink | None = None
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
@@ -146,7 +147,7 @@ class StateLink:
         self.roster_loaded = trio.Event()
         #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
         self.problem: str | None = "not connected yet"
-        self._cursor_keys = {stage: self.keys.cursor(stage) for stage in STAGES}
+        self._cursor_keys = {stage: self.keys.cursor(stage).encode() for stage in STAGES}
         metrics.state_up(False)
 
     @property
@@ -176,11 +177,11 @@ class StateLink:
         """The global cursor's position for ``n`` slots of ``stage`` (its value before adding
         ``n``), or None (then the caller uses its own cursor): the link is down, or the store
         did not answer within ``EPD_GLOBAL_CURSOR_TIMEOUT``."""
-        redis = self._cursor
-        if redis is not None:
+        cursor = self._cursor
+        if cursor is not None:
             with trio.move_on_after(self._settings.global_cursor_timeout):
                 try:
-                    return await redis.incrby(self._cursor_keys[stage], n) - n
+                    return await cursor.incrby(self._cursor_keys[stage], n) - n
                 except Exception:  # whatever the store did, the request goes on
                     pass
         self._metrics.global_cursor_fallback(stage)
@@ -195,12 +196,8 @@ class StateLink:
             sessions = self._sessions
             try:
                 async with redis_client(self._url, self._settings.state_timeout,
-                                        f"epd-trio:{self.replica_id}") as redis, \
-                        redis_client(self._url, self._settings.state_timeout,
-                                     f"epd-trio:{self.replica_id}:cursor") as cursor:
-                    # The cursor has a connection of its own: a burst of requests must not
-                    # queue the link's own calls behind their increments, nor the reverse.
-                    await self._session(redis, cursor)
+                                        f"epd-trio:{self.replica_id}") as redis:
+                    await self._session(redis)
             except BaseException as exc:  # any failure of the link ends the session
                 self._lost(_unless_cancelled(exc))
             if self._sessions != sessions:
@@ -208,29 +205,35 @@ class StateLink:
             await trio.sleep(delay * self._rng.uniform(0.75, 1.25))
             delay = min(BACKOFF_CAP, delay * 2)
 
-    async def _session(self, redis: coredis.Redis[bytes], cursor: coredis.Redis[bytes]) -> None:
+    async def _session(self, redis: coredis.Redis[bytes]) -> None:
         with trio.fail_after(self._settings.state_timeout):
             await redis.ping()
-            if self._settings.global_cursor:
-                await cursor.ping()
         await self._flush(redis)
         await self._write_back(redis, self._store.known_records())
-        async with redis.pubsub(channels=[self.keys.channel]) as pubsub:
+        async with redis.pubsub(channels=[self.keys.channel]) as pubsub, \
+                trio.open_nursery() as nursery:
             # Subscribed before the first full read: nothing announced in between is lost.
             await self._resync(redis)
+            cursor = None
+            if self._settings.global_cursor:
+                # A connection of its own, and a lean one (``_cursor_link``): a burst of
+                # requests must not queue behind the link's own calls, nor the reverse.
+                with trio.fail_after(self._settings.state_timeout):
+                    cursor = await CursorLink.open(self._url)
+                await nursery.start(cursor.run)
             self.roster_loaded.set()
             self._redis, self._cursor, self.problem = redis, cursor, None
             self._sessions += 1
             self._metrics.state_up(True)
             self._changed()
-            log.warning("shared state %s: connected as replica %s (%s)", self._url.redacted(),
-                        self.replica_id, "roster loaded")
+            log.warning("shared state %s: connected as replica %s (roster loaded)",
+                        self._url.redacted(), self.replica_id)
             try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._listen, pubsub)
-                    nursery.start_soon(self._writer, redis)
-                    nursery.start_soon(self._resync_loop, redis)
-                    nursery.start_soon(self._load_loop, redis)
+                nursery.start_soon(self._listen, pubsub)
+                nursery.start_soon(self._writer, redis)
+                nursery.start_soon(self._resync_loop, redis)
+                nursery.start_soon(self._load_loop, redis)
+                await trio.sleep_forever()
             finally:
                 self._redis = self._cursor = None
 

@@ -20,8 +20,5 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the session (each test uses its own key prefix)."""
-    server = RedisServer().start()
-    try:
+    with RedisServer() as server:
         yield server
-    finally:
-        server.kill()

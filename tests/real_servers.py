@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import Any
 
 import pytest
 
@@ -38,5 +39,5 @@ def require_binary(name: str) -> str:
 class RedisServer(testing_redis.RedisServer):
     """``epd_trio.testing.RedisServer`` under the missing-server rule above."""
 
-    def __init__(self, port: int | None = None) -> None:
-        super().__init__(port, binary=require_binary("redis-server"))
+    def __init__(self, port: int | None = None, **options: Any) -> None:
+        super().__init__(port, binary=require_binary("redis-server"), **options)

@@ -364,3 +364,33 @@ def test_cache_aware_finds_its_slot_from_every_rotation_and_after_a_roster_chang
     moved = cursor.next(hint=hint)
     assert moved[0] in others
     assert [cursor.next(hint=hint) for _ in range(8)] == [moved] * 8
+
+
+# -- placement across replicas (EPD_STATE_URL) ------------------------------------------------------
+def test_rendezvous_ignores_order_and_moves_only_what_a_departed_slot_won() -> None:
+    from epd_trio._core.policies import rendezvous, stable_hash
+    marks = [stable_hash(f"slot{i}") for i in range(6)]
+    anchors = [stable_hash(f"prompt {n}") for n in range(300)]
+    winners = [marks[rendezvous(marks, a)] for a in anchors]
+    assert [marks[::-1][rendezvous(marks[::-1], a)] for a in anchors] == winners
+    assert len(set(winners)) == 6  # every slot wins some
+    fewer = marks[:5]
+    for anchor, winner in zip(anchors, winners, strict=True):
+        if winner in fewer:  # a key whose slot stayed does not move
+            assert fewer[rendezvous(fewer, anchor)] == winner
+
+
+def test_replicas_place_an_unseen_prompt_alike_and_within_the_balance() -> None:
+    from epd_trio._core.policies import Balance, StagePolicy, prefix_hint
+    keys = [("http://a", 0), ("http://a", 1), ("http://b", 0), ("http://b", 1)]
+    for n in range(20):
+        hint = prefix_hint(f"system prompt {n} " * 60)
+        one, two = StagePolicy("cache_aware", placement=True), StagePolicy("cache_aware",
+                                                                             placement=True)
+        first = keys[one.choose(keys, [0, 0, 0, 0], hint)]
+        order = keys[n % 4:] + keys[:n % 4]  # another replica's rotation
+        assert order[two.choose(order, [0, 0, 0, 0], hint)] == first
+        # The same prompt's winner, overloaded beyond the balance, gives way to the least loaded.
+        three = StagePolicy("cache_aware", Balance(2, 1.5), placement=True)
+        loads = [9 if key == first else 0 for key in keys]
+        assert keys[three.choose(keys, loads, hint)] != first

@@ -386,3 +386,37 @@ async def test_a_slow_redis_delays_no_request(
             assert metric(proxy, "epd_trio_global_cursor_fallbacks_total", stage="decode") >= 6
             assert [len(f.requests(CHAT)) for f in decodes] == [3, 3]  # still round-robin
         nursery.cancel_scope.cancel()
+
+
+async def test_a_password_protected_redis_over_tcp_and_a_unix_socket_and_no_password_logged(
+    tmp_path: Any, caplog: Any,
+) -> None:
+    redis = RedisServer(password="hunter2-secret", unix_socket=str(tmp_path / "redis.sock"))
+    redis.start()
+    try:
+        # The global cursor's own lean connection authenticates and selects the database too.
+        for url, db in ((redis.url.removesuffix("/0") + "/2", "2"), (redis.unix_url + "?db=1", "1")):
+            settings = Settings(state_url=url, state_prefix="auth:", replica_id="a",
+                                global_cursor=True, global_cursor_timeout=5.0,
+                                decode_urls=(Instance("http://127.0.0.1:9"),))
+            async with serve_proxy(settings) as (_, proxy):
+                assert proxy.state is not None
+                with trio.fail_after(CONVERGE):
+                    await proxy.state.roster_loaded.wait()
+                assert "hunter2" not in str(proxy.state.describe())
+                assert await proxy.state.take("decode", 5) == 0
+                assert await proxy.state.take("decode", 1) == 5
+            assert redis.command("-n", db, "GET", "auth:cursor:decode") == "6"
+            assert redis.command("-n", db, "EXISTS", "auth:fleet") == "1"
+        # A wrong password: refused, retried, and still never written to the log.
+        wrong = Settings(state_url=f"redis://:wrong-hunter2@127.0.0.1:{redis.port}/0",
+                         state_prefix="auth:", decode_urls=(Instance("http://127.0.0.1:9"),))
+        async with serve_proxy(wrong) as (_, proxy):
+            assert proxy.state is not None
+            with trio.fail_after(CONVERGE):
+                while proxy.state.problem in (None, "not connected yet"):
+                    await proxy.state.next_change()
+            assert not proxy.state.up and not proxy.ready()
+        assert "hunter2" not in caplog.text and "shared state" in caplog.text
+    finally:
+        redis.kill()

@@ -176,9 +176,9 @@ class PrefixHint:
 
     blocks: tuple[int, ...]
     chars: int
-    #: A hash of the first block that is the same in every process (``blocks`` use Python's
-    #: salted ``hash``): where replicas that never saw the prompt agree to send it.
-    anchor: int = 0
+    #: The first block's text: its ``stable_hash`` (``blocks`` use Python's salted ``hash``)
+    #: is where replicas that never saw the prompt agree to send it; hashed only then.
+    head: str = ""
 
 
 def prefix_hint(text: str) -> PrefixHint:
@@ -196,7 +196,7 @@ def prefix_hint(text: str) -> PrefixHint:
         chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
         blocks.append(chained)
     chars = len(text)
-    return PrefixHint(tuple(blocks), chars, stable_hash(text[:PREFIX_BLOCK_CHARS]))
+    return PrefixHint(tuple(blocks), chars, text[:PREFIX_BLOCK_CHARS])
 
 
 _MASK64 = (1 << 64) - 1
@@ -390,8 +390,8 @@ class StagePolicy:
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
         elif self.placement and hint:
-            best = rendezvous(self._marks_of(keys), hint.anchor if isinstance(hint, PrefixHint)
-                              else stable_hash(hint))
+            best = rendezvous(self._marks_of(keys), stable_hash(
+                hint.head if isinstance(hint, PrefixHint) else hint))
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
         if chosen < 0:  # a miss, or an overload

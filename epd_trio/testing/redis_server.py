@@ -29,7 +29,12 @@ class RedisServer:
     empty on the same port, as a restarted Redis without persistence comes back.
     """
 
-    def __init__(self, port: int | None = None, *, binary: str | None = None) -> None:
+    def __init__(self, port: int | None = None, *, binary: str | None = None,
+                 password: str | None = None, unix_socket: str | None = None) -> None:
+        """``password``: clients must authenticate (``--requirepass``); ``unix_socket``: it
+        also listens on that socket path (``unix_url``)."""
+        self.password = password
+        self.unix_socket = unix_socket
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
@@ -39,14 +44,23 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    @property
+    def unix_url(self) -> str:
+        assert self.unix_socket is not None
+        auth = f":{self.password}@" if self.password else ""
+        return f"unix://{auth}{self.unix_socket}"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         assert self.process is None
         process = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--logfile", "",
-             "--loglevel", "notice"],
+             "--loglevel", "notice",
+             *(["--requirepass", self.password] if self.password else []),
+             *(["--unixsocket", self.unix_socket] if self.unix_socket else [])],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.process = process
         deadline = time.monotonic() + timeout
@@ -64,6 +78,12 @@ class RedisServer:
         self.kill()
         raise RuntimeError(f"redis-server did not start on port {self.port}: {''.join(seen)}")
 
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.kill()
+
     def kill(self) -> None:
         if self.process is not None:
             self.process.kill()
@@ -76,7 +96,8 @@ class RedisServer:
         """One command through ``redis-cli`` (it comes with the server's package)."""
         cli = shutil.which("redis-cli")
         assert cli is not None, "redis-cli comes with redis-server"
-        result = subprocess.run([cli, "-p", str(self.port), *args], capture_output=True,
+        auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        result = subprocess.run([cli, "-p", str(self.port), *auth, *args], capture_output=True,
                                 text=True, check=True, timeout=10)
         return result.stdout.strip()
 
