@@ -152,6 +152,11 @@ def _add_serve(commands: Any) -> None:
             serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
                                metavar="URL[#dp=N]", help=f"{field.removesuffix('_urls')} "
                                f"instances ({env})")
+        elif field.endswith("_selector"):
+            # vllm-router's spelling: --decode-selector app=vllm role=decode
+            serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
+                               metavar="KEY=VALUE", help=f"{field.removesuffix('_selector')} "
+                               f"pods' labels ({env})")
         elif isinstance(SETTING_DEFAULTS[field], bool):
             serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
                                default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")

@@ -54,7 +54,7 @@ def _send(reply: Reply) -> Response:
 
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
-    clock: Callable[[], float] = time.monotonic,
+    discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -62,7 +62,9 @@ def create_app(
     (``epd-trio serve`` passes its shared memory); by default each app routes on its own.
     With ``EPD_KV_CONNECTOR=moriio`` the app's lifespan also owns the ZMQ registration socket,
     unless ``moriio_listener`` is False (the other workers of ``epd-trio serve``); ``clock``
-    times MoRIIO registrations (tests pass trio's virtual clock).
+    times MoRIIO registrations (tests pass trio's virtual clock). ``discovery`` says whether this app
+    runs the DNS and Kubernetes discovery loops (default: unless it shares its roster's memory
+    with other workers and is not the one binding the MoRIIO socket).
     """
     app = QuartTrio("epd_trio")
     app.config.update(
@@ -71,7 +73,13 @@ def create_app(
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, clock=clock)
+    if discovery is None:
+        # One process of those sharing a roster in memory discovers for them all; a process
+        # with a roster of its own (one worker, or each worker a replica of EPD_STATE_URL,
+        # which shares no discovered instance) discovers for itself.
+        discovery = moriio_listener or shared is None
+    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
+                  clock=clock)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)

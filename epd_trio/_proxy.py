@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -23,7 +23,8 @@ import trio
 from ._accounting import Accounting
 from ._core.config import Settings
 from ._core.counters import CursorCounters
-from ._core.errors import NoInstance, UpstreamError
+from ._core.discovery import Discovered, is_dns_url
+from ._core.errors import BadRequest, NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.moriio import MoriioRegistration
 from ._core.names import ROLES, STAGES, RequestKind
@@ -34,15 +35,20 @@ from ._core.roster import (
     forget,
     layout_name,
     parse_instance_url,
+    parse_name_registration,
     parse_registration,
     register,
     register_moriio,
+    register_name,
+    replace_source,
     silent_moriio,
     static_roster,
     unregister,
+    unregister_name,
 )
 from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
+from ._discovery import discovery_sources
 from ._http import UpstreamClient, UpstreamPool
 from ._load_scraper import run_load_scraper
 from ._loads import DECODE_TOKENS, Loads, LocalLoadTable
@@ -78,12 +84,15 @@ class Proxy:
 
     def __init__(
         self, settings: Settings, shared: SharedRoutingState | None = None, *,
-        moriio_listener: bool = True, clock: Callable[[], float] = time.monotonic,
+        moriio_listener: bool = True, discovery: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``moriio_listener``: with ``EPD_KV_CONNECTOR=moriio``, whether this process binds the
         registration socket (one worker of ``epd-trio serve --workers N`` does; the shared roster
         carries the registrations to the others). ``clock`` stamps MoRIIO registrations and
-        judges their silence (tests pass trio's virtual clock)."""
+        judges their silence (tests pass trio's virtual clock). ``discovery``: whether this
+        process runs the DNS and Kubernetes discovery loops (one worker of ``epd-trio serve
+        --workers N`` does, like the MoRIIO listener; the shared roster carries what it finds)."""
         self.settings = settings
         self._clock = clock
         #: The ``host:port`` the MoRIIO registration socket is bound to, once it is.
@@ -149,7 +158,12 @@ class Proxy:
         self._listener_scope: trio.CancelScope | None = None
         self._roster_changed = trio.Event()
         self.roster = Roster()
-        initial = static_roster(settings.encode_urls, settings.prefill_urls, settings.decode_urls)
+        #: The discovery sources this process runs (``_discovery``), started with the prober.
+        self.discovery = discovery_sources(
+            settings, self.discovered, registered=self._registered_names,
+            apply_registered=partial(self.discovered, registered=True)) if discovery else []
+        initial = static_roster(settings.listed("encode"), settings.listed("prefill"),
+                                settings.listed("decode"))
         self._apply(initial)
         self._store.attach(initial, self._apply)
 
@@ -183,12 +197,47 @@ class Proxy:
         Raises ``BadRequest`` (400) for a bad body or a prefill_decode / prefill+decode mix,
         ``Conflict`` (409) for a known URL changing its role.
         """
+        name = parse_name_registration(raw_body)
+        if name is not None:
+            role, dns_name = name
+            if self.settings.state_url is not None:
+                # Discovered instances are each replica's own, not shared through the store:
+                # a name registered with one replica would serve that replica alone.
+                raise BadRequest("with a shared roster (EPD_STATE_URL) a DNS name is configured "
+                                 "on every replica (EPD_DECODE_URLS=dns+http://...), not "
+                                 "registered with one")
+            return self._store.update(
+                lambda roster, counters: register_name(roster, role, dns_name.spec))
         member = parse_registration(raw_body, time.monotonic())
         created = self._store.update(lambda roster, counters: register(roster, member, counters))
         if created:
             log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
+
+    def discovered(
+        self, source: str, role: str, instances: Sequence[Discovered], *, registered: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """A discovery source's whole current answer: it replaces that source's members;
+        ``(URLs that joined, URLs that left)``. Idempotent (no new version when nothing changed).
+        ``registered``: a registered DNS name's answer, dropped once the name is unregistered."""
+
+        def change(roster: Roster, counters: Any) -> tuple[Roster, tuple[list[str], list[str]]]:
+            if registered and (role, source) not in roster.names:
+                return roster, ([], [])
+            return replace_source(roster, source, role, instances, counters)
+
+        # Most rounds change nothing: check on this process's copy first, so that they never
+        # take the shared lock the routing counters use (a change missed because another
+        # worker changed the roster meanwhile is made at the next round).
+        self._store.poll()
+        if change(self.roster, dict.fromkeys(STAGES, 0))[0] is self.roster:
+            return [], []
+        return self._store.update(change)
+
+    def _registered_names(self) -> tuple[tuple[str, str], ...]:
+        self._store.poll()
+        return self.roster.names
 
     def _ec_zmq_addrs(self, instance: Instance) -> tuple[str, ...]:
         member = self.roster.find(instance.url)
@@ -226,6 +275,15 @@ class Proxy:
 
     def unregister(self, url: object) -> bool:
         """``DELETE /instances``: remove the instance at ``url``; True when it was there."""
+        if isinstance(url, str) and url.startswith(("dns ", "dnssrv ")):
+            url = url.replace(" ", "+", 1)  # an unencoded '+' in the query became a space
+        if isinstance(url, str) and is_dns_url(url):
+            spec = url.strip()
+            removed = self._store.update(
+                lambda roster, counters: unregister_name(roster, spec, counters))
+            if removed:
+                log.warning("DNS name %s unregistered", spec)
+            return removed
         target = parse_instance_url(url).url
         removed = self._store.update(lambda roster, counters: unregister(roster, target, counters))
         if removed:
@@ -262,7 +320,9 @@ class Proxy:
             entry = self.registry.state_for(member.stage, member.instance).report()
             entry.update(source="static" if member.static else "registered",
                          ec_zmq_addrs=list(member.ec_zmq_addrs))
-            if not member.static:
+            if member.source is not None:
+                entry.update(source="discovered", discovered_by=member.source)
+            if not member.static and member.source is None:
                 entry["registered_seconds_ago"] = round(now - member.registered_at, 3)
             if member.moriio is not None:
                 entry.update(source="moriio", zmq_address=member.moriio.zmq_address,
@@ -270,8 +330,11 @@ class Proxy:
                              registered_seconds_ago=round(moriio_now - member.registered_at, 3))
             listing[member.role].append(entry)
         # Health is each worker's own view (each probes on its own): say whose view this is.
+        names = [{"role": role, "url": name.spec, "source": "static"}
+                 for role, name in self.settings.dns_names()]
+        names += [{"role": role, "url": spec, "source": "registered"} for role, spec in roster.names]
         report = {"layout": layout_name(roster), "version": roster.version,
-                  "worker_pid": os.getpid(), "instances": listing}
+                  "worker_pid": os.getpid(), "instances": listing, "dns_names": names}
         if self.state is not None:
             report.update(replica=self.state.replica_id, state=self.state.describe())
         return report
@@ -326,8 +389,10 @@ class Proxy:
         """The proxy's background work, until cancelled: the health prober, and housekeeping
         on the keep-alive clock."""
         with trio.CancelScope() as scope:
-            task_status.started(scope)
             async with trio.open_nursery() as nursery:
+                for source in self.discovery:  # each finds its instances once before serving
+                    await nursery.start(source.run)
+                task_status.started(scope)
                 nursery.start_soon(partial(
                     run_prober, health_check(client, self.settings.health_timeout),
                     self.registry, interval=self.settings.health_interval,

@@ -131,7 +131,8 @@ class AsyncioBridge:
     proxy's per-instance pools (``EPD_MAX_CONNECTIONS``, ``EPD_QUEUE_TIMEOUT``); encoder sub-requests
     fail over like the proxy's (``EPD_MAX_ATTEMPTS``) within ``EPD_ENCODE_TIMEOUT`` per attempt.
     There is no background health probing here: a dead encoder costs each request that lands on
-    it one failed attempt.
+    it one failed attempt. Nor discovery: the bridge routes over the instances listed by URL
+    (``dns+`` names and Kubernetes selectors need the proxy's background tasks).
 
     Use it as ``async with AsyncioBridge(settings) as bridge:`` inside a program started by
     ``run()``. Leaving the block closes the upstream connections.
@@ -139,9 +140,9 @@ class AsyncioBridge:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self._encoders = EncoderCursor(settings.encode_urls)
-        self._prefills = SlotCursor(settings.prefill_urls)
-        self._decodes = SlotCursor(settings.decode_urls)
+        self._encoders = EncoderCursor(settings.listed("encode"))
+        self._prefills = SlotCursor(settings.listed("prefill"))
+        self._decodes = SlotCursor(settings.listed("decode"))
         self._failover = Failover(max_attempts=settings.max_attempts)
         self._client: UpstreamClient | None = None
         self._loop: trio_asyncio.TrioEventLoop | None = None

@@ -69,6 +69,15 @@ async def test_metrics_cost_runs_every_mode() -> None:
     assert all("us per streamed P->D request" in line for line in lines)
 
 
+def test_discovery_cost_measures_each_apply() -> None:
+    from bench.discovery_cost import apply_cost
+
+    costs = apply_cost(instances=8, repeat=2)
+    assert list(costs) == ["unchanged, checked without the lock", "one replaced, local store",
+                           "one replaced, shared store"]
+    assert all(value > 0 for value in costs.values())
+
+
 # -- bench._wire: the load generator's response reader, fed every possible cut -----------------
 CHUNKED = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
            b"transfer-encoding: chunked\r\n\r\n"

@@ -153,8 +153,10 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     default = field.default
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
-    if field.name == "state_url":
-        return "redis://sample:1/0"
+    special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
+               "state_url": "redis://sample:1/0"}
+    if field.name in special:
+        return special[field.name]
     if default is None or default == ():
         return "sample-key"
     if isinstance(default, bool):
@@ -168,6 +170,17 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
                "epd:": "fleet-b:"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
+
+
+def needs(field: str) -> dict[str, str]:
+    """The other variables a sample value of ``field`` is valid only with."""
+    if field == "service_discovery":
+        return {"EPD_DECODE_SELECTOR": "app=sample"}
+    if field == "global_cursor":
+        return {"EPD_STATE_URL": "redis://sample:1/0"}
+    if field.endswith("_selector"):
+        return {"EPD_SERVICE_DISCOVERY": "true"}
+    return {}
 
 
 def documented_settings() -> dict[str, list[str]]:
@@ -203,8 +216,8 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
     for field in fields:
         name = env_var(field.name)
         # The variable really is the one the code reads.
-        needs = {"EPD_STATE_URL": "redis://sample:1/0"} if field.name == "global_cursor" else {}
-        value = getattr(settings_from({**base, **needs, name: sample_value(field)}), field.name)
+        value = getattr(settings_from({**base, **needs(field.name), name: sample_value(field)}),
+                        field.name)
         assert value != field.default, f"{name} does not change Settings.{field.name}"
         default_cell = rows[name][2]
         shown = "none" if default_cell.startswith("none") else (code_spans(default_cell) or [""])[0]

@@ -9,11 +9,14 @@ backend must never hold a request forever.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .discovery import DnsName, is_dns_url, parse_dns_url, parse_selector
 from .policies import DEFAULT_POLICY, POLICIES
 from .routing import Instance, parse_instance
 from .state_url import StateURL, parse_state_url
@@ -33,13 +36,14 @@ class ConfigError(ValueError):
 class Settings:
     """Everything the proxy is configured with. Field ``x`` is ``EPD_X`` in the environment."""
 
-    #: Encoder instances (empty: media goes straight to prefill/decode).
-    encode_urls: tuple[Instance, ...] = ()
+    #: Encoder instances (empty: media goes straight to prefill/decode). Each is a URL, or a
+    #: DNS name to expand (``dns+http://name:port``, ``dnssrv+http://_srv._tcp.name``).
+    encode_urls: tuple[Instance | DnsName, ...] = ()
     #: Prefill instances (empty: decode does the whole request, the E+PD / PD layouts).
-    prefill_urls: tuple[Instance, ...] = ()
+    prefill_urls: tuple[Instance | DnsName, ...] = ()
     #: Decode (or combined prefill-decode) instances. Required unless instances may register
-    #: themselves (``admin_key`` set): then the proxy may start with none.
-    decode_urls: tuple[Instance, ...] = ()
+    #: themselves (``admin_key`` set) or are discovered: then the proxy may start with none.
+    decode_urls: tuple[Instance | DnsName, ...] = ()
     #: Max media items per encoder sub-request (0 = no cap, 1 = one item per sub-request).
     encoder_max_batch: int = 0
     #: How the encode stage picks an encoder per media item (``_core/policies.py``):
@@ -158,6 +162,33 @@ class Settings:
     #: ``*_embeds`` reference on the consumer legs (the instance then neither receives the pixels
     #: nor re-runs the media processor); off: the raw media is sent (upstream's ``--no-rewrite``).
     ec_rewrite: bool = True
+    #: ``host[:port]`` of the DNS server that expands ``dns+``/``dnssrv+`` URLs (None: the
+    #: system's resolver, ``/etc/resolv.conf``, search domains included).
+    dns_nameserver: str | None = None
+    #: Seconds between two resolutions of each DNS name.
+    dns_interval: float = 5.0
+    #: Seconds one resolution may take (its queries and their retries); past it, the round
+    #: counts as a failure and the last answer stays.
+    dns_timeout: float = 2.0
+    #: Find instances by watching Kubernetes pods (with the ``*_selector`` settings), as
+    #: vllm-router's ``--service-discovery``.
+    service_discovery: bool = False
+    #: Label selector of the encoder pods (``app=vllm-encode``; ``k=v`` terms, space or comma
+    #: separated).
+    encode_selector: str | None = None
+    #: Label selector of the prefill pods (vllm-router's ``--prefill-selector``).
+    prefill_selector: str | None = None
+    #: Label selector of the decode (or combined) pods (vllm-router's ``--decode-selector``).
+    decode_selector: str | None = None
+    #: The port of a discovered pod's vLLM server (the ``epd-trio.io/port`` annotation wins).
+    service_discovery_port: int = 8000
+    #: The namespace watched (None: the service account's own namespace).
+    service_discovery_namespace: str | None = None
+    #: The API server's base URL (None: in-cluster, from ``KUBERNETES_SERVICE_HOST``/``_PORT``
+    #: with the service account's token and CA). Set it to a ``kubectl proxy`` URL to run
+    #: outside the cluster.
+    service_discovery_api: str | None = None
+
     #: Where several proxy replicas share their roster, loads and cursors: a Redis server,
     #: ``redis://[:password@]host:port[/db]``, ``rediss://...`` (TLS) or ``unix:///path``
     #: (docs/how-to/replicas.md). Unset: each ``epd-trio serve`` process tree shares nothing
@@ -188,24 +219,50 @@ class Settings:
         if isinstance(self.state_url, str):  # Settings(state_url="redis://...") from Python
             object.__setattr__(self, "state_url", _parse("state_url", self.state_url,
                                                          env_name("state_url")))
+        selectors = {role: getattr(self, f"{role}_selector") for role in ("encode", "prefill",
+                                                                          "decode")}
+        if self.service_discovery and not any(selectors.values()):
+            raise ConfigError(env_name("service_discovery"), "needs at least one label selector ("
+                              f"{env_name('decode_selector')}, ...)")
+        if not self.service_discovery and any(selectors.values()):
+            given = next(role for role, sel in selectors.items() if sel)
+            raise ConfigError(env_name(f"{given}_selector"), "is used only with "
+                              f"{env_name('service_discovery')}=true")
         if (not self.decode_urls and not self.admin_key and self.kv_connector != "moriio"
-                and self.state_url is None):
+                and self.state_url is None and not self.decode_selector):
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
                               f"unless instances register themselves ({env_name('admin_key')}, "
                               f"{env_name('kv_connector')}=moriio, or a shared roster in "
-                              f"{env_name('state_url')})")
+                              f"{env_name('state_url')}) or are discovered "
+                              f"({env_name('decode_selector')})")
         if self.global_cursor and self.state_url is None:
             raise ConfigError(env_name("global_cursor"), f"needs {env_name('state_url')}: the "
                               "global cursor lives in the shared state store")
 
     @property
     def layout(self) -> str:
-        """The configured EPD layout: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``, or ``none`` (no static
-        decode instance: everything registers)."""
-        if not self.decode_urls:
+        """The configured EPD layout: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``, or ``none`` (no
+        decode instance configured: everything registers)."""
+        if not (self.decode_urls or self.decode_selector):
             return "none"
-        serving = "P+D" if self.prefill_urls else "PD"
-        return f"E+{serving}" if self.encode_urls else serving
+        serving = "P+D" if self.prefill_urls or self.prefill_selector else "PD"
+        return f"E+{serving}" if self.encode_urls or self.encode_selector else serving
+
+    def listed(self, role: str) -> tuple[Instance, ...]:
+        """The instances of ``role`` (``encode``, ``prefill``, ``decode``) given by URL."""
+        return tuple(i for i in getattr(self, f"{role}_urls") if isinstance(i, Instance))
+
+    def dns_names(self) -> list[tuple[str, DnsName]]:
+        """Every ``(role, DNS name)`` to expand."""
+        return [(role, name) for role in ("encode", "prefill", "decode")
+                for name in getattr(self, f"{role}_urls") if isinstance(name, DnsName)]
+
+    def selectors(self) -> list[tuple[str, str]]:
+        """Every ``(role, label selector)`` to watch (with ``service_discovery``)."""
+        if not self.service_discovery:
+            return []
+        return [(role, selector) for role in ("encode", "prefill", "decode")
+                if (selector := getattr(self, f"{role}_selector"))]
 
 
 #: vLLM's server keep-alive, read so the proxy's idle upstream connections expire before it.
@@ -216,13 +273,14 @@ def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
 
 
-def _instances(raw: Any) -> tuple[Instance, ...]:
+def _instances(raw: Any) -> tuple[Instance | DnsName, ...]:
     items = raw if isinstance(raw, list | tuple) else [raw]
     if not all(isinstance(item, str) for item in items):
         raise ValueError("expected URLs (a comma-separated string or a list of strings)")
     items = [part for item in items for part in item.split(",")]
-    parsed = tuple(parse_instance(item) for item in items if item.strip())
-    urls = [inst.url for inst in parsed]
+    parsed = tuple(parse_dns_url(item) if is_dns_url(item) else parse_instance(item)
+                   for item in items if item.strip())
+    urls = [inst.url if isinstance(inst, Instance) else inst.spec for inst in parsed]
     duplicates = sorted({url for url in urls if urls.count(url) > 1})
     if duplicates:
         raise ValueError(f"URL listed twice: {', '.join(duplicates)}")
@@ -355,6 +413,60 @@ def _factor(raw: Any) -> float:
     return _number(raw, 1.0, 1e6)
 
 
+def _nameserver(raw: Any) -> str:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``: a DNS server's address."""
+    value = str(raw).strip()
+    host, port = split_host_port(value, 53)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"expected an IP address[:port] (a DNS server is named by its "
+                         f"address), got {raw!r}") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"expected a port in 1..65535, got {raw!r}")
+    return value
+
+
+def split_host_port(value: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets when a port follows) -> ``(host, port)``."""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif value.count(":") == 1:
+        host, _, port = value.partition(":")
+    else:
+        host, port = value, ""
+    if port and not port.isdigit():
+        raise ValueError(f"bad port in {value!r}")
+    return host, int(port) if port else default_port
+
+
+def _selector(raw: Any) -> str:
+    items = raw if isinstance(raw, list | tuple) else [raw]
+    return parse_selector(" ".join(str(item) for item in items))
+
+
+def _port(raw: Any) -> int:
+    value = _positive_int(raw)
+    if value > 65535:
+        raise ValueError(f"expected a port in 1..65535, got {raw!r}")
+    return value
+
+
+def _name(raw: Any) -> str:
+    value = str(raw).strip()
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > 63:
+        raise ValueError(f"expected a Kubernetes namespace name, got {raw!r}")
+    return value
+
+
+def _api_url(raw: Any) -> str:
+    value = str(raw).strip().rstrip("/")
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http:// or https:// URL, got {raw!r}")
+    return value
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "encode_urls": _instances,
     "prefill_urls": _instances,
@@ -401,6 +513,16 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "moriio_registration": _bind_address,
     "moriio_ttl": _seconds,
     "ec_rewrite": _bool,
+    "dns_nameserver": _nameserver,
+    "dns_interval": _seconds,
+    "dns_timeout": _seconds,
+    "service_discovery": _bool,
+    "encode_selector": _selector,
+    "prefill_selector": _selector,
+    "decode_selector": _selector,
+    "service_discovery_port": _port,
+    "service_discovery_namespace": _name,
+    "service_discovery_api": _api_url,
     "state_url": _state_url,
     "state_prefix": _key_prefix,
     "replica_id": _key_prefix,

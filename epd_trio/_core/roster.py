@@ -22,6 +22,7 @@ from typing import Any
 
 import orjson
 
+from .discovery import Discovered, DnsName, is_dns_url, parse_dns_url
 from .errors import BadRequest, Conflict, RegistrationRefused
 from .moriio import MoriioPeer, MoriioRegistration
 from .names import ROLES, STAGE_OF_ROLE, STAGES
@@ -44,6 +45,11 @@ class Member:
     registered_at: float = 0.0
     #: Registered over ZMQ by vLLM's MoRIIO connector: its address and parallel sizes.
     moriio: MoriioPeer | None = None
+    #: Found by a discovery source (``_core/discovery``), named here: the ``dns+``/``dnssrv+``
+    #: URL, or ``kubernetes <role> <selector>``. Like a static instance, it belongs to each
+    #: replica of the proxy (each discovers on its own) and is never forgotten for silence: it
+    #: leaves when its source stops listing it (``replace_source``).
+    source: str | None = None
 
     @property
     def url(self) -> str:
@@ -67,6 +73,9 @@ class Roster:
     #: life of the proxy: prefill and decode must agree on it, so an instance with the other
     #: mode is refused.
     transfer_mode: str | None = None
+    #: DNS names registered through ``POST /instances`` (``(role, dns+ URL)``), in order: the
+    #: process that discovers resolves them like the configured ones (``_discovery_dns``).
+    names: tuple[tuple[str, str], ...] = ()
 
     def of(self, stage: str) -> tuple[Instance, ...]:
         """The instances serving ``stage``, in routing order."""
@@ -87,11 +96,13 @@ class Roster:
             "version": self.version,
             "epochs": {role: list(epoch) for role, epoch in self.epochs.items()},
             "transfer_mode": self.transfer_mode,
+            "names": [list(name) for name in self.names],
             "members": [
                 {"url": m.url, "dp_size": m.instance.dp_size, "role": m.role, "static": m.static,
                  "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
                  "moriio": None if m.moriio is None else
-                 [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size]}
+                 [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
+                 "source": m.source}
                 for m in self.members
             ],
         })
@@ -103,10 +114,12 @@ class Roster:
             version=data["version"],
             epochs={role: (k0, i0) for role, (k0, i0) in data["epochs"].items()},
             transfer_mode=data["transfer_mode"],
+            names=tuple((role, spec) for role, spec in data.get("names", ())),
             members=tuple(
                 Member(Instance(m["url"], m["dp_size"]), m["role"], m["static"],
                        tuple(m["ec_zmq_addrs"]), m["registered_at"],
-                       None if m["moriio"] is None else MoriioPeer(*m["moriio"]))
+                       None if m["moriio"] is None else MoriioPeer(*m["moriio"]),
+                       m.get("source"))
                 for m in data["members"]
             ),
         )
@@ -160,6 +173,55 @@ def parse_registration(raw: bytes, now: float) -> Member:
         raise BadRequest(f"'ec_zmq_addrs' must hold one address per DP rank: {len(addrs)} "
                          f"given for dp_size {dp_size}")
     return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now)
+
+
+def parse_name_registration(raw: bytes) -> tuple[str, DnsName] | None:
+    """A ``POST /instances`` body naming a DNS name (``"url": "dns+http://..."``) as
+    ``(role, name)``; None for any other body (``parse_registration`` reads those). A
+    ``dp_size`` in the body applies to the name's instances unless its URL has ``#dp=``."""
+    body = json_object(raw)
+    url = body.get("url")
+    if not isinstance(url, str) or not is_dns_url(url):
+        return None
+    role = body.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
+    dp_size = body.get("dp_size", 1)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    spec = url.strip()
+    if dp_size > 1 and "#dp=" not in spec:
+        spec = f"{spec}#dp={dp_size}"
+    try:
+        return role, parse_dns_url(spec)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+
+
+def register_name(roster: Roster, role: str, spec: str) -> tuple[Roster, bool]:
+    """Add a registered DNS name; ``(new roster, whether it was new)``. The same name with
+    another role is a ``Conflict`` (409)."""
+    for known_role, known in roster.names:
+        if known == spec:
+            if known_role != role:
+                raise Conflict(f"{spec} is already registered as {known_role}; unregister it "
+                               f"before registering it as {role}")
+            return roster, False
+    return replace(roster, version=roster.version + 1,
+                   names=(*roster.names, (role, spec))), True
+
+
+def unregister_name(
+    roster: Roster, spec: str, counters: Mapping[str, int]
+) -> tuple[Roster, bool]:
+    """Remove a registered DNS name and the instances it gave; ``(new roster, whether it was
+    there)``."""
+    names = tuple(n for n in roster.names if n[1] != spec)
+    if len(names) == len(roster.names):
+        return roster, False
+    members = tuple(m for m in roster.members if m.source != spec)
+    changed = _changed(roster, members, counters)
+    return replace(changed, version=max(changed.version, roster.version + 1), names=names), True
 
 
 def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
@@ -292,7 +354,7 @@ def expired(
     instances are never forgotten.
     """
     return [m.url for m in roster.members
-            if not m.static and m.url in evicted_since
+            if not m.static and m.source is None and m.url in evicted_since
             and now - max(m.registered_at, evicted_since[m.url]) >= ttl]
 
 
@@ -300,6 +362,46 @@ def forget(roster: Roster, urls: Sequence[str], counters: Mapping[str, int]) -> 
     gone = set(urls)
     members = tuple(m for m in roster.members if m.url not in gone)
     return roster if len(members) == len(roster.members) else _changed(roster, members, counters)
+
+
+def replace_source(
+    roster: Roster, source: str, role: str, discovered: Sequence[Discovered],
+    counters: Mapping[str, int],
+) -> tuple[Roster, tuple[list[str], list[str]]]:
+    """Make ``discovered`` the members of ``source`` (a discovery source serving ``role``);
+    ``(new roster, (URLs that joined, URLs that left))``.
+
+    Idempotent: the same list again changes nothing (no new version), so every round of a
+    discovery loop can apply its whole answer, and a second process applying the same answer is
+    harmless. The members that stay keep their place, newcomers join at the end in the given
+    order, and the epochs continue each rotation (``_changed``), as for registrations. A URL
+    another member already holds (listed, registered, or another source's) stays that member's.
+    """
+    mine = {m.url: m for m in roster.members if m.source == source and m.role == role}
+    others = {m.url for m in roster.members if m.url not in mine}
+    wanted: dict[str, Discovered] = {}
+    for found in discovered:
+        if found.instance.url not in others:
+            wanted.setdefault(found.instance.url, found)
+    joined = [url for url in wanted if url not in mine]
+    left = [url for url in mine if url not in wanted]
+    resized = {url for url, found in wanted.items() if url in mine and (
+        mine[url].instance != found.instance or mine[url].ec_zmq_addrs != found.ec_zmq_addrs)}
+    if not joined and not left and not resized:
+        return roster, ([], [])  # the common case, every round: checked without copying
+    members: list[Member] = []
+    for member in roster.members:
+        if member.url not in mine:
+            members.append(member)
+        elif member.url in resized:
+            found = wanted[member.url]
+            members.append(replace(member, instance=found.instance,
+                                   ec_zmq_addrs=found.ec_zmq_addrs))
+        elif member.url in wanted:
+            members.append(member)
+    members += [Member(wanted[url].instance, role, ec_zmq_addrs=wanted[url].ec_zmq_addrs,
+                       source=source) for url in joined]
+    return _changed(roster, tuple(members), counters), (joined, left)
 
 
 def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
@@ -328,4 +430,4 @@ def changed_members(
         if old_keys != new_keys:
             epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
     return Roster(version=roster.version + 1, members=members, epochs=epochs,
-                  transfer_mode=transfer_mode)
+                  transfer_mode=transfer_mode, names=roster.names)

@@ -49,6 +49,11 @@ class Instance:
 
 def parse_instance(spec: str) -> Instance:
     """Parse ``http://host:port`` with an optional ``#dp=N`` suffix (the config file/env syntax)."""
+    return Instance(*split_dp_suffix(spec))
+
+
+def split_dp_suffix(spec: str) -> tuple[str, int]:
+    """``"url#dp=N"`` -> ``("url", N)``; no suffix means ``dp_size`` 1."""
     spec = spec.strip()
     dp_size = 1
     match = _DP_SUFFIX.search(spec)
@@ -58,7 +63,7 @@ def parse_instance(spec: str) -> Instance:
             raise ValueError(f"bad '#dp=' suffix in {spec!r}: expected a positive integer")
         dp_size = int(raw)
         spec = spec[: match.start()].strip()
-    return Instance(spec, dp_size)
+    return spec, dp_size
 
 
 def encoder_rr_assignment(

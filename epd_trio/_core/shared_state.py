@@ -95,7 +95,10 @@ class Record:
 
 def shared(member: Member) -> bool:
     """Whether a member belongs in the store: registered at least once. Static instances that
-    never registered are each replica's own configuration."""
+    never registered are each replica's own configuration, and so are discovered ones (each
+    replica discovers on its own: ``Member.source``)."""
+    if member.source is not None:
+        return False
     return not member.static or member.registered_at > 0 or member.moriio is not None
 
 
@@ -199,7 +202,8 @@ def merge(
     Records join in URL order, so every replica builds the same order from the same records.
     An unchanged routing view keeps the version (see ``roster._changed``).
     """
-    view = Roster(members=tuple(m for m in roster.members if m.static),
+    view = Roster(members=tuple(m for m in roster.members
+                                if m.static or m.source is not None),
                   transfer_mode=roster.transfer_mode)
     zero = dict.fromkeys(STAGES, 0)
     skipped: list[tuple[str, str]] = []

@@ -1,0 +1,42 @@
+"""The discovery sources a proxy runs, from its settings (DNS names, Kubernetes selectors).
+
+Each source has ``run(task_status=...)``: it finds its instances once, reports started, then
+follows them until cancelled, handing each whole answer to ``apply(source, role, instances)``
+(``Proxy.discovered``). The proxy starts them in its background nursery, in the one process
+of ``epd-trio serve --workers N`` that runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import trio
+
+from ._core.config import Settings
+from ._discovery_dns import Apply, DnsDiscovery
+from ._discovery_k8s import KubernetesDiscovery, kube_api
+
+
+class Source(Protocol):
+    async def run(self, task_status: trio.TaskStatus[Any] = ...) -> None: ...
+
+
+def discovery_sources(
+    settings: Settings, apply: Apply, *, registered: Callable[[], Sequence[tuple[str, str]]],
+    apply_registered: Apply,
+) -> list[Source]:
+    """The sources ``settings`` ask for. DNS runs also when instances may register (an admin
+    key): a registration may name a DNS name (``registered``, ``apply_registered``)."""
+    sources: list[Source] = []
+    if settings.dns_names() or settings.admin_key:
+        sources.append(DnsDiscovery(settings.dns_names(), apply,
+                                    nameserver=settings.dns_nameserver,
+                                    interval=settings.dns_interval,
+                                    timeout=settings.dns_timeout, registered=registered,
+                                    apply_registered=apply_registered))
+    if settings.selectors():
+        sources.append(KubernetesDiscovery(
+            settings.selectors(), apply, api=kube_api(settings),
+            port=settings.service_discovery_port))
+    return sources

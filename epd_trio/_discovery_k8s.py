@@ -1,0 +1,304 @@
+"""Kubernetes discovery: list, then watch, the pods of each role's label selector.
+
+One task per role (``EPD_DECODE_SELECTOR``, ...), each doing what client-go's reflector does:
+
+- **list** the pods (``GET /api/v1/namespaces/NS/pods?labelSelector=...``, in pages of
+  ``LIST_PAGE`` with ``continue``), and take the list's ``resourceVersion``;
+- **watch** from there (``watch=true&resourceVersion=RV&allowWatchBookmarks=true``): the answer
+  is a chunked stream of JSON lines, one event each, folded into the view
+  (``_core/discovery.PodView``); a ``BOOKMARK`` only moves the version watched from. The API
+  ends a watch after ``timeoutSeconds``: the next one starts from the last version seen;
+- **410 Gone** (as the watch's status, or an ``ERROR`` event: the version is older than the API
+  server keeps) means list again; so does a list whose ``continue`` token expired;
+- a **dropped connection**, a timeout, a 5xx or a refusal: reconnect after a backoff (doubling
+  from 0.5 s to 30 s, jittered), watching from the last version seen.
+
+Until a new answer comes, the roster keeps the last view: an API server that is unreachable
+never empties it. After every list and every event, the role's Ready pods replace its
+members in the roster (``apply``; idempotent, so an event that changes no instance costs one
+comparison).
+
+Why httpx and not a Kubernetes client: the official client is synchronous (a thread per
+watch); ``kubernetes-asyncio`` is asyncio only. ``kr8s`` runs on anyio (so on trio), but its
+``async_watch`` (read in kr8s' ``_api.py``) does what this module must not: it asks for no
+bookmarks, reads with no timeout (a half-open connection hangs it for ever), answers a 410 by
+watching again from the same expired version instead of listing, and ends with an exception on
+a dropped connection; it also brings a dozen dependencies for the two GETs used here. httpx is
+already a dependency and runs on trio natively.
+
+In-cluster configuration (no kubeconfig): the API at ``KUBERNETES_SERVICE_HOST``/``_PORT``, the
+service account's token (re-read at every connection: the kubelet rotates it) and CA, and its
+namespace. ``EPD_SERVICE_DISCOVERY_API`` names another API base URL, for ``kubectl proxy``
+outside the cluster and for the tests' fake API server; then no token is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import trio
+
+from ._core.config import Settings
+from ._core.discovery import (
+    Discovered,
+    PodView,
+    backoff,
+    watch_event,
+)
+
+log = logging.getLogger("epd_trio.discovery")
+
+#: Where Kubernetes mounts a pod's service account.
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+#: Pods per list page.
+LIST_PAGE = 500
+#: Seconds a watch is asked to last (``timeoutSeconds``); the read timeout is longer, so a
+#: connection that went silent without closing is noticed within ``WATCH_SECONDS + 30``.
+WATCH_SECONDS = 60
+#: Seconds to connect, and to get a list's answer.
+REQUEST_TIMEOUT = 10.0
+
+Apply = Callable[[str, str, Sequence[Discovered]], tuple[list[str], list[str]]]
+
+
+class ApiError(Exception):
+    """The API answered with an error status (401, 403, 5xx ...)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class Gone(Exception):
+    """410: the version watched or listed from is no longer kept; list again."""
+
+
+@dataclass(frozen=True, slots=True)
+class KubeApi:
+    """How to reach the API server (read when discovery starts, not at import or parse)."""
+
+    #: ``EPD_SERVICE_DISCOVERY_API``, or None for the in-cluster configuration.
+    override: str | None = None
+    namespace: str | None = None
+    account_dir: Path = SERVICE_ACCOUNT_DIR
+    environ: Mapping[str, str] | None = None
+
+    def base_url(self) -> str:
+        if self.override:
+            return self.override
+        env = os.environ if self.environ is None else self.environ
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
+        if not host or not port:
+            raise OSError("Kubernetes discovery: KUBERNETES_SERVICE_HOST/PORT are not set (not "
+                          "in a pod?); set EPD_SERVICE_DISCOVERY_API (e.g. a kubectl proxy URL)")
+        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+
+    def watched_namespace(self) -> str:
+        if self.namespace:
+            return self.namespace
+        path = self.account_dir / "namespace"
+        try:
+            return path.read_text().strip() or "default"
+        except OSError:
+            return "default"
+
+    def token(self) -> str | None:
+        """The service account's token, read afresh (the kubelet rotates it)."""
+        if self.override:
+            return None
+        try:
+            return (self.account_dir / "token").read_text().strip() or None
+        except OSError as exc:
+            raise OSError(f"Kubernetes discovery: cannot read the service account token "
+                          f"({exc})") from None
+
+    def verify(self) -> ssl.SSLContext | bool:
+        if self.override:
+            return True
+        ca = self.account_dir / "ca.crt"
+        try:
+            return ssl.create_default_context(cafile=str(ca))
+        except OSError as exc:
+            raise OSError(f"Kubernetes discovery: cannot read the cluster CA {ca} "
+                          f"({exc})") from None
+
+
+def kube_api(settings: Settings) -> KubeApi:
+    return KubeApi(settings.service_discovery_api, settings.service_discovery_namespace)
+
+
+class KubernetesDiscovery:
+    """One list-and-watch task per ``(role, selector)``, until cancelled.
+
+    ``run`` reports started once every role's first list answered or failed, so a proxy serves
+    with the pods already known.
+    """
+
+    def __init__(
+        self, selectors: Sequence[tuple[str, str]], apply: Apply, *, api: KubeApi, port: int,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
+        self._selectors = list(selectors)
+        self._apply = apply
+        self._api = api
+        self._port = port
+        self._jitter = jitter
+        #: The view of each role (pods and the version watched from).
+        self.views: dict[str, PodView | None] = dict.fromkeys((r for r, _ in self._selectors))
+        #: Counts per role: lists made, watch events handled, reconnects after errors.
+        self.lists: dict[str, int] = dict.fromkeys(self.views, 0)
+        self.events: dict[str, int] = dict.fromkeys(self.views, 0)
+        self.reconnects: dict[str, int] = dict.fromkeys(self.views, 0)
+        self._changed = trio.Event()
+
+    @staticmethod
+    def source(role: str, selector: str) -> str:
+        return f"kubernetes {role} {selector}"
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds, re-checked after each list, event and error."""
+        while not predicate():
+            await self._changed.wait()
+
+    def _step(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        base = self._api.base_url()
+        namespace = self._api.watched_namespace()
+        verify = self._api.verify()
+        timeout = httpx.Timeout(REQUEST_TIMEOUT, read=WATCH_SECONDS + 30)
+        log.info("Kubernetes discovery in namespace %s at %s: %s", namespace, base,
+                 "; ".join(f"{role} {sel}" for role, sel in self._selectors))
+        # A connection per call (a watch lasts a minute, lists are rare): no reuse of a
+        # connection the API server may be closing, and nothing to go stale between calls.
+        limits = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=base, verify=verify, timeout=timeout,
+                                     limits=limits) as client:
+            path = f"/api/v1/namespaces/{namespace}/pods"
+            firsts = []
+            async with trio.open_nursery() as nursery:
+                for role, selector in self._selectors:
+                    first = trio.Event()
+                    firsts.append(first)
+                    nursery.start_soon(self._follow, client, path, role, selector, first)
+                for first in firsts:
+                    await first.wait()
+                task_status.started()
+
+    async def _follow(self, client: httpx.AsyncClient, path: str, role: str, selector: str,
+                      first: trio.Event) -> None:
+        failures = gone = 0
+        view: PodView | None = None
+        while True:
+            try:
+                if view is None:
+                    view = await self._list(client, path, selector)
+                    self.lists[role] += 1
+                    self._publish(role, selector, view)
+                    first.set()
+                view = await self._watch(client, path, role, selector, view)
+                failures = gone = 0  # the API ended the watch in time: watch on from there
+            except Gone:
+                log.info("Kubernetes %s watch: resource version gone (410); listing again", role)
+                view = None
+                failures, gone = 0, gone + 1
+                if gone > 1:  # Gone again straight after a list: do not hammer the API
+                    self.reconnects[role] += 1
+                    await trio.sleep(backoff(gone - 1, self._jitter()))
+            except Exception as exc:
+                # httpx errors, error statuses, malformed lines or objects, the roster full.
+                first.set()
+                view = self.views[role]  # the events before the break are kept
+                failures += 1
+                self.reconnects[role] += 1
+                delay = backoff(failures, self._jitter())
+                level = logging.WARNING if failures <= 3 or failures % 10 == 0 else logging.DEBUG
+                log.log(level, "Kubernetes %s discovery: %s: %s; keeping the last view, retrying "
+                        "in %.1f s", role, type(exc).__name__, exc, delay)
+                self._step()
+                await trio.sleep(delay)
+
+    def _headers(self) -> dict[str, str]:
+        token = self._api.token()
+        return {"accept": "application/json",
+                **({"authorization": f"Bearer {token}"} if token else {})}
+
+    async def _list(self, client: httpx.AsyncClient, path: str, selector: str) -> PodView:
+        params: dict[str, Any] = {"labelSelector": selector, "limit": LIST_PAGE}
+        view: PodView | None = None
+        while True:
+            response = await client.get(path, params=params, headers=self._headers())
+            if response.status_code == 410:
+                # The continue token expired between two pages: list again from the start.
+                params.pop("continue", None)
+                view = None
+                continue
+            page = _json_or_raise(response)
+            view = PodView.listed(page) if view is None else view.merged(page)
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return view
+            params["continue"] = token
+
+    async def _watch(self, client: httpx.AsyncClient, path: str, role: str, selector: str,
+                     view: PodView) -> PodView:
+        params = {"labelSelector": selector, "watch": "true", "allowWatchBookmarks": "true",
+                  "timeoutSeconds": WATCH_SECONDS}
+        if view.resource_version:
+            params["resourceVersion"] = view.resource_version
+        async with client.stream("GET", path, params=params, headers=self._headers()) as response:
+            if response.status_code == 410:
+                raise Gone
+            if response.status_code != 200:
+                await response.aread()
+                _json_or_raise(response)
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = watch_event(line.encode())
+                if event.expired:
+                    raise Gone
+                if event.type == "ERROR":
+                    raise ApiError(int(event.object.get("code") or 500),
+                                   str(event.object.get("message", "watch error")))
+                view = view.apply(event)
+                self.events[role] += 1
+                self._publish(role, selector, view)
+        return view
+
+    def _publish(self, role: str, selector: str, view: PodView) -> None:
+        self.views[role] = view
+        instances, reasons = view.instances(self._port, role)
+        for reason in reasons:
+            log.debug("Kubernetes %s: %s", role, reason)
+        joined, left = self._apply(self.source(role, selector), role, instances)
+        for url in joined:
+            log.warning("%s instance %s joined (Kubernetes pod, %s)", role, url, selector)
+        for url in left:
+            log.warning("%s instance %s left (its pod is gone or not Ready)", role, url)
+        self._step()
+
+
+def _json_or_raise(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = orjson.loads(response.content)
+    except orjson.JSONDecodeError:
+        body = None
+    if response.status_code != 200 or not isinstance(body, dict):
+        message = body.get("message") if isinstance(body, dict) else response.text[:200]
+        if response.status_code in (401, 403):
+            message = (f"{message} (the proxy's service account needs get, list and watch on "
+                       "pods: docs/how-to/discovery.md)")
+        raise ApiError(response.status_code, str(message))
+    return body

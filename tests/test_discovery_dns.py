@@ -1,0 +1,329 @@
+"""DNS discovery against a real DNS server (dnsmasq on a loopback port), with traffic flowing.
+
+The decode fakes listen on 127.0.0.2, .3 and .4 (all loopback) on one port, as the pods of a
+headless Service do; the proxy expands ``dns+http://vllm-decode.test:PORT`` through dnsmasq.
+Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's request log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from dnsmasq import Dnsmasq, dnsmasq
+
+from epd_trio._core.config import Settings
+from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, parse_dns_url
+from epd_trio._discovery_dns import DnsDiscovery
+from epd_trio._proxy import Proxy
+from epd_trio.testing import FakeVLLM, serve_proxy
+from epd_trio.testing.process import read_url
+
+from helpers import CHAT, chat_body
+
+ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+NAME = "vllm-decode.test"
+
+
+async def serve_fakes(
+    nursery: trio.Nursery, addresses: tuple[str, ...], dp_size: int = 1
+) -> tuple[int, list[FakeVLLM]]:
+    """One decode fake per address, all on the same port (the first one's)."""
+    fakes = [FakeVLLM(role="decode", dp_size=dp_size) for _ in addresses]
+    first = await nursery.start(fakes[0].serve, addresses[0], 0)
+    port = int(first.rsplit(":", 1)[1])
+    for fake, address in zip(fakes[1:], addresses[1:], strict=True):
+        await nursery.start(fake.serve, address, port)
+    return port, fakes
+
+
+def settings_for(spec: str, server: Dnsmasq, **extra: Any) -> Settings:
+    return Settings(decode_urls=(parse_dns_url(spec),), dns_nameserver=server.nameserver,
+                    dns_interval=0.05, dns_timeout=0.3, **extra)
+
+
+def decode_urls(proxy: Proxy) -> list[str]:
+    proxy._store.poll()
+    return [inst.url for inst in proxy.roster.of("decode")]
+
+
+def discovery_of(proxy: Proxy) -> DnsDiscovery:
+    (source,) = proxy.discovery
+    assert isinstance(source, DnsDiscovery)
+    return source
+
+
+@asynccontextmanager
+async def traffic(url: str) -> AsyncIterator[list[int]]:
+    """Requests sent one after another through the proxy for the block; yields their statuses."""
+    statuses: list[int] = []
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client, trio.open_nursery() as n:
+
+        async def send() -> None:
+            while True:
+                response = await client.post(CHAT, json=chat_body())
+                statuses.append(response.status_code)
+
+        n.start_soon(send)
+        try:
+            yield statuses
+        finally:
+            n.cancel_scope.cancel()
+
+
+async def served_by(fake: FakeVLLM, more: int) -> None:
+    """Wait until ``fake`` has served ``more`` requests beyond what it has now."""
+    target = len(fake.requests()) + more
+    await fake.wait_until(lambda: len(fake.requests()) >= target)
+
+
+async def until(discovery: DnsDiscovery, predicate: Callable[[], bool]) -> None:
+    with trio.fail_after(10):
+        await discovery.wait_until(predicate)
+
+
+async def test_records_added_and_removed_while_traffic_flows(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, (d2, d3, d4) = await serve_fakes(nursery, ADDRESSES, dp_size=2)
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[1], NAME)]) as server, \
+            serve_proxy(settings_for(f"dns+http://{NAME}:{port}#dp=2", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        # Resolved before the proxy served its first request.
+        assert decode_urls(proxy) == [f"http://{a}:{port}" for a in ADDRESSES[:2]]
+        assert all(i.dp_size == 2 for i in proxy.roster.of("decode"))
+        async with traffic(url) as statuses:
+            await served_by(d2, 2)
+            await served_by(d3, 2)
+            await server.set_hosts([(a, NAME) for a in ADDRESSES])  # .4 joins
+            await until(found, lambda: len(decode_urls(proxy)) == 3)
+            await served_by(d4, 4)
+            await server.set_hosts([(a, NAME) for a in ADDRESSES[1:]])  # .2 leaves
+            await until(found, lambda: f"http://{ADDRESSES[0]}:{port}" not in decode_urls(proxy))
+            left_at, d3_at, d4_at = len(d2.requests()), len(d3.requests()), len(d4.requests())
+            await served_by(d3, 6)
+            await served_by(d4, 6)
+        assert len(d2.requests()) <= left_at + 1  # at most one request in flight when it left
+        assert statuses and set(statuses) == {200}, statuses
+        # The rotation went on alternating between the two that stayed.
+        assert abs((len(d3.requests()) - d3_at) - (len(d4.requests()) - d4_at)) <= 2
+        instances = proxy.instances()["instances"]["decode"]
+        assert {e["discovered_by"] for e in instances} == {f"dns+http://{NAME}:{port}#dp=2"}
+        assert {e["source"] for e in instances} == {"discovered"}
+
+
+async def test_a_resolver_that_stops_answering_keeps_the_last_view(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]]) as server, \
+            serve_proxy(settings_for(f"dns+http://{NAME}:{port}", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        spec = f"dns+http://{NAME}:{port}"
+        before = decode_urls(proxy)
+        assert len(before) == 2
+        server.pause()
+        try:
+            rounds = found.rounds
+            await until(found, lambda: found.rounds >= rounds + 3)
+            assert "no answer within" in (found.views[spec].problem or "")
+            assert decode_urls(proxy) == before
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                for _ in range(4):
+                    assert (await client.post(CHAT, json=chat_body())).status_code == 200
+            assert all(fake.requests() for fake in fakes)
+        finally:
+            server.resume()
+        await until(found, lambda: found.views[spec].problem is None)
+        assert decode_urls(proxy) == before
+
+
+async def test_an_empty_answer_empties_the_roster_once_confirmed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]]) as server, \
+            serve_proxy(settings_for(f"dns+http://{NAME}:{port}", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        spec = f"dns+http://{NAME}:{port}"
+        await server.set_hosts([("127.0.0.9", "other.test")])  # the name is now NXDOMAIN
+        await until(found, lambda: found.views[spec].empty_rounds >= 1)
+        seen: list[tuple[int, int]] = []
+        # Until confirmed, every round keeps both instances; then they go at once.
+        await until(found, lambda: seen.append(
+            (found.views[spec].empty_rounds, len(decode_urls(proxy)))) or
+            found.views[spec].empty_rounds > EMPTY_CONFIRMATIONS)
+        assert all(count == 2 for rounds, count in seen if rounds <= EMPTY_CONFIRMATIONS)
+        assert decode_urls(proxy) == []
+        async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+            response = await client.post(CHAT, json=chat_body())
+        assert response.status_code == 503
+        # The name coming back brings them back.
+        await server.set_hosts([(ADDRESSES[0], NAME)])
+        await until(found, lambda: decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"])
+
+
+async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> None:
+    fakes = [FakeVLLM(role="decode"), FakeVLLM(role="decode")]
+    urls = [await nursery.start(partial(fake.serve)) for fake in fakes]
+    ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+    srv = [f"_http._tcp.vllm.test,t{i}.test,{port}" for i, port in enumerate(ports)]
+    hosts = [("127.0.0.1", "t0.test"), ("127.0.0.1", "t1.test")]
+    async with dnsmasq(tmp_path, hosts, srv=srv) as server, \
+            serve_proxy(settings_for("dnssrv+http://_http._tcp.vllm.test", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        assert sorted(decode_urls(proxy)) == sorted(urls)
+        async with traffic(url) as statuses:
+            await served_by(fakes[0], 2)
+            await served_by(fakes[1], 2)
+            await server.set_hosts(hosts[:1])  # t1 has no address any more: it leaves
+            await until(found, lambda: decode_urls(proxy) == [urls[0]])
+            await served_by(fakes[0], 3)
+        assert set(statuses) == {200}
+
+
+async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(
+    tmp_path: Path,
+) -> None:
+    bad = "dns+http://vllm-decode.test:1"
+    async with dnsmasq(tmp_path, []) as server:
+        server.pause()
+        try:
+            async with serve_proxy(settings_for(bad, server)) as (_url, proxy):
+                found = discovery_of(proxy)
+                assert decode_urls(proxy) == []
+                rounds = found.rounds
+                await until(found, lambda: found.rounds > rounds)
+        finally:
+            server.resume()
+
+
+async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES)
+    alias = "vllm-extra.test"
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[2], alias)]) as server:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+             "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
+             "--dns-interval", "0.05", "--dns-timeout", "0.3"],
+            stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
+        try:
+            assert process.stderr is not None
+            url = await read_url(process.stderr, rb"listening on (http://\S+)")
+            log = bytearray()
+
+            async def drain() -> None:
+                async for chunk in process.stderr:  # type: ignore[union-attr]
+                    log.extend(chunk)
+
+            nursery.start_soon(drain)
+
+            async def listing() -> dict[str, Any]:
+                # A fresh connection per call, so both workers answer some of them.
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    return (await client.get(url + "/instances", headers={"x-api-key": "k"})).json()
+
+            async def every_worker_lists(count: int) -> None:
+                seen: set[int] = set()
+                with trio.fail_after(30):
+                    while len(seen) < 2:
+                        answer = await listing()
+                        if len(answer["instances"]["decode"]) == count:
+                            seen.add(answer["worker_pid"])
+
+            await every_worker_lists(1)
+            await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]] + [(ADDRESSES[2], alias)])
+            await every_worker_lists(2)
+            # A name registered with whichever worker takes the call reaches the one resolving.
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                r = await client.post(url + "/instances", headers={"x-api-key": "k"},
+                                      json={"role": "decode", "url": f"dns+http://{alias}:{port}"})
+            assert r.json() == {"registered": True}
+            await every_worker_lists(3)
+            statuses = []
+            for _ in range(9):
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    statuses.append((await client.post(url + CHAT, json=chat_body())).status_code)
+            assert set(statuses) == {200}
+            assert all(fake.requests() for fake in fakes)
+            assert log.count(b"DNS discovery of") == 1, log.decode(errors="replace")
+        finally:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_registered_dns_name_is_resolved_until_unregistered(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES[:2], dp_size=2)
+    spec = f"dns+http://{NAME}:{port}"
+    admin = {"x-api-key": "admin-key"}
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]]) as server, \
+            serve_proxy(Settings(admin_key="admin-key", dns_nameserver=server.nameserver,
+                                 dns_interval=0.05, dns_timeout=0.3)) as (url, proxy), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        found = discovery_of(proxy)
+        assert decode_urls(proxy) == []
+        r = await client.post("/instances", headers=admin,
+                              json={"role": "decode", "url": spec, "dp_size": 2})
+        assert r.status_code == 200 and r.json() == {"registered": True}
+        # Registering it again is idempotent; another role for it is a conflict.
+        r = await client.post("/instances", headers=admin, json={"role": "decode", "url": spec,
+                                                                 "dp_size": 2})
+        assert r.json() == {"registered": False}
+        r = await client.post("/instances", headers=admin, json={"role": "prefill",
+                                                                 "url": f"{spec}#dp=2"})
+        assert r.status_code == 409
+        await until(found, lambda: len(decode_urls(proxy)) == 2)
+        assert {i.dp_size for i in proxy.roster.of("decode")} == {2}
+        assert (await client.get("/instances", headers=admin)).json()["dns_names"] == [
+            {"role": "decode", "url": f"{spec}#dp=2", "source": "registered"}]
+        for _ in range(4):
+            assert (await client.post(CHAT, json=chat_body())).status_code == 200
+        assert all(fake.requests() for fake in fakes)
+        r = await client.delete("/instances", headers=admin, params={"url": f"{spec}#dp=2"})
+        assert r.status_code == 200
+        assert decode_urls(proxy) == []  # at once, not at the next round
+        await until(found, lambda: f"{spec}#dp=2" not in found.views)  # its task has ended
+        assert decode_urls(proxy) == []
+        r = await client.post("/instances", headers=admin,
+                              json={"role": "decode", "url": "dns+http://10.0.0.1:80"})
+        assert r.status_code == 400 and "names an address" in r.json()["error"]["message"]
+
+
+async def test_with_a_shared_roster_each_replica_discovers_and_shares_none_of_it(
+    nursery: trio.Nursery, tmp_path: Path, redis_server: Any
+) -> None:
+    port, fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    spec = f"dns+http://{NAME}:{port}"
+    prefix = "disc:"
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server, AsyncExitStack() as stack:
+        fleet = []
+        for index in range(2):
+            settings = settings_for(spec, server, admin_key="k", state_url=redis_server.url,
+                                    state_prefix=prefix, replica_id=f"r{index}",
+                                    state_resync_interval=0.2, state_timeout=10.0)
+            fleet.append(await stack.enter_async_context(serve_proxy(settings)))
+        for _url, proxy in fleet:
+            assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
+        await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]])
+        for _url, proxy in fleet:  # each replica's own loop sees the new record
+            await until(discovery_of(proxy), lambda p=proxy: len(decode_urls(p)) == 2)
+        assert redis_server.command("SCARD", f"{prefix}instances") == "0"  # nothing shared
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.post(fleet[0][0] + "/instances", headers={"x-api-key": "k"},
+                                  json={"role": "decode", "url": f"dns+http://other.test:{port}"})
+            assert r.status_code == 400 and "every replica" in r.json()["error"]["message"]
+            for url, _proxy in fleet:
+                assert (await client.post(url + CHAT, json=chat_body())).status_code == 200
+        assert sum(len(f.requests()) for f in fakes) == 2
