@@ -10,6 +10,7 @@ never to the client).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from ._endpoints import CompletionEndpoints
 from ._pipeline import Reply
 from ._proxy import Proxy
 from ._roster_store import SharedRoutingState
+from ._tracing import Tracing, create_tracing
 
 log = logging.getLogger("epd_trio")
 
@@ -54,7 +56,7 @@ def _send(reply: Reply) -> Response:
 
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
-    clock: Callable[[], float] = time.monotonic,
+    clock: Callable[[], float] = time.monotonic, tracing: Tracing | None = None,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -62,8 +64,12 @@ def create_app(
     (``epd-trio serve`` passes its shared memory); by default each app routes on its own.
     With ``EPD_KV_CONNECTOR=moriio`` the app's lifespan also owns the ZMQ registration socket,
     unless ``moriio_listener`` is False (the other workers of ``epd-trio serve``); ``clock``
-    times MoRIIO registrations (tests pass trio's virtual clock).
+    times MoRIIO registrations (tests pass trio's virtual clock). ``tracing``: by default
+    from the OpenTelemetry variables of the environment (off unless an OTLP endpoint is set;
+    ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
     """
+    if tracing is None:
+        tracing = create_tracing(os.environ)
     app = QuartTrio("epd_trio")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -71,7 +77,8 @@ def create_app(
         # the proxy's own idle timeout instead.
         RESPONSE_TIMEOUT=None,
     )
-    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, clock=clock)
+    proxy = Proxy(settings, shared, moriio_listener=moriio_listener, clock=clock,
+                  tracing=tracing)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
@@ -95,6 +102,7 @@ def create_app(
         for scope in watchdog:
             scope.cancel()
         await proxy.aclose()
+        await tracing.aclose()  # the last spans, within a bounded time
 
     # POST /v1/chat/completions and /v1/completions: ``CompletionEndpoints``, below Quart.
 
