@@ -171,6 +171,12 @@ def test_the_dashboard_lint() -> None:
             windows = re.findall(r"\[([^\]]+)\]", expr)
             assert all(w == "$__rate_interval" for w in windows), expr
             assert ("rate(" in expr or "increase(" in expr) == bool(windows), expr
+            # A legend names only labels the query keeps.
+            kept = {label.strip() for group in re.findall(r"by \(([^)]*)\)", expr)
+                    for label in group.split(",")}
+            assert set(re.findall(r"\{\{(\w+)\}\}", str(target["legendFormat"]))) <= kept, (
+                target["legendFormat"], expr)
+            assert not set("{}") & set(re.sub(r"\{\{\w+\}\}", "", str(target["legendFormat"])))
     # The panels the observability how-to promises.
     titles = {p["title"] for p in panels}
     for wanted in ("Requests by outcome", "Time to first token (streams)", "End-to-end latency",
@@ -191,3 +197,22 @@ async def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_real_scra
     queried |= set(re.findall(r"epd_trio_\w+", RULES.read_text()))
     assert len(queried) >= 12
     assert queried <= exported, queried - exported
+
+
+# -- the Kubernetes objects -------------------------------------------------------------------------
+KUBERNETES = DEPLOY / "kubernetes" / "epd-trio-observability.yml"
+
+
+def test_the_kubernetes_objects_are_generated_and_carry_the_checked_files(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, str(DEPLOY / "kubernetes" / "generate.py"), "--check",
+                           str(KUBERNETES)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    config_map, rule = KUBERNETES.read_text().split("\n---\n")
+    dashboard = config_map.split("  epd-trio.json: |\n", 1)[1]
+    assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())
+    assert "kind: PrometheusRule" in rule
+    groups = "\n".join(line[2:] for line in rule.split("spec:\n", 1)[1].splitlines())
+    (tmp_path / "rules.yml").write_text(groups + "\n")
+    checked = promtool("check", "rules", str(tmp_path / "rules.yml"))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"SUCCESS: {len(alert_names())} rules found" in checked.stdout

@@ -11,6 +11,7 @@ real OTLP/HTTP exporter to a receiver built on ``opentelemetry-proto``
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -466,3 +467,14 @@ async def test_serve_with_two_workers_exports_every_span_by_sigterm() -> None:
             trace_id, span_id, _ = header_ids(received)
             assert by_id[span_id].trace_id == trace_id and by_id[span_id].kind == "CLIENT"
             assert by_id[span_id].name == fake.role
+
+
+def test_the_settings_page_lists_every_variable_tracing_reads() -> None:
+    from pathlib import Path
+
+    import epd_trio._core.tracing as module
+    read = set(re.findall(r'"(OTEL_[A-Z_]+)"', Path(module.__file__).read_text()))
+    page = (Path(__file__).resolve().parent.parent / "docs" / "reference" / "settings.md")
+    section = page.read_text().split("## OpenTelemetry tracing", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(OTEL_[A-Z_]+)`", section))
+    assert len(read) == 8 and read <= listed, read - listed

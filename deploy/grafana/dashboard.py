@@ -43,9 +43,9 @@ def rate(name: str, *matchers: str) -> str:
 def quantiles(name: str, by: str = "", *matchers: str) -> list[tuple[str, str]]:
     """p50 / p90 / p99 of a histogram (``by``: more grouping labels than ``le``)."""
     group = f"le, {by}" if by else "le"
-    legend = f"p{{q}} {{{{{by}}}}}" if by else "p{q}"
+    by_legend = " {{" + by + "}}" if by else ""
     return [(f"histogram_quantile({q}, sum by ({group}) ({rate(name + '_bucket', *matchers)}))",
-             legend.format(q=int(q * 100))) for q in (0.5, 0.9, 0.99)]
+             f"p{int(q * 100)}{by_legend}") for q in (0.5, 0.9, 0.99)]
 
 
 class Layout:
