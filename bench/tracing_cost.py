@@ -76,6 +76,8 @@ def measure(mode: str, requests: int, rounds: int, endpoint: str) -> float:
             if flush is not None and (n % 100 == 99 or n == requests - 1):
                 flush()
         best = min(best, time.process_time() - started)
+    if isinstance(tracing, OtelTracing):
+        tracing.provider.shutdown()
     return best / requests * 1e6
 
 

@@ -99,10 +99,17 @@ scrape_configs:
 
                 nursery.start_soon(traffic)
 
+                async def ready() -> bool:
+                    try:
+                        r = await client.get(f"http://127.0.0.1:{port}/-/ready")
+                    except httpx.ConnectError:  # not listening yet
+                        return False
+                    return r.status_code == 200
+
+                await poll(ready, "readiness")
+
                 async def query(expr: str) -> list[dict[str, Any]]:
                     r = await client.get(api + "/query", params={"query": expr})
-                    if r.status_code != 200:  # not up yet
-                        return []
                     body = r.json()
                     assert body["status"] == "success", body
                     return body["data"]["result"]
