@@ -478,3 +478,24 @@ def test_the_settings_page_lists_every_variable_tracing_reads() -> None:
     section = page.read_text().split("## OpenTelemetry tracing", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"`(OTEL_[A-Z_]+)`", section))
     assert len(read) == 8 and read <= listed, read - listed
+
+
+async def test_the_shutdown_flush_is_bounded_when_the_collector_hangs(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import threading
+
+    from epd_trio._core.tracing import SHUTDOWN_FLUSH_TIMEOUT
+
+    release = threading.Event()
+
+    class Hanging(InMemorySpanExporter):
+        def shutdown(self) -> None:  # a collector that never answers the last export
+            release.wait(60)
+
+    tracing = OtelTracing(TracingSettings(enabled=True, sampler="always_on"), Hanging())
+    started = trio.current_time()
+    await tracing.aclose()
+    assert trio.current_time() - started == pytest.approx(SHUTDOWN_FLUSH_TIMEOUT)
+    assert "not exported within" in caplog.text
+    release.set()
