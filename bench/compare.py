@@ -339,7 +339,9 @@ async def wait_ready(process: trio.Process, url: str, log: Path) -> None:
 
 
 async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backends, str]:
-    encoders = 1 if args.layout == "epd" else 0
+    encoders = getattr(args, "encoders", None)  # bench.replicas asks for several
+    if encoders is None:
+        encoders = 1 if args.layout == "epd" else 0
     cmd = [sys.executable, "-m", "bench.lean_fake", "--encoders", str(encoders),
            "--prefills", str(args.prefills), "--decodes", str(args.decodes),
            "--token-interval", str(args.token_interval), "--prefill-time",

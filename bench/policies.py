@@ -37,7 +37,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +56,7 @@ from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.cluster import serve_proxy
 from epd_trio.testing.fake_vllm import Behaviour, prompt_words
+from epd_trio.testing.redis_server import RedisServer
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine, prompt_blocks
 
 CHAT = "/v1/chat/completions"
@@ -203,9 +205,17 @@ def _per_rank(fake: FakeVLLM) -> dict[int, int]:
 
 
 async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, str, str, bool],
-                   load: float, config: EngineConfig, jobs: list[Job], rate: float) -> Run:
+                   load: float, config: EngineConfig, jobs: list[Job], rate: float,
+                   replicas: int = 1, state_url: str | None = None,
+                   placement: bool = True) -> Run:
+    """One policy set on a fresh cluster; with ``replicas`` > 1, that many proxies share the
+    engines (and a state store, ``state_url``), and each request goes to one of them at
+    random (as a Kubernetes Service spreads connections). ``placement=False`` turns off the
+    replicas' shared placement of unseen prompts (``StagePolicy.placement``), to show what
+    ``cache_aware`` does without it: each replica learns its affinities alone."""
     behaviour = Behaviour(tokens=1 << 20)  # max_tokens decides
-    run = Run(label, load, rate)
+    run = Run(label if replicas == 1 else
+              f"{label}, {replicas} replicas{'' if placement else ', no placement'}", load, rate)
     async with trio.open_nursery() as nursery:
         def fakes(role: Any, count: int, dp: int) -> list[FakeVLLM]:
             return [FakeVLLM(role=role, dp_size=dp, behaviour=behaviour,
@@ -221,14 +231,30 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
             decode_urls=tuple(Instance(f.url, args.decode_dp) for f in dec),
             encode_policy=policies[0], prefill_policy=policies[1], decode_policy=policies[2],
             size_tiebreak=policies[3], metrics=False, health_interval=60.0)
-        async with serve_proxy(settings) as (url, _proxy):
-            host, port = url.removeprefix("http://").split(":")
+        async with AsyncExitStack() as stack:
+            fleet = f"bench{random.getrandbits(32):08x}:"
+            urls, proxies = [], []
+            for index in range(replicas):
+                if replicas > 1:
+                    settings = replace(settings, state_url=state_url, state_prefix=fleet,
+                                       replica_id=f"replica-{index}")
+                url, proxy = await stack.enter_async_context(serve_proxy(settings))
+                urls.append(url.removeprefix("http://").split(":"))
+                proxies.append(proxy)
+                for cursor in (proxy.encoders, proxy.prefills, proxy.decodes):
+                    cursor.policy.placement = placement
+            with trio.fail_after(30):  # every replica has read the shared state once
+                for proxy in proxies:
+                    if proxy.state is not None:
+                        await proxy.state.roster_loaded.wait()
+            spread = random.Random(args.seed)
             started = trio.current_time()
 
             async def send(job: Job) -> None:
                 outcome = Outcome(job)
                 run.outcomes.append(outcome)
                 t0 = trio.current_time()
+                host, port = urls[spread.randrange(len(urls))]
                 head = request_head("POST", CHAT, f"{host}:{port}", len(job.body))
                 with trio.move_on_after(args.timeout):
                     try:
@@ -436,6 +462,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-blocks", type=int, default=256,
                    help="prefix-cache blocks (16 tokens) per rank")
     p.add_argument("--encoder-cache-items", type=int, default=8)
+    p.add_argument("--replicas", default="1",
+                   help="proxy replicas sharing the engines, comma-separated to compare "
+                   "(e.g. 1,3); more than 1 shares their state through Redis: --state-url, or "
+                   "a redis-server the bench starts on a free port")
+    p.add_argument("--state-url", help="the Redis of --replicas (default: one started here)")
+    p.add_argument("--compare-placement", action="store_true",
+                   help="with --replicas above 1, also run without cache_aware's shared "
+                   "placement (each replica learning alone), to show what it brings")
     p.add_argument("--decision-rounds", type=int, default=20_000)
     p.add_argument("--decisions-only", action="store_true",
                    help="only measure the cost of one decision per policy (seconds, no engine)")
@@ -465,15 +499,33 @@ async def run_all(args: argparse.Namespace) -> list[Run]:
                      cache_blocks=args.cache_blocks,
                      encoder_cache_items=args.encoder_cache_items)
     loads = [float(x) for x in args.loads.split(",")] if args.loads else [args.load]
+    counts = [int(x) for x in args.replicas.split(",")]
     runs = []
-    for load in loads:
-        rate = load * capacity(args, config)
-        jobs = workload(args, rate)
-        for label, policies in policy_sets(args.policies).items():
-            print(f"  {label} at {load:.0%} ({rate:.1f} requests/s, {len(jobs)} requests)...",
-                  file=sys.stderr, flush=True)
-            runs.append(await run_once(args, label, policies, load, config, jobs, rate))
+    with ExitStack() as stack:
+        state_url = args.state_url
+        if state_url is None and max(counts) > 1:
+            state_url = stack.enter_context(_redis()).url
+        for load in loads:
+            rate = load * capacity(args, config)
+            jobs = workload(args, rate)
+            for label, policies in policy_sets(args.policies).items():
+                for count in counts:
+                    for placement in ((True, False) if count > 1 and args.compare_placement
+                                      else (True,)):
+                        print(f"  {label} x{count} at {load:.0%} ({rate:.1f} requests/s, "
+                              f"{len(jobs)} requests)...", file=sys.stderr, flush=True)
+                        runs.append(await run_once(args, label, policies, load, config, jobs,
+                                                   rate, count, state_url, placement))
     return runs
+
+
+@contextmanager
+def _redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ The public surface is re-exported here from private modules. Where a client requ
     process    __main__ (``epd-trio``), _runner (workers), _serving (Hypercorn), _process,
                _environment (settings from file and environment), _logs
     extras     asyncio_bridge (optional), testing/ (the fake vLLM, the demo cluster, the
-               MoRIIO stand-ins)
+               MoRIIO stand-ins, vLLM's HTTP registrar)
 
 What you may touch: the names in ``__all__`` below, ``epd_trio.app:app``, ``epd_trio.testing``
 and ``epd_trio.asyncio_bridge``. Everything with a leading underscore may change.

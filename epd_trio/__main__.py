@@ -39,9 +39,8 @@ from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from ._tracing import check_tracing
-from .testing.cluster import Cluster, run_cluster
+from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
-from .testing.moriio import run_moriio_cluster
 
 
 def _sample_body(seed: int, *, stream: bool) -> dict[str, object]:

@@ -120,8 +120,11 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = proxy.ready()
-        return _json(200 if ok else 503, {"ready": ok, "roles": proxy.registry.report()})
+        ok, reason = proxy.readiness()
+        body: dict[str, object] = {"ready": ok, "roles": proxy.registry.report()}
+        if reason is not None:
+            body["reason"] = reason
+        return _json(200 if ok else 503, body)
 
     # -- admin routes: X-API-Key (docs/how-to/operations.md) -----------------------------------------
     @app.post("/instances")

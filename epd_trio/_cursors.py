@@ -8,7 +8,7 @@ shared one would pin prefill slot i to decode slot i).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from functools import partial
 
 import trio
@@ -22,6 +22,9 @@ from ._core.routing import Epoch, Instance, dp_slots, encoder_rr_assignment, reb
 Usable = Callable[[Instance], bool]
 #: The loads of some slots of the cursor's stage, in the order asked (``Loads.read``, bound).
 LoadView = Callable[[Sequence[SlotKey]], list[int]]
+#: The global cursor of a stage (``EPD_GLOBAL_CURSOR``): its position for the next ``n`` slots,
+#: or None when it cannot be had in time (the cursor then uses its own counter).
+GlobalCursor = Callable[[int], Awaitable[int | None]]
 
 
 def _no_load(keys: Sequence[SlotKey]) -> list[int]:
@@ -47,8 +50,12 @@ class EncoderCursor:
     def __init__(
         self, encoders: Sequence[Instance], start: int = 0, counter: Counter | None = None,
         *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
+        global_cursor: GlobalCursor | None = None,
     ) -> None:
+        """``global_cursor``: where a request's items start, when several replicas share one
+        rotation (the position is then taken over the encoders in their shared order)."""
         self._encoders = tuple(encoders)
+        self._global = global_cursor
         self._policy = policy if policy is not None else StagePolicy()
         self._loads = loads
         self._counter = counter if counter is not None else LocalCounter(start)
@@ -60,6 +67,10 @@ class EncoderCursor:
     @property
     def encoders(self) -> tuple[Instance, ...]:
         return self._encoders
+
+    @property
+    def policy(self) -> StagePolicy:
+        return self._policy
 
     @property
     def position(self) -> int:
@@ -89,6 +100,7 @@ class EncoderCursor:
         in their order; the cursor is a position in the usable list, so it stays fair.
         ``uuids`` (the items' ``uuid``, in order) are the hints of ``cache_aware``.
         """
+        shared = None if self._global is None else await self._global(count)
         async with self._lock:
             candidates = _usable(self._encoders, usable)
             if not candidates:
@@ -103,10 +115,11 @@ class EncoderCursor:
                     raise LookupError("no usable encoder")
             k0, i0 = self._epoch
             self._next = start + count
+        position = i0 + start - k0 if shared is None else shared
         if not self._policy.reads_loads:
-            assigned, _ = encoder_rr_assignment(candidates, i0 + start - k0, count)
+            assigned, _ = encoder_rr_assignment(candidates, position, count)
             return assigned
-        return self._choose(candidates, i0 + start - k0, count, uuids)
+        return self._choose(candidates, position, count, uuids)
 
     def _choose(
         self, candidates: Sequence[Instance], position: int, count: int, uuids: Sequence[str]
@@ -143,9 +156,11 @@ class SlotCursor:
     def __init__(
         self, instances: Sequence[Instance], counter: Counter | None = None,
         *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
-        sizes: LoadView | None = None,
+        sizes: LoadView | None = None, global_cursor: GlobalCursor | None = None,
     ) -> None:
         self._policy = policy if policy is not None else StagePolicy()
+        #: Shared by the replicas (``choose_slot`` takes a position from it per decision).
+        self.global_cursor = global_cursor
         self._loads = loads
         self._sizes = sizes
         self._instances = tuple(instances)
@@ -220,13 +235,15 @@ class SlotCursor:
 
     def next(
         self, usable: Usable | None = None, exclude: Collection[tuple[Instance, int | None]] = (),
-        hint: PrefixHint | None = None,
+        hint: PrefixHint | None = None, shared: int | None = None,
     ) -> tuple[Instance, int | None]:
         """The slot for the next request among the ``usable`` instances' slots, minus ``exclude``.
 
         Unusable instances' slots are left out and the rest keep their flat interleaved order
         (the counter walks the remaining cycle). Raises ``LookupError`` when none is usable
         (without advancing the counter). ``hint`` is the prompt, for ``cache_aware``.
+        ``shared`` is the global cursor's position, which wins over this cursor's own (the
+        counter still advances, so a fallback continues the local rotation).
         """
         slots = self._candidates(usable, exclude)
         if not slots:
@@ -238,7 +255,7 @@ class SlotCursor:
             if not slots:
                 raise LookupError("no usable instance for this stage")
         k0, i0 = self._epoch
-        position = (i0 + k - k0) % len(slots)
+        position = (i0 + k - k0 if shared is None else shared) % len(slots)
         if self._policy.reads_loads and len(slots) > 1:
             order, keys = (self._rotation(position) if slots is self._slots
                            else self._rotated(slots, position))
@@ -268,7 +285,9 @@ async def choose_slot(
             step = allowed
             allowed = routable if step is None else (
                 lambda inst: routable(inst) and step(inst))
-        return cursor.next(allowed, exclude, hint)
+        if cursor.global_cursor is None:
+            return cursor.next(allowed, exclude, hint)
+        return cursor.next(allowed, exclude, hint, await cursor.global_cursor(1))
 
     return await next_slot(choose, tried, usable, other_ranks=any_slot,
                            slot_count=cursor.slot_count)

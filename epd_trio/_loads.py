@@ -61,6 +61,11 @@ class LocalLoadTable:
         get = counts.get
         return [get(key, 0) for key in keys]
 
+    def snapshot(self) -> list[tuple[str, SlotKey, int]]:
+        """Every count, for publishing to the other replicas (``_state_sync``)."""
+        return [(stage, key, n) for stage, counts in self._counts.items()
+                for key, n in counts.items()]
+
 
 def _fingerprint(stage: str, key: SlotKey) -> int:
     """A stable, non-zero 63-bit identity of (stage, slot): the same in every worker process
@@ -137,19 +142,28 @@ class SharedLoadTable:
 
 
 class Loads:
-    """What the policies read: the in-flight table, raised by the last ``/metrics`` scrape.
+    """What the policies read: the in-flight table, plus the other replicas' counts, raised by
+    the last ``/metrics`` scrape.
 
-    ``scraped`` maps (stage, slot) to that slot's ``running + waiting`` as its instance last
-    reported them; the scraper replaces it whole (one assignment, so a decision never sees a
-    half-written scrape).
+    ``remote`` maps (stage, slot) to the sum of the in-flight counts the other replicas last
+    published (``EPD_STATE_URL``; empty otherwise), so a slot's load is every replica's
+    requests: the others' as of their last publication, this one's live. ``scraped`` maps
+    (stage, slot) to that slot's ``running + waiting`` as its instance last reported them.
+    Their owners replace each whole (one assignment, so a decision never sees a half-written
+    one).
     """
 
     def __init__(self, table: LoadTable | None = None) -> None:
         self.table: LoadTable = table if table is not None else LocalLoadTable()
+        self.remote: Mapping[tuple[str, SlotKey], int] = {}
         self.scraped: Mapping[tuple[str, SlotKey], int] = {}
 
     def read(self, stage: str, keys: Sequence[SlotKey]) -> list[int]:
         counts = self.table.read(stage, keys)
+        remote = self.remote
+        if remote:
+            counts = [c + remote.get((stage, key), 0) for c, key in zip(counts, keys,
+                                                                         strict=True)]
         scraped = self.scraped
         if scraped:
             counts = [max(c, scraped.get((stage, key), 0)) for c, key in zip(counts, keys,

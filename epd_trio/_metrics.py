@@ -96,7 +96,9 @@ class ProxyMetrics:
         *,
         enabled: bool = True,
         instances: Iterable[InstanceState] = (),
+        shared_state: bool = False,
     ) -> None:
+        """``shared_state``: export the state store's metrics (only with ``EPD_STATE_URL``)."""
         self.enabled = enabled
         self.multiprocess = enabled and bool(os.environ.get(MULTIPROC_ENV))
         self.registry: CollectorRegistry | None = None
@@ -157,6 +159,17 @@ class ProxyMetrics:
                                   "Prefill answers without kv_transfer_params (decode recomputed)")
         self._refused = metric(Counter, "epd_trio_admission_refusals",
                                "Client requests refused at EPD_MAX_INFLIGHT (503, Retry-After)")
+        state_metric = metric if shared_state else (lambda *_, **__: _OFF)
+        self._state_up = state_metric(Gauge, "epd_trio_state_backend_up",
+                                "1 while the shared state store (EPD_STATE_URL) is reachable",
+                                multiprocess_mode="livemin")
+        self._state_malformed = state_metric(
+            Counter, "epd_trio_state_malformed_entries",
+            "Entries of the shared state store skipped because they could not be read")
+        self._cursor_fallbacks = state_metric(
+            Counter, "epd_trio_global_cursor_fallbacks",
+            "Routing decisions that used the replica's own cursor instead of the global one",
+            ["stage"])
         # Children cached by label values (see "Cost" above).
         self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
         #: The instances in the roster now (``set_members``).
@@ -255,6 +268,15 @@ class ProxyMetrics:
         self.request_done(endpoint, outcome_of(error))
         if isinstance(error, AtCapacity):
             self._refused.inc()
+
+    def state_up(self, up: bool) -> None:
+        self._state_up.set(1 if up else 0)
+
+    def state_malformed(self) -> None:
+        self._state_malformed.inc()
+
+    def global_cursor_fallback(self, stage: str) -> None:
+        self._cursor_fallbacks.labels(stage).inc()
 
     def health_changed(self, state: InstanceState) -> None:
         """Listener for ``Registry.on_change`` (not on the request path)."""

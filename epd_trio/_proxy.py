@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ._accounting import Accounting
 from ._core.config import Settings
+from ._core.counters import CursorCounters
 from ._core.errors import NoInstance, UpstreamError
 from ._core.health import Registry
 from ._core.moriio import MoriioRegistration
@@ -44,15 +45,19 @@ from ._core.routing import Instance
 from ._cursors import EncoderCursor, SlotCursor
 from ._http import UpstreamClient, UpstreamPool
 from ._load_scraper import run_load_scraper
-from ._loads import DECODE_TOKENS, Loads
+from ._loads import DECODE_TOKENS, Loads, LocalLoadTable
 from ._metrics import ProxyMetrics
 from ._moriio_listener import RegistrationListener
 from ._pipeline import Pipeline, Reply, Routes
 from ._prober import health_check, run_prober
 from ._profile import ProfileReport, run_profile
-from ._roster_store import SharedRoutingState, routing_state
+from ._replicated_roster import ReplicatedRoster
+from ._roster_store import RosterStore, SharedRoutingState, routing_state
 from ._tracing import NO_TRACE_CONTEXT, TraceHeaders, Tracing
 from ._upstream import get, make_client, upstream_auth_headers
+
+if TYPE_CHECKING:
+    from ._state_sync import StateLink
 
 log = logging.getLogger("epd_trio")
 
@@ -91,25 +96,47 @@ class Proxy:
             self.moriio_listener = RegistrationListener(
                 settings.moriio_registration, register=self.register_moriio,
                 expire=self.expire_moriio, ttl=settings.moriio_ttl, clock=clock)
-        counters, self._store, load_table = routing_state(shared)
+        replicated = settings.state_url is not None
+        if replicated:
+            if shared is not None:
+                raise ValueError("a shared state store replaces the workers' shared memory")
+            counters, load_table = CursorCounters.local(), LocalLoadTable()
+            self._replicated = ReplicatedRoster(counters, moriio_clock=clock,
+                                                on_skipped=lambda url, why: None)
+            self._store: RosterStore = self._replicated
+        else:
+            counters, self._store, load_table = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
-        self.metrics = ProxyMetrics(enabled=settings.metrics)
+        self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated)
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
         #: In-flight requests per stage and slot: what the load-aware policies read.
         self.loads = Loads(load_table)
+        #: The link to the shared state store (``EPD_STATE_URL``), None without one.
+        self.state: StateLink | None = None
+        if replicated:
+            # Imported only here: without a state store, no Redis client is even loaded.
+            from ._state_sync import StateLink, default_replica_id, live_member
+            self.state = StateLink(settings, self._replicated, self.loads, self.metrics,
+                                   replica_id=settings.replica_id or default_replica_id(),
+                                   live=live_member(self.registry))
+        take = self.state.take if self.state is not None and settings.global_cursor else None
+        cursor_of = {stage: None if take is None else partial(take, stage) for stage in STAGES}
         self.encoders = EncoderCursor((), counter=counters.encode,
                                       policy=stage_policy(settings, "encode"),
-                                      loads=partial(self.loads.read, "encode"))
+                                      loads=partial(self.loads.read, "encode"),
+                                      global_cursor=cursor_of["encode"])
         self.prefills = SlotCursor((), counter=counters.prefill,
                                    policy=stage_policy(settings, "prefill"),
-                                   loads=partial(self.loads.read, "prefill"))
+                                   loads=partial(self.loads.read, "prefill"),
+                                   global_cursor=cursor_of["prefill"])
         self.decodes = SlotCursor((), counter=counters.decode,
                                   policy=stage_policy(settings, "decode"),
                                   loads=partial(self.loads.read, "decode"),
                                   sizes=(partial(self.loads.read, DECODE_TOKENS)
-                                         if settings.size_tiebreak else None))
+                                         if settings.size_tiebreak else None),
+                                  global_cursor=cursor_of["decode"])
         self.pipeline = Pipeline(
             settings, pools=self.client,
             routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
@@ -183,7 +210,12 @@ class Proxy:
         return created
 
     def expire_moriio(self, now: float) -> list[str]:
-        """Forget the MoRIIO instances silent for ``moriio_ttl`` (they beat every 3 s)."""
+        """Forget the MoRIIO instances silent for ``moriio_ttl`` (they beat every 3 s).
+
+        With a shared state store their entries expire there instead (``_state_sync``): a
+        replica that cannot reach the store keeps its last view."""
+        if self.state is not None:
+            return []
         ttl = self.settings.moriio_ttl
 
         def change(roster: Roster, counters: Any) -> tuple[Roster, list[str]]:
@@ -205,9 +237,11 @@ class Proxy:
 
     def expire(self, now: float | None = None) -> list[str]:
         """Forget the registered instances that have been out of rotation and silent for
-        ``instance_ttl`` (judged on this worker's health view and the shared roster)."""
+        ``instance_ttl`` (judged on this worker's health view and the shared roster).
+
+        With a shared state store, entries expire there instead (``_state_sync``)."""
         evicted = self.registry.evicted()
-        if not evicted:
+        if not evicted or self.state is not None:
             return []
         now = time.monotonic() if now is None else now
         ttl = self.settings.instance_ttl
@@ -239,8 +273,11 @@ class Proxy:
                              registered_seconds_ago=round(moriio_now - member.registered_at, 3))
             listing[member.role].append(entry)
         # Health is each worker's own view (each probes on its own): say whose view this is.
-        return {"layout": layout_name(roster), "version": roster.version,
-                "worker_pid": os.getpid(), "instances": listing}
+        report = {"layout": layout_name(roster), "version": roster.version,
+                  "worker_pid": os.getpid(), "instances": listing}
+        if self.state is not None:
+            report.update(replica=self.state.replica_id, state=self.state.describe())
+        return report
 
     def client(self, instance: Instance) -> UpstreamPool:
         """The connection pool for ``instance`` (one per instance, see ``make_client``)."""
@@ -299,6 +336,8 @@ class Proxy:
                     self.registry, interval=self.settings.health_interval,
                     before_round=self._store.poll))
                 nursery.start_soon(self._housekeeping)
+                if self.state is not None:
+                    await nursery.start(self.state.run)
                 if self.settings.load_scrape_interval > 0:
                     nursery.start_soon(partial(
                         run_load_scraper, self._scrape_targets, client.pool, self.loads,
@@ -370,12 +409,24 @@ class Proxy:
         """``GET /health``, the liveness report: overall ``status``, readiness, and each
         instance's state (the HTTP status is always 200 while the process serves)."""
         self._store.poll()
-        return {"status": self.registry.status(), "layout": layout_name(self.roster),
-                "ready": self.registry.ready(), "roles": self.registry.report()}
+        report = {"status": self.registry.status(), "layout": layout_name(self.roster),
+                  "ready": self.registry.ready(), "roles": self.registry.report()}
+        if self.state is not None:
+            report["state"] = self.state.describe()
+        return report
 
     def ready(self) -> bool:
+        return self.readiness()[0]
+
+    def readiness(self) -> tuple[bool, str | None]:
+        """Whether the proxy can serve every role now, and if not, why (``/ready``)."""
         self._store.poll()
-        return self.registry.ready()
+        if self.state is not None and not self._replicated.loaded:
+            return False, (f"the shared roster is not loaded yet ({self.state.problem})"
+                           if self.state.problem else "the shared roster is not loaded yet")
+        if not self.registry.ready():
+            return False, "a role has no instance in rotation"
+        return True, None
 
     async def profile(self, action: str, raw_body: bytes) -> ProfileReport:
         """``POST /start_profile`` / ``/stop_profile`` on every instance of every role."""
@@ -386,10 +437,13 @@ class Proxy:
 
 
 def stage_policy(settings: Settings, stage: str) -> StagePolicy:
-    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs)."""
+    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs);
+    with a shared state store, ``cache_aware`` places what it has not seen alike on every
+    replica (``StagePolicy.placement``)."""
     return StagePolicy(getattr(settings, f"{stage}_policy"),
                        Balance(settings.cache_balance_abs, settings.cache_balance_rel),
-                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size)
+                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size,
+                       placement=settings.state_url is not None)
 
 
 def _log_health_change(state: Any) -> None:

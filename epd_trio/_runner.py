@@ -116,7 +116,7 @@ async def _serve(
 
 def _worker_main(
     settings: Settings,
-    shared: SharedRoutingState,
+    shared: SharedRoutingState | None,
     config: Config,
     sockets: Sockets,
     lifeline: Connection,
@@ -232,7 +232,9 @@ def _run_workers(
         if metrics_dir is not None and process.pid is not None:
             mark_process_dead(process.pid, metrics_dir)
 
-    shared = SharedRoutingState(ctx)
+    # With a shared state store each worker is a replica of its own there, and the store, not
+    # this memory, carries the roster, the loads and (opt-in) the cursor.
+    shared = None if settings.state_url is not None else SharedRoutingState(ctx)
     signalled: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -12,6 +12,8 @@ import shutil
 
 import pytest
 
+from epd_trio.testing import redis_server as testing_redis
+
 #: Debian package of each binary the tests run.
 PACKAGE_OF = {"redis-server": "redis-server", "dnsmasq": "dnsmasq",
               "prometheus": "prometheus", "promtool": "prometheus"}
@@ -31,3 +33,10 @@ def require_binary(name: str) -> str:
     if in_ci():
         pytest.fail(message)
     pytest.skip(message)
+
+
+class RedisServer(testing_redis.RedisServer):
+    """``epd_trio.testing.RedisServer`` under the missing-server rule above."""
+
+    def __init__(self, port: int | None = None) -> None:
+        super().__init__(port, binary=require_binary("redis-server"))

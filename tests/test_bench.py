@@ -20,6 +20,8 @@ from bench.compare import Backends, peer_commands, rotated, round_ratios, span, 
 from bench.compare import parse_args as compare_args
 from bench.lean_fake import LeanFake, Stream, chunk
 
+from real_servers import RedisServer
+
 
 @pytest.mark.parametrize(
     "values, q, expected",
@@ -357,3 +359,42 @@ def test_the_dashboard_picture_draws_the_panels_queries(tmp_path: Path) -> None:
     draw([(title, unit, series_of(matrix, "{{stage}}", 100.0)) for title, unit, _ in panels[:4]]
          + [("empty", "s", [])], out, "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+# -- bench.replicas and bench.policies --replicas: tiny real runs on a real redis-server ----------
+async def test_replicas_bench_runs_every_mode_side_by_side(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    report_path = tmp_path / "replicas.json"
+    with trio.fail_after(240):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.replicas", "--rounds", "1", "--requests", "60",
+             "--warmup", "6", "--concurrency", "6", "--registrations", "3",
+             "--state-url", redis_server.url, "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    (by_mode,) = json.loads(report_path.read_text())["rounds"]
+    assert set(by_mode) == {"local", "shared", "global"}
+    assert all(run["ok"] == 60 and run["proxy_cpu_ms_per_request"] > 0
+               for run in by_mode.values())
+    assert by_mode["shared"]["convergence_ms"]["max"] > 0
+    assert "| global |" in out and "registration convergence" in out
+
+
+async def test_policies_bench_compares_replicas_with_and_without_placement(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    report_path = tmp_path / "policies.json"
+    with trio.fail_after(180):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.policies", "--duration", "2", "--load", "0.3",
+             "--policies", "cache_aware + least_loaded", "--replicas", "1,3",
+             "--compare-placement", "--state-url", redis_server.url, "--long-tokens", "32",
+             "--decision-rounds", "50", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    labels = [row["policy"] for row in json.loads(report_path.read_text())["rows"]]
+    assert labels == ["cache_aware + least_loaded", "cache_aware + least_loaded, 3 replicas",
+                      "cache_aware + least_loaded, 3 replicas, no placement"]

@@ -38,6 +38,8 @@ import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
 from epd_trio.testing import run_cluster
 
+from real_servers import RedisServer
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
@@ -151,6 +153,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     default = field.default
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
+    if field.name == "state_url":
+        return "redis://sample:1/0"
     if default is None or default == ():
         return "sample-key"
     if isinstance(default, bool):
@@ -160,7 +164,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     if isinstance(default, int | float):
         return str(default + 1)
     samples = {"INFO": "DEBUG", "text": "json", "generic": "moriio",
-               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded"}
+               "0.0.0.0:36367": "127.0.0.1:36368", "round_robin": "least_loaded",
+               "epd:": "fleet-b:"}
     assert default in samples, f"add a sample value for {field.name} to test_docs.sample_value"
     return samples[default]
 
@@ -198,7 +203,8 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
     for field in fields:
         name = env_var(field.name)
         # The variable really is the one the code reads.
-        value = getattr(settings_from({**base, name: sample_value(field)}), field.name)
+        needs = {"EPD_STATE_URL": "redis://sample:1/0"} if field.name == "global_cursor" else {}
+        value = getattr(settings_from({**base, **needs, name: sample_value(field)}), field.name)
         assert value != field.default, f"{name} does not change Settings.{field.name}"
         default_cell = rows[name][2]
         shown = "none" if default_cell.startswith("none") else (code_spans(default_cell) or [""])[0]
@@ -253,6 +259,36 @@ def documented_metrics() -> dict[str, tuple[str, set[str]]]:
     return metrics
 
 
+#: The families only a replica with a shared state store exports (their own table).
+STATE_METRICS = ("epd_trio_state_", "epd_trio_global_cursor_")
+
+
+async def test_metrics_page_lists_what_a_replica_with_a_state_store_adds(
+    client: httpx.AsyncClient, redis_server: RedisServer
+) -> None:
+    async with run_cluster(decodes=1, state_url=redis_server.url, state_prefix="docs:",
+                           global_cursor=True) as c:
+        assert c.proxy.state is not None
+        with trio.fail_after(10):
+            await c.proxy.state.roster_loaded.wait()
+        c.proxy.metrics.global_cursor_fallback("decode")  # a sample to read the label from
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    exported = {name: kind for name, kind in re.findall(r"^# TYPE (epd_trio_\w+) (\w+)$", text,
+                                                        flags=re.M)
+                if name.startswith(STATE_METRICS)}
+    documented = {name: row for name, row in documented_metrics().items()
+                  if name.startswith(STATE_METRICS)}
+    assert set(documented) == set(exported)
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(sample.labels)
+    for name, (kind, doc_labels) in documented.items():
+        assert kind == exported[name]
+        seen = [labels[name + suffix] for suffix in SAMPLE_SUFFIXES[kind] if name + suffix in labels]
+        assert seen and seen[0] == doc_labels, (name, seen, doc_labels)
+
+
 async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClient) -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo1"}}
     body = {"model": "fake-model", "max_tokens": 3,
@@ -276,7 +312,8 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
     exported = {name: kind for name, kind in types.items()
                 if not (name.endswith("_created") and kind == "gauge" and any(
                     other in types for other in (name[:-8], name[:-8] + "_total")))}
-    documented = documented_metrics()
+    documented = {name: row for name, row in documented_metrics().items()
+                  if not name.startswith(STATE_METRICS)}
     assert set(documented) == set(exported), (
         f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
         f"on the page but not exported: {sorted(set(documented) - set(exported))}")

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 import trio
 
-from epd_trio.testing import Behaviour, Cluster, FakeVLLM
-from epd_trio.testing.moriio import peer_addresses, run_moriio_cluster
+from epd_trio.testing import Behaviour, Cluster, FakeVLLM, run_moriio_cluster
+from epd_trio.testing.moriio import peer_addresses
 
 from helpers import CHAT, chat_body, client_cancels, retries
 

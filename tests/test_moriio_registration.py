@@ -80,6 +80,36 @@ async def test_instances_join_the_roster_with_their_sizes_and_show_everywhere(
         nursery.cancel_scope.cancel()
 
 
+async def test_http_and_moriio_registrations_of_one_url_keep_each_others_fields(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM's HTTP registrar and its MoRIIO heartbeat both announce a prefill: a refresh over
+    one path must not drop what the other registered (its ZMQ peer, its EC addresses)."""
+    async with serve_proxy(moriio_settings(admin_key="admin")) as (url, proxy), \
+            trio.open_nursery() as nursery:
+        beat = stand_in(proxy, 1, "P", interval=1000.0)  # beats only when told to
+        await nursery.start(beat.run)
+        await proxy.wait_roster(lambda r: r.moriio_peer(url_of(beat)) is not None)
+        ec = ["tcp://127.0.0.1:7001"]
+        r = await client.post(url + "/instances", headers=ADMIN,
+                              json={"role": "prefill", "url": url_of(beat), "ec_zmq_addrs": ec})
+        assert r.status_code == 200 and r.json() == {"registered": False}
+        (entry,) = (await client.get(url + "/instances", headers=ADMIN)).json()["instances"]["prefill"]
+        assert entry["source"] == "moriio" and entry["zmq_address"] == beat.zmq_address
+        assert entry["ec_zmq_addrs"] == ec
+        version = proxy.roster.version
+        listener = proxy.moriio_listener
+        assert listener is not None
+        seen = listener.received
+        beat.beat()  # a MoRIIO heartbeat after the HTTP registration
+        await listener.wait_until(lambda: listener.received > seen)
+        listing = (await client.get(url + "/instances", headers=ADMIN)).json()
+        (entry,) = listing["instances"]["prefill"]
+        assert entry["ec_zmq_addrs"] == ec and entry["zmq_address"] == beat.zmq_address
+        assert listing["version"] == version  # a heartbeat changed nothing but the time
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_silent_instance_leaves_after_the_ttl_and_a_beating_one_stays(
     mock_clock: trio.testing.MockClock,
 ) -> None:

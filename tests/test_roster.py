@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from epd_trio import EncoderCursor, Instance, SlotCursor
 from epd_trio._core.errors import BadRequest
+from epd_trio._core.moriio import MoriioPeer, MoriioRegistration
 from epd_trio._core.roster import (
     Conflict,
     Member,
@@ -20,6 +21,8 @@ from epd_trio._core.roster import (
     layout_name,
     parse_registration,
     register,
+    register_moriio,
+    silent_moriio,
     static_roster,
     unregister,
 )
@@ -238,3 +241,66 @@ def test_expired_needs_silence_and_eviction_for_the_ttl() -> None:
     smaller = forget(roster, ["http://quiet:1"], ZERO)
     assert [m.url for m in smaller.members] == ["http://static:1", "http://chatty:1",
                                                 "http://up:1"]
+
+
+# -- two registration paths for one URL ---------------------------------------------------------
+URL = "http://10.0.0.1:8100"
+ZMQ_A = "host:10.0.0.1,handshake:6301,notify:61001"
+ZMQ_B = "host:10.0.0.1,handshake:6302,notify:61002"
+EC = ("tcp://10.0.0.1:7001",)
+
+
+def over_http(roster: Roster, at: float, dp: int = 1, ec: tuple[str, ...] = ()) -> Roster:
+    """``POST /instances`` as vLLM's registrar sends it (role, url, dp_size, ec_zmq_addrs)."""
+    return register(roster, Member(Instance(URL, dp), "prefill", ec_zmq_addrs=ec,
+                                   registered_at=at), ZERO)[0]
+
+
+def over_moriio(roster: Roster, at: float, dp: int = 1, zmq: str = ZMQ_A) -> Roster:
+    """A MoRIIO heartbeat (role, http address, dp/tp sizes, ZMQ address, mode)."""
+    registration = MoriioRegistration("prefill", Instance(URL, dp), MoriioPeer(zmq, dp, 1), "READ")
+    return register_moriio(roster, registration, ZERO, now=at)[0]
+
+
+PATHS = {"http": over_http, "moriio": over_moriio}
+
+
+@pytest.mark.parametrize(("steps", "dp", "ec", "zmq", "versions"), [
+    # A refresh over HTTP keeps the MoRIIO peer, and one over MoRIIO the EC addresses; neither
+    # is a routing change, so no new version (no worker re-sync per heartbeat).
+    ([("moriio", {}), ("http", {})], 1, (), ZMQ_A, 1),
+    ([("http", {"ec": EC}), ("moriio", {})], 1, EC, ZMQ_A, 2),
+    ([("moriio", {}), ("http", {"ec": EC}), ("moriio", {}), ("http", {"ec": EC})],
+     1, EC, ZMQ_A, 2),
+    # What a path carries, it may change: HTTP its EC addresses (also to none), MoRIIO its
+    # peer, either the DP size (both send it).
+    ([("http", {"ec": EC}), ("moriio", {}), ("http", {})], 1, (), ZMQ_A, 3),
+    ([("http", {"ec": EC}), ("moriio", {}), ("moriio", {"zmq": ZMQ_B})], 1, EC, ZMQ_B, 3),
+    ([("moriio", {}), ("http", {"dp": 2, "ec": EC * 2})], 2, EC * 2, ZMQ_A, 2),
+])
+def test_a_refresh_changes_only_what_its_path_carries(
+    steps: list[tuple[str, dict[str, object]]], dp: int, ec: tuple[str, ...], zmq: str,
+    versions: int,
+) -> None:
+    roster = Roster()
+    for at, (path, fields) in enumerate(steps, start=1):
+        roster = PATHS[path](roster, float(at), **fields)  # type: ignore[operator]
+    (member,) = roster.members
+    assert (member.instance.dp_size, member.ec_zmq_addrs) == (dp, ec)
+    assert member.moriio is not None and member.moriio.zmq_address == zmq
+    assert member.registered_at == len(steps)  # the last refresh, whichever path sent it
+    assert roster.version == versions and roster.transfer_mode == "READ"
+
+
+def test_either_path_keeps_a_doubly_registered_instance_from_going_silent() -> None:
+    roster = over_http(over_moriio(Roster(), 100.0), 200.0)
+    assert silent_moriio(roster, now=205.0, ttl=10.0) == []  # HTTP refreshed it at 200
+    assert silent_moriio(roster, now=210.0, ttl=10.0) == [URL]
+
+
+def test_a_static_instance_stays_static_whichever_path_refreshes_it() -> None:
+    roster = static_roster([], [Instance(URL)], [Instance("http://d:1")])
+    roster = over_http(over_moriio(roster, 1.0), 2.0, ec=EC)
+    member = roster.find(URL)
+    assert member is not None and member.static and member.moriio is not None
+    assert member.ec_zmq_addrs == EC

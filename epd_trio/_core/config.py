@@ -16,6 +16,7 @@ from typing import Any
 
 from .policies import DEFAULT_POLICY, POLICIES
 from .routing import Instance, parse_instance
+from .state_url import StateURL, parse_state_url
 
 ENV_PREFIX = "EPD_"
 
@@ -157,12 +158,45 @@ class Settings:
     #: ``*_embeds`` reference on the consumer legs (the instance then neither receives the pixels
     #: nor re-runs the media processor); off: the raw media is sent (upstream's ``--no-rewrite``).
     ec_rewrite: bool = True
+    #: Where several proxy replicas share their roster, loads and cursors: a Redis server,
+    #: ``redis://[:password@]host:port[/db]``, ``rediss://...`` (TLS) or ``unix:///path``
+    #: (docs/how-to/replicas.md). Unset: each ``epd-trio serve`` process tree shares nothing
+    #: beyond its own workers.
+    state_url: StateURL | None = field(default=None, repr=False)
+    #: Prefix of every Redis key and channel, so that several fleets can share one Redis.
+    state_prefix: str = "epd:"
+    #: This replica's name in the shared state and in ``GET /instances`` (unset: the host name
+    #: and the process id, unique per worker process).
+    replica_id: str | None = None
+    #: Exact round-robin across replicas: one Redis increment per routing decision (needs
+    #: ``state_url``). Off: each replica keeps its own cursors, seeded at a random offset.
+    global_cursor: bool = False
+    #: Seconds a routing decision waits for the global cursor before it falls back to the
+    #: replica's own cursor (counted in ``epd_trio_global_cursor_fallbacks_total``).
+    global_cursor_timeout: float = 0.05
+    #: Seconds between two full reads of the shared roster (pub/sub is the fast path; this
+    #: catches what a disconnect lost, and TTL expiries).
+    state_resync_interval: float = 2.0
+    #: Seconds between two publications of this replica's in-flight counts (and reads of the
+    #: others'); a replica's counts expire 12 intervals after its last one (3 s at 0.25).
+    state_load_interval: float = 0.25
+    #: Seconds any one call to the state store may take (none of them is on a request's path,
+    #: except the opt-in global cursor, which has its own timeout).
+    state_timeout: float = 2.0
 
     def __post_init__(self) -> None:
-        if not self.decode_urls and not self.admin_key and self.kv_connector != "moriio":
+        if isinstance(self.state_url, str):  # Settings(state_url="redis://...") from Python
+            object.__setattr__(self, "state_url", _parse("state_url", self.state_url,
+                                                         env_name("state_url")))
+        if (not self.decode_urls and not self.admin_key and self.kv_connector != "moriio"
+                and self.state_url is None):
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
                               f"unless instances register themselves ({env_name('admin_key')}, "
-                              f"or {env_name('kv_connector')}=moriio)")
+                              f"{env_name('kv_connector')}=moriio, or a shared roster in "
+                              f"{env_name('state_url')})")
+        if self.global_cursor and self.state_url is None:
+            raise ConfigError(env_name("global_cursor"), f"needs {env_name('state_url')}: the "
+                              "global cursor lives in the shared state store")
 
     @property
     def layout(self) -> str:
@@ -287,6 +321,22 @@ def _bind_address(raw: Any) -> str:
     return value
 
 
+def _state_url(raw: Any) -> StateURL:
+    if isinstance(raw, StateURL):
+        return raw
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError("expected a redis://, rediss:// or unix:// URL")
+    return parse_state_url(raw)
+
+
+def _key_prefix(raw: Any) -> str:
+    """A Redis key prefix or replica id: printable ASCII, no spaces (they appear in keys)."""
+    value = str(raw).strip()
+    if not value or not (value.isascii() and value.isprintable()) or " " in value:
+        raise ValueError(f"expected printable ASCII without spaces, got {raw!r}")
+    return value
+
+
 def _number(raw: Any, low: float, high: float) -> float:
     try:
         value = float(raw) if not isinstance(raw, bool) else math.nan
@@ -351,6 +401,14 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "moriio_registration": _bind_address,
     "moriio_ttl": _seconds,
     "ec_rewrite": _bool,
+    "state_url": _state_url,
+    "state_prefix": _key_prefix,
+    "replica_id": _key_prefix,
+    "global_cursor": _bool,
+    "global_cursor_timeout": _seconds,
+    "state_resync_interval": _seconds,
+    "state_load_interval": _seconds,
+    "state_timeout": _seconds,
 }
 assert set(_PARSERS) == {f.name for f in fields(Settings)}
 

@@ -28,6 +28,7 @@ No I/O and no trio here; randomness comes from a ``random.Random`` the caller ow
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable, Mapping, Sequence
@@ -175,6 +176,9 @@ class PrefixHint:
 
     blocks: tuple[int, ...]
     chars: int
+    #: A hash of the first block that is the same in every process (``blocks`` use Python's
+    #: salted ``hash``): where replicas that never saw the prompt agree to send it.
+    anchor: int = 0
 
 
 def prefix_hint(text: str) -> PrefixHint:
@@ -192,7 +196,36 @@ def prefix_hint(text: str) -> PrefixHint:
         chained = hash((chained, text[start:start + PREFIX_BLOCK_CHARS]))
         blocks.append(chained)
     chars = len(text)
-    return PrefixHint(tuple(blocks), chars)
+    return PrefixHint(tuple(blocks), chars, stable_hash(text[:PREFIX_BLOCK_CHARS]))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def stable_hash(text: str) -> int:
+    """A 64-bit hash of ``text`` that every process computes alike."""
+    digest = hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: spreads ``x`` over 64 bits (cheap, stable)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rendezvous(marks: Sequence[int], anchor: int) -> int:
+    """The index of the highest-random-weight slot for ``anchor`` (rendezvous hashing).
+
+    Every replica computes the same winner from the same slots, whatever their order; when a
+    slot leaves, only the keys it won move. ``marks`` are the slots' stable hashes."""
+    best, best_score = 0, -1
+    for index, mark in enumerate(marks):
+        score = _mix(mark ^ anchor)
+        if score > best_score:
+            best, best_score = index, score
+    return best
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:
@@ -289,8 +322,15 @@ class StagePolicy:
     #: ``cache_aware``: keys the affinity index keeps (prefix blocks, or media uuids).
     cache_size: int = 65_536
     rng: random.Random | None = None
+    #: ``cache_aware`` with several replicas (``EPD_STATE_URL``): a prompt or item that this
+    #: replica has not seen goes where rendezvous hashing of its first block (its uuid) puts
+    #: it, as on every other replica, instead of to the least loaded slot; so the replicas'
+    #: affinities agree without sharing a table, and the hit rate does not fall with their
+    #: number. Still within ``balance``.
+    placement: bool = False
     _prefixes: PrefixIndex | None = None
     _media: AffinityIndex | None = None
+    _marks: dict[SlotKey, int] | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -299,6 +339,7 @@ class StagePolicy:
             self.rng = random.Random()
         self._prefixes = PrefixIndex(self.cache_size)
         self._media = AffinityIndex(self.cache_size)
+        self._marks = {}
 
     @property
     def reads_loads(self) -> bool:
@@ -348,6 +389,11 @@ class StagePolicy:
             best = min((index(s) for s in preferred), key=loads.__getitem__)
             if not self.balance.overloaded(loads[best], min(loads)):
                 chosen = best
+        elif self.placement and hint:
+            best = rendezvous(self._marks_of(keys), hint.anchor if isinstance(hint, PrefixHint)
+                              else stable_hash(hint))
+            if not self.balance.overloaded(loads[best], min(loads)):
+                chosen = best
         if chosen < 0:  # a miss, or an overload
             if sizes is None:  # among equally loaded slots, the one holding the least
                 held = (self._prefixes if isinstance(hint, PrefixHint) else self._media).held
@@ -358,6 +404,19 @@ class StagePolicy:
         elif isinstance(hint, str):
             self._media.record(hint, keys[chosen])
         return chosen
+
+
+    def _marks_of(self, keys: Sequence[SlotKey]) -> list[int]:
+        """The slots' stable hashes (computed once per slot ever seen: a roster's worth)."""
+        assert self._marks is not None
+        marks = self._marks
+        found = []
+        for key in keys:
+            mark = marks.get(key)
+            if mark is None:
+                mark = marks[key] = stable_hash(f"{key[0]}\n{key[1]}")
+            found.append(mark)
+        return found
 
 
 def rotation(length: int, start: int) -> list[int]:

@@ -173,8 +173,19 @@ def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
 
 
 # -- changes --------------------------------------------------------------------------------------
+#: The ``Member`` fields each registration path carries. A refresh of a known URL replaces
+#: these (and the registration time) and keeps every other field as it was: vLLM's HTTP
+#: registrar (``POST /instances``) says nothing about a MoRIIO peer, and a MoRIIO heartbeat
+#: says nothing about encoder-cache addresses, so neither may erase what the other registered.
+HTTP_FIELDS = frozenset({"instance", "role", "ec_zmq_addrs"})
+MORIIO_FIELDS = frozenset({"instance", "role", "moriio"})
+#: A whole member, as the shared store records it (``shared_state.merge``).
+EVERY_FIELD = HTTP_FIELDS | MORIIO_FIELDS
+
+
 def register(
-    roster: Roster, member: Member, counters: Mapping[str, int]
+    roster: Roster, member: Member, counters: Mapping[str, int], *,
+    carries: frozenset[str] = HTTP_FIELDS,
 ) -> tuple[Roster, bool]:
     """Add ``member``, or refresh it if its URL is known; ``(new roster, whether it was new)``.
 
@@ -185,7 +196,11 @@ def register(
 
     A refresh keeps the member's place, its static flag, and (for routing) its health; a refresh
     that changes nothing but the time keeps the version, so the worker processes do not re-sync
-    every heartbeat.
+    every heartbeat. It changes only what its path ``carries`` (``HTTP_FIELDS``,
+    ``MORIIO_FIELDS``): an instance may register over both paths at once (vLLM's HTTP
+    registrar and its MoRIIO heartbeat), and a refresh over one must not lose what the other
+    registered. Either path's registration time counts for both, so such an instance stays
+    while either path still beats.
     """
     known = roster.find(member.url)
     if known is not None:
@@ -195,7 +210,8 @@ def register(
             raise Conflict(f"{member.url} is already known as {known.role}; unregister it "
                            f"(DELETE /instances?url=...) before registering it as {member.role}")
         _check_mix(roster, member)
-        refreshed = replace(member, static=known.static)
+        refreshed = replace(known, registered_at=member.registered_at,
+                            **{name: getattr(member, name) for name in carries})
         members = tuple(refreshed if m is known else m for m in roster.members)
         return _changed(roster, members, counters), False
     _check_mix(roster, member)
@@ -243,7 +259,7 @@ def register_moriio(
     member = Member(registration.instance, registration.role, registered_at=now,
                     moriio=registration.peer)
     try:
-        new, created = register(roster, member, counters)
+        new, created = register(roster, member, counters, carries=MORIIO_FIELDS)
     except (BadRequest, Conflict) as exc:
         raise RegistrationRefused(exc.message) from None
     if mode is None:
@@ -293,10 +309,18 @@ def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
 def _changed(
     roster: Roster, members: tuple[Member, ...], counters: Mapping[str, int]
 ) -> Roster:
+    return changed_members(roster, members, counters, roster.transfer_mode)
+
+
+def changed_members(
+    roster: Roster, members: tuple[Member, ...], counters: Mapping[str, int],
+    transfer_mode: str | None,
+) -> Roster:
     """The roster with ``members``: a new version, and epochs that continue each rotation."""
     if _routing_view(members) == _routing_view(roster.members):
-        return replace(roster, members=members)  # only registration times changed
-    new = Roster(members=members, transfer_mode=roster.transfer_mode)
+        # Only registration times changed (or the transfer mode, which no rotation reads).
+        return replace(roster, members=members, transfer_mode=transfer_mode)
+    new = Roster(members=members, transfer_mode=transfer_mode)
     epochs = dict(roster.epochs)
     for stage in STAGES:
         dp = stage != "encode"
@@ -304,4 +328,4 @@ def _changed(
         if old_keys != new_keys:
             epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
     return Roster(version=roster.version + 1, members=members, epochs=epochs,
-                  transfer_mode=roster.transfer_mode)
+                  transfer_mode=transfer_mode)

@@ -1,8 +1,10 @@
 """An in-process EPD cluster: fake vLLM instances plus the real proxy, all on 127.0.0.1.
 
 Used by the integration tests, ``epd-trio demo`` and the burst bench; ``serve_proxy`` alone serves
-the real-vLLM tests. Every server runs in one nursery owned by ``run_cluster``; leaving the
-``async with`` block stops them all.
+the real-vLLM tests; ``run_moriio_cluster`` is the same with MoRIIO prefill/decode fakes that
+register over ZMQ. Every server runs in one nursery owned by ``run_cluster``; leaving the
+``async with`` block stops them all. The layering within ``testing/``: this module builds on
+``fake_vllm`` and ``moriio`` (the stand-ins), and neither of those imports it back.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import trio
 
@@ -23,6 +25,7 @@ from .._proxy import Proxy
 from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
 from .._tracing import Tracing
 from .fake_vllm import FakeVLLM, Role
+from .moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 
 
 @dataclass
@@ -115,5 +118,43 @@ async def run_cluster(
         # hook) before the fakes are cancelled.
         async with serve_proxy(config, host=host, port=proxy_port, keep_alive=keep_alive,
                                tracing=tracing) as (url, proxy):
+            yield Cluster(e, p, d, config, url, proxy)
+        nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def run_moriio_cluster(
+    *, mode: Literal["READ", "WRITE"] = "READ", encoders: int = 0, prefills: int = 1,
+    prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1, prefill_tp: int = 1,
+    decode_tp: int = 1, host: str = "127.0.0.1", proxy_port: int = 0, **settings: Any,
+) -> AsyncIterator[Cluster]:
+    """Like ``run_cluster``, with prefill and decode fakes that speak MoRIIO and register over
+    ZMQ (one ``MoriioStandIn`` each, on the proxy's registration socket at any free port); the
+    block starts once every instance is in the roster."""
+    fabric = TransferFabric()
+    config = Settings(**{"kv_connector": "moriio", "moriio_registration": f"{host}:0",
+                         "encode_urls": (), **settings})
+    async with trio.open_nursery() as nursery:
+        e = [FakeVLLM(role="encode") for _ in range(encoders)]
+        p = [FakeVLLM(role="prefill", dp_size=prefill_dp) for _ in range(prefills)]
+        d = [FakeVLLM(role="decode", dp_size=decode_dp) for _ in range(decodes)]
+        for n, fake in enumerate([*p, *d]):
+            fake.moriio = MoriioSide(moriio_address(host, 6300 + n, 61000 + n), mode,
+                                     tp_size=prefill_tp if n < prefills else decode_tp,
+                                     fabric=fabric)
+        for fake in (*e, *p, *d):
+            await nursery.start(fake.serve, host)
+        config = replace(config, encode_urls=tuple(Instance(f.url) for f in e))
+        async with serve_proxy(config, host=host, port=proxy_port) as (url, proxy):
+            assert proxy.moriio_endpoint is not None
+            for fake in (*p, *d):
+                assert fake.moriio is not None
+                await nursery.start(MoriioStandIn(
+                    proxy.moriio_endpoint, "P" if fake.role == "prefill" else "D",
+                    fake.url.removeprefix("http://"), fake.moriio.zmq_address,
+                    dp_size=fake.dp_size, tp_size=fake.moriio.tp_size,
+                    transfer_mode=mode).run)
+                # One at a time: the roster (and so the rotation) is in the fakes' order.
+                await proxy.wait_roster(lambda r, url=fake.url: r.find(url) is not None)
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()

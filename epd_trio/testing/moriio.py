@@ -13,20 +13,13 @@ sits in ``WAITING_FOR_REMOTE_KVS`` until the prefill's ``write_done``.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import msgpack
 import trio
 import zmq
-
-from .._core.config import Settings
-from .._core.routing import Instance
-
-if TYPE_CHECKING:
-    from .cluster import Cluster
 
 #: The connector's expressions (vLLM 0.32 ``moriio_common.py``), re-implemented: the prefill's
 #: address sits lazily between the two markers; the decode's runs greedily to ``_`` + 32 hex,
@@ -184,44 +177,3 @@ class MoriioStandIn:
             return False
         self.sent += 1
         return True
-
-
-@asynccontextmanager
-async def run_moriio_cluster(
-    *, mode: Literal["READ", "WRITE"] = "READ", encoders: int = 0, prefills: int = 1,
-    prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1, prefill_tp: int = 1,
-    decode_tp: int = 1, host: str = "127.0.0.1", proxy_port: int = 0, **settings: Any,
-) -> AsyncIterator[Cluster]:
-    """Like ``run_cluster``, with prefill and decode fakes that speak MoRIIO and register over
-    ZMQ (one ``MoriioStandIn`` each, on the proxy's registration socket at any free port); the
-    block starts once every instance is in the roster."""
-    from .cluster import Cluster, serve_proxy  # the cluster's fakes import this module
-    from .fake_vllm import FakeVLLM
-
-    fabric = TransferFabric()
-    config = Settings(**{"kv_connector": "moriio", "moriio_registration": f"{host}:0",
-                         "encode_urls": (), **settings})
-    async with trio.open_nursery() as nursery:
-        e = [FakeVLLM(role="encode") for _ in range(encoders)]
-        p = [FakeVLLM(role="prefill", dp_size=prefill_dp) for _ in range(prefills)]
-        d = [FakeVLLM(role="decode", dp_size=decode_dp) for _ in range(decodes)]
-        for n, fake in enumerate([*p, *d]):
-            fake.moriio = MoriioSide(moriio_address(host, 6300 + n, 61000 + n), mode,
-                                     tp_size=prefill_tp if n < prefills else decode_tp,
-                                     fabric=fabric)
-        for fake in (*e, *p, *d):
-            await nursery.start(fake.serve, host)
-        config = replace(config, encode_urls=tuple(Instance(f.url) for f in e))
-        async with serve_proxy(config, host=host, port=proxy_port) as (url, proxy):
-            assert proxy.moriio_endpoint is not None
-            for fake in (*p, *d):
-                assert fake.moriio is not None
-                await nursery.start(MoriioStandIn(
-                    proxy.moriio_endpoint, "P" if fake.role == "prefill" else "D",
-                    fake.url.removeprefix("http://"), fake.moriio.zmq_address,
-                    dp_size=fake.dp_size, tp_size=fake.moriio.tp_size,
-                    transfer_mode=mode).run)
-                # One at a time: the roster (and so the rotation) is in the fakes' order.
-                await proxy.wait_roster(lambda r, url=fake.url: r.find(url) is not None)
-            yield Cluster(e, p, d, config, url, proxy)
-        nursery.cancel_scope.cancel()

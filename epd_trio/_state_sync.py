@@ -1,0 +1,436 @@
+"""The replica's link to the shared state store: Redis, through coredis (``EPD_STATE_URL``).
+
+One ``StateLink`` per proxy process, started in the proxy's background nursery. It owns the
+connection and everything that crosses it:
+
+- **the roster**: it writes this replica's registrations (``ReplicatedRoster.take_pending``)
+  and announces them on the roster channel; it applies the others' announcements as they come
+  (the fast path) and reads the whole roster every ``EPD_STATE_RESYNC_INTERVAL`` (pub/sub loses
+  what is published while a subscriber is disconnected, and TTL expiries are not announced);
+- **expiry**: an instance's entry expires ``EPD_INSTANCE_TTL`` after its last registration
+  (``EPD_MORIIO_TTL`` after its last MoRIIO heartbeat), and every replica that sees an
+  HTTP-registered instance live refreshes it, so an instance is forgotten only when no replica
+  routes to it and it has stopped registering, as without a store;
+- **the load signal**: every ``EPD_STATE_LOAD_INTERVAL`` it publishes this replica's in-flight
+  counts (an expiring hash: a dead replica's counts vanish by themselves, there is no shared
+  decrement to leak or drift) and reads the others' into ``Loads.remote``;
+- **the global cursor** (opt-in): ``take`` is one ``INCRBY``, with a short timeout.
+
+Why clients do not notice when Redis misbehaves: no request waits for it (the global cursor
+falls back to the local one, counted), a replica keeps routing on its last view while the link
+is down (nothing expires locally), and every (re)connect first writes this replica's pending
+changes, then writes back every record it knows that the store lacks (unless the instance
+unregistered meanwhile: its tombstone says so). A store that restarted empty therefore gets the
+fleet's roster back from the replicas, and nobody drops an instance it was routing to.
+
+Errors (a refused connection, a timeout, a dropped link) end the session; it reconnects with
+capped, jittered exponential backoff. Malformed entries are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import coredis
+import trio
+from coredis.retry import NoRetryPolicy
+
+from ._core.config import Settings
+from ._core.names import STAGES
+from ._core.roster import Member
+from ._core.shared_state import (
+    MalformedEntry,
+    Record,
+    StateKeys,
+    decode_announcement,
+    decode_record,
+    encode_announcement,
+    encode_record,
+    load_fields,
+    sum_loads,
+)
+from ._core.state_url import StateURL
+from ._loads import Loads
+from ._metrics import ProxyMetrics
+from ._replicated_roster import Pending, ReplicatedRoster
+
+log = logging.getLogger("epd_trio")
+
+#: Reconnect backoff: first wait, cap (seconds); each wait is jittered by up to +-25 %.
+BACKOFF_FIRST, BACKOFF_CAP = 0.1, 5.0
+#: A replica's counts expire this many load intervals after its last publication.
+LOAD_EXPIRY_INTERVALS = 12
+#: Malformed entries remembered (each is counted once, not at every read).
+MALFORMED_MEMORY = 1024
+
+#: Write an instance's record back unless the store has it, or it unregistered (tombstone).
+#: KEYS: instance, tombstone, index. ARGV: record, TTL in ms, URL.
+_WRITE_BACK = """
+if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[1]) == 1 then return 0 end
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('sadd', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+#: One round trip per load interval: publish this replica's counts (an expiring hash, and its
+#: name in the sorted set of live replicas), drop replicas gone for long, and return every
+#: other live replica's counts. KEYS: this replica's hash, the replicas' set. ARGV: replica id,
+#: now (ms), expiry (ms), the load-hash prefix, then field, value, field, value...
+_LOAD_EXCHANGE = """
+redis.call('del', KEYS[1])
+if #ARGV > 4 then
+  redis.call('hset', KEYS[1], unpack(ARGV, 5))
+  redis.call('pexpire', KEYS[1], ARGV[3])
+end
+local now, expiry = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('zadd', KEYS[2], now, ARGV[1])
+redis.call('zremrangebyscore', KEYS[2], '-inf', now - 10 * expiry)
+local out = {}
+for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf')) do
+  if other ~= ARGV[1] then
+    out[#out + 1] = redis.call('hgetall', ARGV[4] .. other)
+  end
+end
+return out
+"""
+
+
+def redis_client(url: StateURL, timeout: float, name: str) -> coredis.Redis[bytes]:
+    """A client for ``url``; no retries of its own (the link reconnects, the cursor falls
+    back), every call bounded by ``timeout``."""
+    common: dict[str, Any] = {"db": url.db, "username": url.username, "password": url.password,
+                              "stream_timeout": timeout, "connect_timeout": timeout,
+                              "retry_policy": NoRetryPolicy(), "client_name": name}
+    if url.scheme == "unix":
+        return coredis.Redis(host=None, port=None, unix_socket_path=url.path, **common)
+    return coredis.Redis(host=url.host, port=url.port, ssl=url.tls, **common)
+
+
+class StateLink:
+    """This replica's connection to the shared state; see the module docstring."""
+
+    def __init__(
+        self, settings: Settings, store: ReplicatedRoster, loads: Loads, metrics: ProxyMetrics,
+        *, replica_id: str, live: Callable[[Member], bool],
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        assert settings.state_url is not None
+        self._url = settings.state_url
+        self._settings = settings
+        self._store = store
+        self._loads = loads
+        self._metrics = metrics
+        self._live = live
+        self._wall = wall
+        self.replica_id = replica_id
+        self.keys = StateKeys(settings.state_prefix)
+        self._redis: coredis.Redis[bytes] | None = None
+        self._cursor: coredis.Redis[bytes] | None = None
+        self._wake = trio.Event()
+        store.on_pending = self._wake_writer
+        self._malformed: set[tuple[str, bytes]] = set()
+        self._rng = random.Random()
+        self._sessions = 0
+        self._last_logged: str | None = None
+        self._loads_read = trio.Event()
+        self._up_changed = trio.Event()
+        #: Set once the shared roster has been read (``/ready`` says not ready until then).
+        self.roster_loaded = trio.Event()
+        #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
+        self.problem: str | None = "not connected yet"
+        self._cursor_keys = {stage: self.keys.cursor(stage) for stage in STAGES}
+        metrics.state_up(False)
+
+    @property
+    def up(self) -> bool:
+        return self._redis is not None
+
+    def describe(self) -> dict[str, Any]:
+        """What ``GET /instances`` says about the link (never the password)."""
+        return {"backend": self._url.redacted(), "prefix": self.keys.prefix, "up": self.up,
+                "roster_loaded": self._store.loaded, "problem": self.problem,
+                "global_cursor": self._settings.global_cursor}
+
+    async def next_change(self) -> None:
+        """Until the link next goes up or down (tests and benchmarks)."""
+        await self._up_changed.wait()
+
+    def _changed(self) -> None:
+        self._up_changed.set()
+        self._up_changed = trio.Event()
+
+    async def next_load_read(self) -> None:
+        """Until the others' counts have been read once more (tests and benchmarks)."""
+        await self._loads_read.wait()
+
+    # -- the global cursor (on a request's path) --------------------------------------------------
+    async def take(self, stage: str, n: int) -> int | None:
+        """The global cursor's position for ``n`` slots of ``stage`` (its value before adding
+        ``n``), or None (then the caller uses its own cursor): the link is down, or the store
+        did not answer within ``EPD_GLOBAL_CURSOR_TIMEOUT``."""
+        redis = self._cursor
+        if redis is not None:
+            with trio.move_on_after(self._settings.global_cursor_timeout):
+                try:
+                    return await redis.incrby(self._cursor_keys[stage], n) - n
+                except Exception:  # whatever the store did, the request goes on
+                    pass
+        self._metrics.global_cursor_fallback(stage)
+        return None
+
+    # -- the session loop -------------------------------------------------------------------------
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, serve the link, reconnect with backoff; until cancelled."""
+        task_status.started()
+        delay = BACKOFF_FIRST
+        while True:
+            sessions = self._sessions
+            try:
+                async with redis_client(self._url, self._settings.state_timeout,
+                                        f"epd-trio:{self.replica_id}") as redis, \
+                        redis_client(self._url, self._settings.state_timeout,
+                                     f"epd-trio:{self.replica_id}:cursor") as cursor:
+                    # The cursor has a connection of its own: a burst of requests must not
+                    # queue the link's own calls behind their increments, nor the reverse.
+                    await self._session(redis, cursor)
+            except BaseException as exc:  # any failure of the link ends the session
+                self._lost(_unless_cancelled(exc))
+            if self._sessions != sessions:
+                delay = BACKOFF_FIRST  # it was up: the next attempt is a reconnect, not a retry
+            await trio.sleep(delay * self._rng.uniform(0.75, 1.25))
+            delay = min(BACKOFF_CAP, delay * 2)
+
+    async def _session(self, redis: coredis.Redis[bytes], cursor: coredis.Redis[bytes]) -> None:
+        with trio.fail_after(self._settings.state_timeout):
+            await redis.ping()
+            if self._settings.global_cursor:
+                await cursor.ping()
+        await self._flush(redis)
+        await self._write_back(redis, self._store.known_records())
+        async with redis.pubsub(channels=[self.keys.channel]) as pubsub:
+            # Subscribed before the first full read: nothing announced in between is lost.
+            await self._resync(redis)
+            self.roster_loaded.set()
+            self._redis, self._cursor, self.problem = redis, cursor, None
+            self._sessions += 1
+            self._metrics.state_up(True)
+            self._changed()
+            log.warning("shared state %s: connected as replica %s (%s)", self._url.redacted(),
+                        self.replica_id, "roster loaded")
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._listen, pubsub)
+                    nursery.start_soon(self._writer, redis)
+                    nursery.start_soon(self._resync_loop, redis)
+                    nursery.start_soon(self._load_loop, redis)
+            finally:
+                self._redis = self._cursor = None
+
+    def _lost(self, exc: BaseException) -> None:
+        was_up = self.up or self.problem is None
+        self._redis = self._cursor = None
+        self._loads.remote = {}  # the others' counts are unknown now: route on our own
+        self._metrics.state_up(False)
+        self._changed()
+        self.problem = f"{type(_leaf(exc)).__name__}: {_leaf(exc)}"
+        if was_up or self.problem != self._last_logged:
+            log.warning("shared state %s unreachable (%s); routing on the last view and "
+                        "retrying", self._url.redacted(), self.problem)
+            self._last_logged = self.problem
+
+    # -- the roster -------------------------------------------------------------------------------
+    def _wake_writer(self) -> None:
+        self._wake.set()
+
+    def _ttl_ms(self, record: Record) -> int:
+        ttl = (self._settings.moriio_ttl if record.member.moriio is not None
+               else self._settings.instance_ttl)
+        return max(1, int(ttl * 1000))
+
+    async def _writer(self, redis: coredis.Redis[bytes]) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = trio.Event()
+            await self._flush(redis)
+
+    async def _flush(self, redis: coredis.Redis[bytes]) -> None:
+        """Write and announce every pending change (given back if the write fails)."""
+        writes = self._store.take_pending()
+        if not writes:
+            return
+        try:
+            with trio.fail_after(self._settings.state_timeout):
+                await self._write(redis, writes)
+        except BaseException:
+            self._store.requeue(writes)
+            raise
+
+    async def _write(self, redis: coredis.Redis[bytes], writes: Mapping[str, Pending]) -> None:
+        keys, me = self.keys, self.replica_id
+        tomb_ms = max(1, int(self._settings.instance_ttl * 1000))
+        async with redis.pipeline(transaction=False) as pipe:
+            for url, write in writes.items():
+                if write is None:
+                    pipe.delete([keys.instance(url)])
+                    pipe.srem(keys.index, [url])
+                    pipe.set(keys.tombstone(url), b"1", px=tomb_ms)
+                    pipe.publish(keys.channel, encode_announcement("delete", url, me))
+                    continue
+                record, quiet = write
+                raw = encode_record(record)
+                pipe.set(keys.instance(url), raw, px=self._ttl_ms(record))
+                pipe.sadd(keys.index, [url])
+                pipe.delete([keys.tombstone(url)])
+                if not quiet:
+                    pipe.publish(keys.channel, encode_announcement("put", url, me, raw))
+
+    async def _write_back(self, redis: coredis.Redis[bytes], records: Iterable[Record]) -> None:
+        """Write the ``records`` the store lacks (not those that unregistered meanwhile)."""
+        records = list(records)
+        if not records:
+            return
+        keys = self.keys
+        with trio.fail_after(self._settings.state_timeout):
+            async with redis.pipeline(transaction=False) as pipe:
+                for record in records:
+                    url = record.member.url
+                    pipe.eval(_WRITE_BACK, [keys.instance(url), keys.tombstone(url), keys.index],
+                              [encode_record(record), self._ttl_ms(record), url])
+
+    async def _listen(self, pubsub: Any) -> None:
+        async for message in pubsub:
+            if message.get("type") != "message":
+                continue
+            try:
+                announcement = decode_announcement(message["data"])
+            except MalformedEntry as exc:
+                self._count_malformed(self.keys.channel, message["data"], exc)
+                continue
+            if announcement.origin == self.replica_id:
+                continue
+            if announcement.record is not None:
+                self._store.apply_put(announcement.record)
+            else:
+                self._store.apply_delete(announcement.url)
+
+    async def _resync_loop(self, redis: coredis.Redis[bytes]) -> None:
+        while True:
+            await trio.sleep(self._settings.state_resync_interval)
+            await self._resync(redis)
+            await self._keep_alive(redis)
+
+    async def _resync(self, redis: coredis.Redis[bytes]) -> None:
+        """Read the whole shared roster; first write everything back if the store lost it."""
+        keys = self.keys
+        with trio.fail_after(self._settings.state_timeout):
+            if await redis.get(keys.fleet) is None:
+                # A store that never held this fleet, or that restarted empty / was flushed.
+                await self._write_back(redis, self._store.known_records())
+                await redis.set(keys.fleet, secrets.token_hex(8).encode(),
+                                condition=coredis.PureToken.NX)
+            urls = sorted(member.decode() for member in await redis.smembers(keys.index))
+            values = await redis.mget([keys.instance(url) for url in urls]) if urls else ()
+            expired = [url for url, raw in zip(urls, values, strict=True) if raw is None]
+            if expired:
+                await redis.srem(keys.index, expired)
+        records = []
+        for url, raw in zip(urls, values, strict=True):
+            if raw is None:
+                continue
+            try:
+                record = decode_record(raw, url=url)
+            except MalformedEntry as exc:
+                self._count_malformed(keys.instance(url), raw, exc)
+                continue
+            records.append(record)
+        self._store.apply_snapshot(records)
+
+    async def _keep_alive(self, redis: coredis.Redis[bytes]) -> None:
+        """Refresh the entries of the HTTP-registered instances this replica routes to."""
+        urls = self._store.live_registered(self._live)
+        if not urls:
+            return
+        ttl_ms = max(1, int(self._settings.instance_ttl * 1000))
+        with trio.fail_after(self._settings.state_timeout):
+            async with redis.pipeline(transaction=False) as pipe:
+                for url in urls:
+                    pipe.pexpire(self.keys.instance(url), ttl_ms)
+
+    def _count_malformed(self, where: str, raw: bytes, exc: Exception) -> None:
+        mark = (where, bytes(raw)[:256])
+        if mark in self._malformed:
+            return
+        if len(self._malformed) >= MALFORMED_MEMORY:
+            self._malformed.clear()
+        self._malformed.add(mark)
+        self._metrics.state_malformed()
+        log.warning("shared state: skipped a malformed entry at %s (%s)", where, exc)
+
+    # -- the load signal --------------------------------------------------------------------------
+    async def _load_loop(self, redis: coredis.Redis[bytes]) -> None:
+        interval = self._settings.state_load_interval
+        expiry_ms = max(1, int(interval * LOAD_EXPIRY_INTERVALS * 1000))
+        keys = [self.keys.load(self.replica_id), self.keys.replicas]
+        head = [self.replica_id, 0, expiry_ms, self.keys.load("")]
+        while True:
+            head[1] = int(self._wall() * 1000)
+            fields = load_fields(self._loads.table.snapshot())
+            args = [*head, *(x for pair in fields.items() for x in pair)]
+            with trio.fail_after(self._settings.state_timeout):
+                replies = await redis.eval(_LOAD_EXCHANGE, keys, args)
+            total, bad = sum_loads(_as_mapping(reply) for reply in replies or ())
+            for _ in range(bad):
+                self._metrics.state_malformed()
+            self._loads.remote = total
+            self._loads_read.set()
+            self._loads_read = trio.Event()
+            await trio.sleep(interval)
+
+
+def _as_mapping(reply: Any) -> Mapping[Any, Any]:
+    """An ``HGETALL`` reply from a script: a flat list (RESP2 semantics inside Lua)."""
+    if isinstance(reply, Mapping):
+        return reply
+    items = list(reply)
+    return dict(zip(items[::2], items[1::2], strict=False))
+
+
+def default_replica_id() -> str:
+    """The host name and the process id: unique per worker process, readable in listings."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def live_member(registry: Any) -> Callable[[Member], bool]:
+    """Whether this replica's probes have the member in rotation now (not ``usable``, whose
+    panic mode would keep a dead instance alive when its whole stage is down)."""
+    def live(member: Member) -> bool:
+        return registry.state_for(member.stage, member.instance).live
+    return live
+
+
+def _unless_cancelled(exc: BaseException) -> Exception:
+    """``exc`` if it is the link's own failure; re-raised if the link is being cancelled (then
+    whatever the client's teardown raised beside the cancellation is noise)."""
+    if isinstance(exc, BaseExceptionGroup):
+        cancelled, rest = exc.split(trio.Cancelled)
+        if cancelled is not None:
+            raise cancelled from None
+        exc = rest if rest is not None else exc
+    if not isinstance(exc, Exception):
+        raise exc
+    return exc
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (coredis raises from inside its task group)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

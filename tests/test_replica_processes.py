@@ -1,0 +1,200 @@
+"""Replicas as separate processes (``epd-trio serve``, one of them with two workers, and plain
+``hypercorn``) sharing one real redis-server: what an operator runs behind a Service."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+import trio
+
+from epd_trio import Instance, Settings
+from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
+from epd_trio.testing.process import read_url
+from epd_trio.testing.redis_server import free_port
+
+from helpers import CHAT, chat_body, start_fakes
+from real_servers import RedisServer
+
+SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
+HYPERCORN = [sys.executable, "-m", "hypercorn", "--worker-class", "trio", "epd_trio.app:app",
+             "--bind", "127.0.0.1:0"]
+ADMIN = {"x-api-key": "k"}
+#: Seconds a change may take to show on every replica (the target is 1 s at p99).
+CONVERGE = 10.0
+
+
+def fleet_env(redis: RedisServer, prefix: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    return {**env, "EPD_ADMIN_KEY": "k", "EPD_STATE_URL": redis.url, "EPD_STATE_PREFIX": prefix,
+            "EPD_STATE_RESYNC_INTERVAL": "0.5", "EPD_HEALTH_INTERVAL": "0.5",
+            "EPD_STATE_TIMEOUT": "10", **extra}
+
+
+@asynccontextmanager
+async def replica(nursery: trio.Nursery, command: list[str], env: dict[str, str],
+                  pattern: bytes) -> AsyncIterator[str]:
+    """Start one replica process; yields its URL; its log is drained so it never blocks."""
+    process = await trio.lowlevel.open_process(command, env=env, stderr=subprocess.PIPE)
+    try:
+        assert process.stderr is not None
+        url = await read_url(process.stderr, pattern, limit=60)
+
+        async def drain(stream: Any) -> None:
+            while await stream.receive_some():
+                pass
+
+        nursery.start_soon(drain, process.stderr)
+        yield url
+    finally:
+        process.terminate()
+        with trio.move_on_after(15):
+            await process.wait()
+        if process.returncode is None:
+            process.kill()
+
+
+async def listing(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:  # fresh: any worker
+        r = await client.get(url + "/instances", headers=ADMIN)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+async def until(check: Callable[[dict[str, Any]], bool], url: str) -> float:
+    """Seconds until ``check`` holds on ``url``'s ``GET /instances`` (polled: another process)."""
+    started = time.monotonic()
+    with trio.fail_after(CONVERGE):
+        while not check(await listing(url)):  # noqa: ASYNC110 - no event crosses processes
+            await trio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def decode_urls(report: dict[str, Any]) -> list[str]:
+    return [entry["url"] for role in ("decode", "prefill_decode")
+            for entry in report["instances"][role]]
+
+
+async def test_three_replica_processes_converge_on_registrations(nursery: trio.Nursery) -> None:
+    redis = RedisServer().start()
+    try:
+        (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+        env = fleet_env(redis, f"p{uuid.uuid4().hex[:8]}:")
+        async with AsyncExitStack() as stack:
+            urls = [
+                await stack.enter_async_context(replica(
+                    nursery, [*SERVE, "--workers", "2"], env, rb"listening on (http://\S+)")),
+                await stack.enter_async_context(replica(
+                    nursery, SERVE, env, rb"listening on (http://\S+)")),
+                await stack.enter_async_context(replica(
+                    nursery, HYPERCORN, env, rb"Running on (http://\S+)")),
+            ]
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                r = await client.post(urls[2] + "/instances", headers=ADMIN,
+                                      json={"role": "prefill_decode", "url": decode.url})
+                assert r.status_code == 200, r.text
+                for url in urls:
+                    await until(lambda report: decode_urls(report) == [decode.url], url)
+                for url in urls:  # each replica (each worker) routes to it
+                    for _ in range(4):
+                        r = await client.post(url + CHAT, json=chat_body(text="hi"))
+                        assert r.status_code == 200, r.text
+                replica_ids = {(await listing(urls[0]))["replica"] for _ in range(12)}
+                assert len(replica_ids) == 2  # two workers, two replicas of the fleet
+                r = await client.request("DELETE", urls[1] + "/instances", headers=ADMIN,
+                                         params={"url": decode.url})
+                assert r.status_code == 200
+                for url in urls:
+                    await until(lambda report: decode_urls(report) == [], url)
+    finally:
+        redis.kill()
+
+
+async def test_a_moriio_registration_through_one_replica_reaches_the_others(
+    nursery: trio.Nursery,
+) -> None:
+    redis = RedisServer().start()
+    try:
+        fabric = TransferFabric()
+        prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
+        for n, fake in enumerate((prefill, decode)):
+            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6500 + n, 63000 + n), "READ",
+                                     fabric=fabric)
+        await start_fakes(nursery, prefill, decode)
+        env = fleet_env(redis, f"m{uuid.uuid4().hex[:8]}:", EPD_KV_CONNECTOR="moriio")
+        port = free_port()
+        async with replica(nursery, [*SERVE, "--moriio-registration", f"127.0.0.1:{port}"],
+                           env, rb"listening on (http://\S+)") as heard, \
+                replica(nursery, HYPERCORN, {**env, "EPD_MORIIO_REGISTRATION": "127.0.0.1:0"},
+                        rb"Running on (http://\S+)") as other:
+            for role, fake in (("P", prefill), ("D", decode)):
+                assert fake.moriio is not None
+                await nursery.start(MoriioStandIn(f"127.0.0.1:{port}", role,  # type: ignore[arg-type]
+                                                  fake.url.removeprefix("http://"),
+                                                  fake.moriio.zmq_address).run)
+            await until(lambda report: report["layout"] == "P+D", other)
+            report = await listing(other)
+            (entry,) = report["instances"]["prefill"]
+            assert entry["source"] == "moriio" and entry["transfer_mode"] == "READ"
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                for url in (heard, other):
+                    r = await client.post(url + CHAT, json=chat_body(text="moriio"))
+                    assert r.status_code == 200, r.text
+            assert len(decode.requests()) == 2
+    finally:
+        redis.kill()
+
+
+async def test_a_dead_replicas_requests_stop_counting_within_5_s(nursery: trio.Nursery) -> None:
+    """A replica killed with requests in flight (SIGKILL: no goodbye) leaves no count behind:
+    there is no shared decrement to miss, its published counts expire."""
+    redis = RedisServer().start()
+    held = trio.Event()
+    try:
+        (busy,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode",
+                                                      behaviour=Behaviour(gate=held.wait)))
+        prefix = f"d{uuid.uuid4().hex[:8]}:"
+        env = fleet_env(redis, prefix, EPD_DECODE_URLS=busy.url,
+                        EPD_DECODE_POLICY="least_loaded")
+        process = await trio.lowlevel.open_process(SERVE, env=env, stderr=subprocess.PIPE)
+        try:
+            assert process.stderr is not None
+            url = await read_url(process.stderr, rb"listening on (http://\S+)", limit=60)
+
+            async def hold() -> None:
+                async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                    with contextlib.suppress(httpx.TransportError):
+                        await client.post(url + CHAT, json=chat_body(text="hold"))
+
+            for _ in range(3):
+                nursery.start_soon(hold)
+            settings = Settings(state_url=redis.url, state_prefix=prefix, replica_id="watcher",
+                                decode_urls=(Instance(busy.url),), state_timeout=10.0)
+            async with serve_proxy(settings) as (_, watcher):
+                link = watcher.state
+                assert link is not None
+                with trio.fail_after(CONVERGE):
+                    while watcher.loads.read("decode", [(busy.url, None)]) != [3]:
+                        await link.next_load_read()
+                process.kill()
+                killed = time.monotonic()
+                with trio.fail_after(CONVERGE):
+                    while watcher.loads.read("decode", [(busy.url, None)]) != [0]:
+                        await link.next_load_read()
+                assert time.monotonic() - killed < 5.0
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+            held.set()
+    finally:
+        redis.kill()
