@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from importlib import metadata
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -173,9 +174,8 @@ class OtelTracing(Tracing):
         else:  # a test's in-memory exporter: each span there as soon as it ends
             self._processor = SimpleSpanProcessor(exporter)
         self.provider.add_span_processor(self._processor)
-        from . import __version__
         self.tracer = self.provider.get_tracer(
-            "epd_trio", __version__, schema_url=f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}")
+            "epd_trio", _version(), schema_url=f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}")
         self._api = api
         #: The empty context: a span started in it is a root span (never the ambient one).
         self._empty = Context()
@@ -225,6 +225,15 @@ class OtelTracing(Tracing):
             await trio.to_thread.run_sync(self.provider.shutdown, abandon_on_cancel=True)
         if scope.cancelled_caught:
             log.warning("tracing: the last spans were not exported within %g s", timeout)
+
+
+def _version() -> str:
+    """The installed package's version (the tracer's; not ``epd_trio.__version__``, whose
+    import would close a cycle through this module)."""
+    try:
+        return metadata.version("epd-trio")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class _Recording:
