@@ -34,6 +34,11 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
   peers and the fakes + load generator apart, as ``taskset -c`` does).
 - ``epd_trio@DIR``: epd_trio from another checkout (``git worktree add DIR REV``), to measure a
   change side by side with the commit before it.
+- ``epd_trio+otel``: epd_trio with OpenTelemetry tracing on, every request sampled
+  (``OTEL_TRACES_SAMPLER=always_on``), exporting over OTLP/HTTP to a receiver in this process
+  (``epd_trio.testing.otlp_receiver``; its CPU is the load generator's); ``epd_trio+otel=R``
+  samples with the default parent-based ratio ``R`` instead (``R=0``: on, nothing sampled).
+  Combines with ``@DIR`` and ``:wN`` (``epd_trio@DIR+otel``).
 
 Clients (``--client``): ``epoll`` (default; ``bench._epoll_load``: one epoll loop, each request
 written with one ``send``), ``split`` (the same loop writing each request's head and body with two
@@ -47,6 +52,7 @@ docs/performance.md says how to install the references and gives the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -103,6 +109,8 @@ class Peer:
     ready_path: str = "/health"
     #: Where to run it (an ``epd_trio@DIR`` peer: another checkout, first on the import path).
     cwd: str | None = None
+    #: Environment variables it gets on top of this process's (``+otel``: tracing on).
+    env: dict[str, str] | None = None
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -112,8 +120,15 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
     skipped: list[str] = []
     e, p, d = backends.encode, backends.prefill, backends.decode
     for name in args.peers:
-        if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w")):
-            base, _, workers_tag = name.partition(":w")
+        if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w", "epd_trio+")):
+            name_base, traced, otel = name.partition("+otel")
+            env = None
+            if traced:
+                ratio = otel.removeprefix("=")
+                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint or "http://127.0.0.1:9",
+                       "OTEL_TRACES_SAMPLER": "parentbased_traceidratio" if ratio else "always_on",
+                       **({"OTEL_TRACES_SAMPLER_ARG": ratio} if ratio else {})}
+            base, _, workers_tag = name_base.partition(":w")
             workers = int(workers_tag) if workers_tag else args.workers
             checkout = base.partition("@")[2] or None
             if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
@@ -127,7 +142,7 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
                     if urls:
                         cmd += [f"--{role}", *urls]
                 return cmd
-            peers.append(Peer(name, epd_trio, "/ready", cwd=checkout))
+            peers.append(Peer(name, epd_trio, "/ready", cwd=checkout, env=env))
         elif name == "vllm-router":
             if e:
                 skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
@@ -255,6 +270,8 @@ def render(report: dict[str, Any]) -> str:
              f"{cfg['token_interval'] * 1000:g} ms, lean fakes "
              f"({report['backends']})"]
     lines += [f"  {line}" for line in report["skipped"]]
+    if "spans_received" in report:
+        lines.append(f"  spans received from the +otel peers: {report['spans_received']}")
     header = (f"{'peer':<15}{'ok':>11}{'req/s':>10}{'lat p50 ms':>15}{'lat p99 ms':>15}"
               f"{'TTFB p50 ms':>14}{'proxy ms/req':>14}{'µs/token':>10}{'fakes ms/req':>13}"
               f"{'loadgen ms/req':>16}")
@@ -394,7 +411,7 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                     peer.command(port), stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
                     preexec_fn=pinned(args.proxy_cpus),
                     env={**os.environ, "PYTHONUNBUFFERED": "1",
-                         **({"PYTHONPATH": peer.cwd} if peer.cwd else {})})
+                         **({"PYTHONPATH": peer.cwd} if peer.cwd else {}), **(peer.env or {})})
             await wait_ready(process, url + peer.ready_path, log)
         host, port_ = url.removeprefix("http://").rsplit(":", 1)
         make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
@@ -452,6 +469,18 @@ async def run_load_aiohttp(args: argparse.Namespace, host: str, port: int,
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        if any("+otel" in name for name in args.peers) and args.otlp_endpoint is None:
+            from epd_trio.testing.otlp_receiver import OtlpReceiver  # the otel extra
+            receiver = stack.enter_context(OtlpReceiver())
+            args.otlp_endpoint = receiver.endpoint
+            report = await _run(args)
+            report["spans_received"] = len(receiver.spans)
+            return report
+        return await _run(args)
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
     fakes, backends, described = await start_backends(args)
     try:
         peers, skipped = peer_commands(args, backends)  # the report lists the skipped ones
@@ -521,11 +550,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epd-proxy-python", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_EPD_PROXY_PYTHON", DEFAULT_EPD_PROXY_PYTHON)),
         help="a Python with fastapi, uvicorn, uvloop, aiohttp, msgspec")
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL",
+                   help="where +otel peers export (default: a receiver in this process)")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     unknown = [x for x in args.peers if x not in PEERS
-               and not x.startswith(("epd_trio@", "epd_trio:w"))]
+               and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel"))]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:

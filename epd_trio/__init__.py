@@ -10,7 +10,8 @@ The public surface is re-exported here from private modules. Where a client requ
                place transport errors become UpstreamError
     pool       _http.UpstreamClient / UpstreamPool: connections to vLLM (_h1: one connection)
     accounting _accounting: every leg's health, metrics and trace in one place
-               (_metrics: Prometheus; _request_log: the log lines)
+               (_metrics: Prometheus; _request_log: the log lines; _tracing: the
+               OpenTelemetry spans, or the client's trace headers forwarded)
     state      _cursors (routing positions under a trio.Lock, each with its stage's policy),
                _loads (in-flight requests per stage and slot), _roster_store (one process's
                roster, or the shared memory of several workers), _fanout (one nursery per

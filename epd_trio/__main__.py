@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
 import sys
@@ -37,6 +38,7 @@ from ._core.roster import layout_name
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
+from ._tracing import check_tracing
 from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
 
@@ -172,6 +174,7 @@ def _serve(args: argparse.Namespace) -> int:
     flags = {field: getattr(args, field) for field in FLAG_FIELDS}
     try:
         settings = load_settings(flags=flags, config_path=args.config)
+        check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
         return 2

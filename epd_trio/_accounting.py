@@ -22,26 +22,35 @@ from typing import Any
 
 import trio
 
-from ._core.errors import ProxyError, UpstreamError
+from ._core.errors import ProxyError, UpstreamError, UpstreamStatusError
 from ._core.failover import Slot, is_retryable
 from ._core.health import InstanceState, Registry
 from ._core.routing import Instance
 from ._core.trace import Attempt, RequestTrace, outcome_of
+from ._core.tracing import usage_of
 from ._metrics import ProxyMetrics
 from ._request_log import log_request, log_retry, log_stream_failure, log_upstream_failure
+from ._tracing import NO_TRACE_CONTEXT, RequestSpans, TraceHeaders, Tracing
 
 
 class Accounting:
-    """The proxy's side of the accounting: its health registry and its metrics."""
+    """The proxy's side of the accounting: its health registry, its metrics, its tracing."""
 
-    def __init__(self, registry: Registry, metrics: ProxyMetrics, *, request_log: bool) -> None:
+    def __init__(self, registry: Registry, metrics: ProxyMetrics, *, request_log: bool,
+                 tracing: Tracing | None = None) -> None:
         self.registry = registry
         self.metrics = metrics
         self.request_log = request_log
+        #: OpenTelemetry (off by default: it then only forwards the client's trace context).
+        self.tracing = tracing if tracing is not None else Tracing()
 
-    def begin(self, endpoint: str, request_id: str) -> RequestAccount:
-        """A request arrived (its body is read)."""
-        return RequestAccount(self, RequestTrace(request_id, endpoint, time.perf_counter()))
+    def begin(self, endpoint: str, request_id: str,
+              trace_context: TraceHeaders = NO_TRACE_CONTEXT) -> RequestAccount:
+        """A request arrived (its body is read); ``trace_context``: the client's trace headers
+        (``_core.tracing.client_context``)."""
+        started = time.perf_counter()
+        return RequestAccount(self, RequestTrace(request_id, endpoint, started),
+                              self.tracing.begin(endpoint, trace_context, started))
 
     def count_failure(self, state: InstanceState, error: UpstreamError) -> None:
         """An upstream failure at ``state``'s instance: its error count, and its health."""
@@ -56,14 +65,30 @@ class Leg:
     """One upstream call, counted in flight until ``release`` (at the end of its ``leg`` block,
     unless ``hold`` kept it open for a relayed stream)."""
 
-    __slots__ = ("_account", "_counts", "_released", "_state", "held")
+    __slots__ = ("_account", "_attempt", "_counts", "_released", "_state", "held",
+                 "trace_headers")
 
-    def __init__(self, account: RequestAccount, state: InstanceState, counts: Any) -> None:
+    def __init__(self, account: RequestAccount, state: InstanceState, counts: Any,
+                 attempt: Attempt, trace_headers: TraceHeaders) -> None:
         self._account = account
         self._state = state
         self._counts = counts
+        self._attempt = attempt
         self._released = False
         self.held = False
+        #: What this leg's request adds to its headers: its own ``traceparent`` (tracing on),
+        #: the client's (off), or nothing.
+        self.trace_headers = trace_headers
+
+    def traced(self, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` (the leg's own, a fresh dict) with the leg's trace headers."""
+        if self.trace_headers:
+            headers.update(self.trace_headers)
+        return headers
+
+    def answered(self, status: int) -> None:
+        """The instance answered with ``status`` (for the leg's span)."""
+        self._attempt.status = status
 
     def hold(self) -> Callable[[], None]:
         """Keep the call in flight past its block; returns the ``release`` to call later."""
@@ -76,9 +101,15 @@ class Leg:
             self._state.in_flight -= 1
             self._counts.in_flight.dec()
 
+    def client_left(self) -> None:
+        """The client left while this leg's stream was relayed to it."""
+        self._attempt.client_gone = True
+        self._account.client_cancelled(self._attempt.stage)
+
     def stream_failed(self, error: UpstreamError) -> None:
         """The relayed stream broke after its first byte (the client got an SSE error event)."""
         self._account.acc.count_failure(self._state, error)
+        self._attempt.stream_error = True
         trace = self._account.trace
         trace.outcome, trace.error = "stream_error", error.message
         log_stream_failure(trace, error)
@@ -87,11 +118,15 @@ class Leg:
 class RequestAccount:
     """One client request's accounting (a ``LegObserver`` for the stages)."""
 
-    __slots__ = ("acc", "trace")
+    __slots__ = ("_next_number", "acc", "spans", "trace")
 
-    def __init__(self, acc: Accounting, trace: RequestTrace) -> None:
+    def __init__(self, acc: Accounting, trace: RequestTrace, spans: RequestSpans) -> None:
         self.acc = acc
         self.trace = trace
+        #: The request's spans (or, tracing off, the trace headers its legs forward).
+        self.spans = spans
+        #: The attempt number of a stage's next leg, set by ``retried`` (failovers show).
+        self._next_number: dict[str, int] = {}
 
     @contextmanager
     def leg(self, stage: str, slot: Slot) -> Iterator[Leg]:
@@ -107,13 +142,20 @@ class RequestAccount:
         if rank is not None:
             acc.metrics.rank(counts, stage, url, rank).inc()
         attempt = Attempt(stage, url, rank, time.perf_counter())
+        if self._next_number:
+            attempt.number = self._next_number.pop(stage, 1)
         self.trace.attempts.append(attempt)
-        leg = Leg(self, state, counts)
+        leg = Leg(self, state, counts, attempt, self.spans.leg_headers(attempt))
         outcome = "cancelled"
         try:
             yield leg
         except UpstreamError as error:
             outcome = "error"
+            if isinstance(error, UpstreamStatusError):
+                attempt.status = error.upstream_status
+                attempt.error_type = str(error.upstream_status)
+            else:
+                attempt.error_type = type(error).__name__
             acc.count_failure(state, error)
             raise
         else:
@@ -130,8 +172,19 @@ class RequestAccount:
     def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
         """A failover: ``stage`` failed at ``instance`` and is retried elsewhere."""
         self.acc.metrics.retried(stage)
-        self.trace.retries += 1
-        log_retry(self.trace, stage, instance, error)
+        trace = self.trace
+        trace.retries += 1
+        for attempt in reversed(trace.attempts):
+            if attempt.stage == stage and attempt.instance == error.instance:
+                self._next_number[stage] = attempt.number + 1
+                break
+        log_retry(trace, stage, instance, error)
+
+    def read_usage(self, data: bytes) -> None:
+        """The answer (a JSON body, or a stream's tail): its token usage, for a recorded
+        span (nobody reads it otherwise, so it is not parsed)."""
+        if self.spans.recording:
+            self.trace.usage = usage_of(data)
 
     def kv_missing(self) -> None:
         """Prefill answered without ``kv_transfer_params`` (decode recomputes the prefill)."""
@@ -180,3 +233,4 @@ class RequestAccount:
                 finished - trace.started)
         if self.acc.request_log:
             log_request(trace, finished)
+        self.spans.end(trace, finished)

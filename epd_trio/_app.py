@@ -10,6 +10,7 @@ never to the client).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from ._endpoints import CompletionEndpoints
 from ._pipeline import Reply
 from ._proxy import Proxy
 from ._roster_store import SharedRoutingState
+from ._tracing import Tracing, create_tracing
 
 log = logging.getLogger("epd_trio")
 
@@ -55,6 +57,7 @@ def _send(reply: Reply) -> Response:
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
     discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -64,8 +67,12 @@ def create_app(
     unless ``moriio_listener`` is False (the other workers of ``epd-trio serve``); ``clock``
     times MoRIIO registrations (tests pass trio's virtual clock). ``discovery`` says whether this app
     runs the DNS and Kubernetes discovery loops (default: unless it shares its roster's memory
-    with other workers and is not the one binding the MoRIIO socket).
+    with other workers and is not the one binding the MoRIIO socket). ``tracing``: by default
+    from the OpenTelemetry variables of the environment (off unless an OTLP endpoint is set;
+    ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
     """
+    if tracing is None:
+        tracing = create_tracing(os.environ)
     app = QuartTrio("epd_trio")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -79,7 +86,7 @@ def create_app(
         # which shares no discovered instance) discovers for itself.
         discovery = moriio_listener or shared is None
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
-                  clock=clock)
+                  clock=clock, tracing=tracing)
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
@@ -103,6 +110,7 @@ def create_app(
         for scope in watchdog:
             scope.cancel()
         await proxy.aclose()
+        await tracing.aclose()  # the last spans, within a bounded time
 
     # POST /v1/chat/completions and /v1/completions: ``CompletionEndpoints``, below Quart.
 

@@ -34,8 +34,10 @@ from ._core.errors import (
 )
 from ._core.names import KIND_OF_PATH, RequestKind
 from ._core.rewrite import new_request_id
+from ._core.tracing import client_context
 from ._pipeline import Reply
 from ._proxy import Proxy
+from ._tracing import NO_TRACE_CONTEXT
 
 log = logging.getLogger("epd_trio")
 
@@ -83,9 +85,13 @@ class CompletionEndpoints:
             await _send_error(send, exc)
             return
         request_id = new_request_id(_header(headers, b"x-request-id"))
+        traceparent = _header(headers, b"traceparent")
+        trace_context = (NO_TRACE_CONTEXT if traceparent is None
+                         else client_context(traceparent, _header(headers, b"tracestate")))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(KIND_OF_PATH[scope["path"]], raw, request_id, send, resources)
+            await self._respond(KIND_OF_PATH[scope["path"]], raw, request_id, send, resources,
+                                trace_context)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -109,10 +115,10 @@ class CompletionEndpoints:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
-                       resources: AsyncExitStack) -> None:
+                       resources: AsyncExitStack, trace_context: Mapping[str, str]) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
-                                             resources=resources)
+                                             resources=resources, trace_context=trace_context)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,

@@ -133,23 +133,23 @@ class ProxyMetrics:
             ["stage"], **buckets)
         self._upstream_requests = metric(Counter, "epd_trio_upstream_requests",
                                          "Upstream calls sent, retries included",
-                                         ["role", "instance"])
+                                         ["role", "upstream"])
         self._upstream_errors = metric(Counter, "epd_trio_upstream_errors",
                                        "Failed upstream calls (transport, timeout, 5xx)",
-                                       ["role", "instance"])
+                                       ["role", "upstream"])
         self._in_flight = metric(Gauge, "epd_trio_upstream_in_flight",
-                                 "Upstream calls and streams open now", ["role", "instance"],
+                                 "Upstream calls and streams open now", ["role", "upstream"],
                                  multiprocess_mode="livesum")
         self._healthy = metric(Gauge, "epd_trio_instance_healthy",
-                               "1 while the instance is in rotation", ["role", "instance"],
+                               "1 while the instance is in rotation", ["role", "upstream"],
                                multiprocess_mode="livemin")
         self._evictions = metric(Counter, "epd_trio_instance_evictions",
-                                 "Times the instance left the rotation", ["role", "instance"])
+                                 "Times the instance left the rotation", ["role", "upstream"])
         self._ranks = metric(Counter, "epd_trio_dp_rank_requests",
                              "Upstream calls per data-parallel rank (instances with dp_size > 1)",
-                             ["role", "instance", "rank"])
+                             ["role", "upstream", "rank"])
         self._items = metric(Counter, "epd_trio_encoder_items",
-                             "Media items encoded, per encoder", ["instance"])
+                             "Media items encoded, per encoder", ["upstream"])
         self._retries = metric(Counter, "epd_trio_retries",
                                "Failovers: upstream attempts after the first, by stage", ["stage"])
         self._cancels = metric(Counter, "epd_trio_client_cancellations",
@@ -182,8 +182,10 @@ class ProxyMetrics:
 
     # -- children ------------------------------------------------------------------------------
     def instance(self, stage: str, url: str) -> _InstanceMetrics:
-        """The children of one (stage, instance); the metric label is ``role`` (it predates the
-        stage/role distinction, and dashboards use it)."""
+        """The children of one (stage, instance); the metric labels are ``role`` (it predates
+        the stage/role distinction, and dashboards use it) and ``upstream`` (the instance's URL:
+        not ``instance``, which Prometheus sets to the scrape target and would rename ours to
+        ``exported_instance``)."""
         found = self._per_instance.get((stage, url))
         if found is None:
             found = self._per_instance[stage, url] = _InstanceMetrics(

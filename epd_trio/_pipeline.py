@@ -56,6 +56,7 @@ from ._cursors import EncoderCursor, SlotCursor, Usable, choose_slot
 from ._fanout import fan_out
 from ._http import UpstreamPool
 from ._loads import DECODE_TOKENS, Loads
+from ._tracing import NO_TRACE_CONTEXT, TraceHeaders
 from ._upstream import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 
 #: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
@@ -130,16 +131,19 @@ class Pipeline:
         self._decode_failover = Failover(max_attempts=1 + settings.decode_retries)
 
     async def run(
-        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack
+        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
+        trace_context: TraceHeaders = NO_TRACE_CONTEXT,
     ) -> Reply:
         """Run the request through its stages and produce the reply.
 
         ``resources`` is the request's owner of anything that outlives this call (the open decode
         stream): the web layer closes it after the response is sent or the client went away.
-        Raises ``ProxyError`` for anything the client must be told.
+        ``trace_context``: the client's ``traceparent`` / ``tracestate``, which every leg
+        carries on (or its tracing span's, with tracing on). Raises ``ProxyError`` for
+        anything the client must be told.
         """
         path = PATH_OF_KIND[kind]
-        account = self._accounting.begin(path, request_id)
+        account = self._accounting.begin(path, request_id, trace_context)
         resources.callback(account.finish)
         stage = "encode"
         try:
@@ -148,6 +152,7 @@ class Pipeline:
                 log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
                           request_id, ", ".join(request.dropped))
             account.trace.stream = request.stream
+            account.trace.model = request.body["model"]
             body, items = with_item_uuids(request)
             routes = self._routes
             hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
@@ -272,12 +277,15 @@ class Pipeline:
 
         async def attempt(slot: Slot) -> Answer:
             instance, rank = slot
-            with loads.held("prefill", (instance.url, rank)), account.leg("prefill", slot):
-                return await post_json(
+            with loads.held("prefill", (instance.url, rank)), \
+                    account.leg("prefill", slot) as leg:
+                answer = await post_json(
                     self._pools(instance), stage="prefill", instance=instance, path=path,
-                    body=prefill_body, headers=upstream_headers(request_id, rank),
+                    body=prefill_body, headers=leg.traced(upstream_headers(request_id, rank)),
                     deadline=self._settings.prefill_timeout,
                 )
+                leg.answered(answer.status)
+                return answer
 
         prefills = self._routes.prefills
         response = await with_failover(self._stage_failover, "prefill", first, attempt,
@@ -354,11 +362,13 @@ class Pipeline:
 
         async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any]) -> Answer:
             with loads.held("prefill", (prefill[0].url, prefill[1])), \
-                    account.leg("prefill", prefill):
-                return await post_json(
+                    account.leg("prefill", prefill) as leg:
+                answer = await post_json(
                     self._pools(prefill[0]), stage="prefill", instance=prefill[0], path=path,
-                    body=prefill_body, headers=upstream_headers(leg_id, prefill[1]),
+                    body=prefill_body, headers=leg.traced(upstream_headers(leg_id, prefill[1])),
                     deadline=settings.prefill_timeout)
+                leg.answered(answer.status)
+                return answer
 
         if self._transfer_mode() != "WRITE":
             async def read_attempt(prefill: Slot) -> tuple[Slot, str, str, MoriioPeer, Answer]:
@@ -420,16 +430,18 @@ class Pipeline:
 
         def abandoned() -> None:
             if committed():
-                account.client_cancelled("decode")
+                leg.client_left()
 
-        headers = upstream_headers(request_id, rank)
         settings = self._settings
         with account.leg("decode", slot) as leg:
+            headers = leg.traced(upstream_headers(request_id, rank))
             if not stream:
                 response = await post_json(
                     self._pools(instance), stage="decode", instance=instance, path=path,
                     body=body, headers=headers, deadline=settings.decode_timeout,
                 )
+                leg.answered(response.status)
+                account.read_usage(response.content)
                 return Reply(response.status, {"content-type": response.content_type},
                              body=response.content)
             relay = await open_stream(
@@ -438,10 +450,13 @@ class Pipeline:
                 idle_timeout=settings.stream_idle_timeout, on_error=leg.stream_failed,
                 on_abandon=abandoned,
             )
+            leg.answered(relay.response.status)
             # The first bytes are here: from now on the request belongs to this decode
             # instance, and the leg stays in flight until the web layer closes the request's
             # resources (the stream is over, or the client left).
             resources.callback(leg.hold())
+        if account.spans.recording:  # after the stream is closed: its usage, from its tail
+            resources.callback(lambda: account.read_usage(relay.tail))
         resources.push_async_callback(relay.aclose)
         return Reply(
             relay.response.status,

@@ -59,6 +59,7 @@ from ._prober import health_check, run_prober
 from ._profile import ProfileReport, run_profile
 from ._replicated_roster import ReplicatedRoster
 from ._roster_store import RosterStore, SharedRoutingState, routing_state
+from ._tracing import NO_TRACE_CONTEXT, TraceHeaders, Tracing
 from ._upstream import get, make_client, upstream_auth_headers
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class Proxy:
     def __init__(
         self, settings: Settings, shared: SharedRoutingState | None = None, *,
         moriio_listener: bool = True, discovery: bool = True,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, tracing: Tracing | None = None,
     ) -> None:
         """``moriio_listener``: with ``EPD_KV_CONNECTOR=moriio``, whether this process binds the
         registration socket (one worker of ``epd-trio serve --workers N`` does; the shared roster
@@ -148,7 +149,8 @@ class Proxy:
             settings, pools=self.client,
             routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
             registry=self.registry,
-            accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log),
+            accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log,
+                                  tracing=tracing),
             moriio_peer=lambda inst: self.roster.moriio_peer(inst.url),
             transfer_mode=lambda: self.roster.transfer_mode,
             ec_zmq_addrs=self._ec_zmq_addrs)
@@ -438,12 +440,13 @@ class Proxy:
 
     # -- client requests -------------------------------------------------------------------------
     async def handle(
-        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack
+        self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
+        trace_context: TraceHeaders = NO_TRACE_CONTEXT,
     ) -> Reply:
         """One client request: ``Pipeline.run``, on the roster as it is now."""
         self._store.poll()  # one word read: did another worker change the roster?
         return await self.pipeline.run(kind, raw_body, request_id=request_id,
-                                       resources=resources)
+                                       resources=resources, trace_context=trace_context)
 
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:

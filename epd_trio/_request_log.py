@@ -46,6 +46,9 @@ def log_stream_failure(trace: RequestTrace, error: UpstreamError) -> None:
 
 
 def log_retry(trace: RequestTrace, stage: str, instance: Instance, error: UpstreamError) -> None:
-    log.warning("retrying %s after failure at %s: %s", stage, instance.url, error.message,
+    """``stage`` failed at ``error.instance`` (``instance`` is the attempt's slot: the decode
+    instance of a MoRIIO WRITE attempt whose prefill failed)."""
+    failed = error.instance or instance.url
+    log.warning("retrying %s after failure at %s: %s", stage, failed, error.message,
                 extra={"fields": {"request_id": trace.request_id, "stage": stage,
-                                  "instance": instance.url}})
+                                  "instance": failed}})

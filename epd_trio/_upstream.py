@@ -224,6 +224,8 @@ class StreamRelay:
         self._closed = False
         self._on_error = on_error
         self._on_abandon = on_abandon
+        #: The stream's last two chunks once it is over (where its ``usage`` event is).
+        self.tail = first
 
     async def pump(self, send: SendBytes) -> None:
         """Relay the whole stream to ``send``, then close it (see the class docstring)."""
@@ -249,6 +251,7 @@ class StreamRelay:
         slack = idle / 16
         receive = self.response.receive
         sending = False
+        previous, last = b"", self.tail
         try:
             with map_upstream_errors(self._stage, self._instance), \
                     trio.CancelScope(deadline=trio.current_time() + idle + slack) as scope:
@@ -258,7 +261,9 @@ class StreamRelay:
                     chunk = await receive(None)
                     if not chunk:
                         self._finished = True
+                        self.tail = previous + last
                         return None
+                    previous, last = last, chunk
                     now = trio.current_time()
                     if scope.deadline - now < idle:
                         scope.deadline = now + idle + slack
@@ -404,11 +409,14 @@ async def run_encoder_fanout(
 
         async def attempt(slot: Slot) -> EncoderCall:
             with book.held("encode", (slot[0].url, None), len(call.item_indices)), \
-                    observer.leg("encode", slot):
+                    observer.leg("encode", slot) as leg:
                 answer = await post_json(
                     pool_for(slot[0]), stage="encode", instance=slot[0], path=CHAT_PATH,
-                    body=encoder_body, headers=headers, deadline=deadline, detail=detail,
+                    body=encoder_body, headers=traced(leg, headers), deadline=deadline,
+                    detail=detail,
                 )
+                if leg is not None:
+                    leg.answered(answer.status)
             return replace(call, instance=slot[0],
                            ec_transfer_params=ec_transfer_params_of(answer.content))
 
@@ -427,3 +435,9 @@ async def run_encoder_fanout(
 
 def _anything(instance: Instance) -> bool:
     return True
+
+
+def traced(leg: Any, headers: dict[str, str]) -> dict[str, str]:
+    """A leg's headers with its trace headers (``leg``: what ``LegObserver.leg`` yielded; an
+    unobserved leg has none)."""
+    return headers if leg is None else leg.traced(dict(headers))

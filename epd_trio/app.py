@@ -8,18 +8,21 @@ importing this module.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from ._app import create_app
 from ._core.config import ConfigError
 from ._environment import load_settings
 from ._process import setup_serving_process
+from ._tracing import create_tracing
 
 try:
     settings = load_settings()
+    tracing = create_tracing(os.environ)
 except ConfigError as exc:
     print(f"epd_trio: configuration error: {exc}", file=sys.stderr)
     raise SystemExit(2) from None
 
 setup_serving_process(settings)
-app = create_app(settings)
+app = create_app(settings, tracing=tracing)

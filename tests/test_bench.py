@@ -319,6 +319,57 @@ def test_worker_peers_and_cpu_pinning_parse() -> None:
     assert workers == ["1", "2"]
 
 
+def test_otel_peers_get_tracing_switched_on_by_the_standard_variables(tmp_path: Path) -> None:
+    checkout = tmp_path / "other"
+    (checkout / "epd_trio").mkdir(parents=True)
+    (checkout / "epd_trio" / "__init__.py").write_text("")
+    args = compare_args(["--peers", f"epd_trio,epd_trio+otel,epd_trio+otel=0.1,"
+                         f"epd_trio@{checkout}+otel", "--otlp-endpoint", "http://127.0.0.1:1"])
+    peers, skipped = peer_commands(args, Backends((), ("http://p",), ("http://d",)))
+    assert skipped == []
+    plain, always, ratio, other = peers
+    assert plain.env is None
+    assert always.env == {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+                          "OTEL_TRACES_SAMPLER": "always_on"}
+    assert ratio.env is not None and ratio.env["OTEL_TRACES_SAMPLER_ARG"] == "0.1"
+    assert ratio.env["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert other.cwd == str(checkout) and other.env == always.env
+
+
+def test_tracing_cost_measures_every_mode_and_every_span_arrives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each mode's replay, in this process (the bench runs each in a fresh interpreter)."""
+    from bench.tracing_cost import MODES, measure
+    from epd_trio.testing.otlp_receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint)
+        micros = {mode: measure(mode, 30, 1, receiver.endpoint) for mode in MODES}
+        assert all(value > 0 for value in micros.values())
+        assert receiver.wait_for(lambda spans: len(spans) >= 90, timeout=30)
+    assert len(receiver.spans) == 90  # 3 per sampled request, none from the other modes
+
+
+def test_the_dashboard_picture_draws_the_panels_queries(tmp_path: Path) -> None:
+    from bench.dashboard_png import MAIN_PANELS, draw, legend, panel_targets, series_of
+
+    panels = panel_targets()
+    assert [title for title, _, _ in panels] == list(MAIN_PANELS)
+    for _, _, targets in panels:  # the dashboard's own queries, variables filled in
+        assert targets and all("$" not in expr for expr, _ in targets)
+    assert legend("{{role}} {{upstream}}", {"role": "decode", "upstream": "http://h:8001"}) == \
+        "decode :8001"
+    matrix = [{"metric": {"stage": "decode"}, "values": [[100.0, "0.5"], [101.0, "NaN"],
+                                                          [102.0, "0.7"]]},
+              {"metric": {"stage": "encode"}, "values": [[101.0, "NaN"]]}]
+    assert series_of(matrix, "{{stage}}", 100.0) == [("decode", [0.0, 2.0], [0.5, 0.7])]
+    out = tmp_path / "dashboard.png"
+    draw([(title, unit, series_of(matrix, "{{stage}}", 100.0)) for title, unit, _ in panels[:4]]
+         + [("empty", "s", [])], out, "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
 # -- bench.replicas and bench.policies --replicas: tiny real runs on a real redis-server ----------
 async def test_replicas_bench_runs_every_mode_side_by_side(
     tmp_path: Path, redis_server: RedisServer

@@ -51,14 +51,14 @@ async def test_requests_stages_instances_items_and_ranks(client: httpx.AsyncClie
         for role, fakes in (("encode", c.encoders), ("prefill", c.prefills),
                             ("decode", c.decodes)):
             for fake in fakes:
-                labels = {"role": role, "instance": fake.url}
+                labels = {"role": role, "upstream": fake.url}
                 assert m.get("epd_trio_upstream_requests_total", **labels) == len(fake.requests())
                 ranks = Counter(str(x.rank) for x in fake.requests() if x.rank is not None)
                 assert m.by("epd_trio_dp_rank_requests_total", "rank", **labels) == ranks
                 assert m.get("epd_trio_upstream_in_flight", **labels) == 0
                 assert m.get("epd_trio_instance_healthy", **labels) == 1
         assert set(m.by("epd_trio_dp_rank_requests_total", "rank", role="prefill")) == {"0", "1"}
-        assert m.by("epd_trio_encoder_items_total", "instance") == {
+        assert m.by("epd_trio_encoder_items_total", "upstream") == {
             e.url: e.stats()["items"] for e in c.encoders} == {e.url: 2 for e in c.encoders}
         for quiet in ("upstream_errors", "retries", "client_cancellations",
                       "prefill_kv_transfer_params_missing", "instance_evictions"):
@@ -96,7 +96,7 @@ async def test_failovers_errors_broken_streams_and_missing_kv(
         for fake in c.decodes:
             state = c.proxy.registry.state("decode", fake.url)
             assert m.get("epd_trio_upstream_errors_total", role="decode",
-                         instance=fake.url) == state.errors
+                         upstream=fake.url) == state.errors
         assert m.sum("epd_trio_upstream_errors_total") == 4  # 1 + 2 + the broken stream
         assert m.get("epd_trio_prefill_kv_transfer_params_missing_total") == 1
         assert m.get("epd_trio_request_duration_seconds_count", endpoint=CHAT,
@@ -112,7 +112,7 @@ async def test_health_gauge_and_evictions_follow_the_prober(client: httpx.AsyncC
     async with run_cluster(prefills=1, decodes=2, health_interval=0.05,
                            health_threshold=1) as c:
         d1 = c.decodes[1]
-        labels = {"role": "decode", "instance": d1.url}
+        labels = {"role": "decode", "upstream": d1.url}
 
         def listen(_: object) -> None:
             changed.set()
@@ -127,7 +127,7 @@ async def test_health_gauge_and_evictions_follow_the_prober(client: httpx.AsyncC
             assert m.get("epd_trio_instance_healthy", **labels) == int(healthy)
             assert m.get("epd_trio_instance_evictions_total", **labels) == 1
             assert m.get("epd_trio_instance_healthy", role="decode",
-                         instance=c.decodes[0].url) == 1
+                         upstream=c.decodes[0].url) == 1
 
 
 async def test_two_apps_in_one_process_count_separately(client: httpx.AsyncClient) -> None:
@@ -139,7 +139,7 @@ async def test_two_apps_in_one_process_count_separately(client: httpx.AsyncClien
         ma, mb = await scrape(client, a.proxy_url), await scrape(client, b.proxy_url)
         assert ma.by("epd_trio_requests_total", "outcome") == {"ok": 3}
         assert mb.by("epd_trio_requests_total", "outcome") == {"ok": 1}
-        assert ma.by("epd_trio_upstream_requests_total", "instance") == {a.decodes[0].url: 3}
+        assert ma.by("epd_trio_upstream_requests_total", "upstream") == {a.decodes[0].url: 3}
 
 
 async def test_metrics_can_be_turned_off(client: httpx.AsyncClient) -> None:
@@ -162,7 +162,7 @@ async def test_registered_instances_appear_and_leave(
         r = await client.post(c.proxy_url + "/instances", headers=ADMIN, json={
             "role": "prefill_decode", "url": decode.url, "dp_size": 2})
         assert r.status_code == 200
-        labels = {"role": "decode", "instance": decode.url}
+        labels = {"role": "decode", "upstream": decode.url}
         m = await scrape(client, c.proxy_url, ADMIN)
         assert m.get("epd_trio_instance_healthy", **labels) == 1  # shown before any request
         assert m.get("epd_trio_upstream_requests_total", **labels) == 0
@@ -177,7 +177,7 @@ async def test_registered_instances_appear_and_leave(
                                 params={"url": decode.url})
         assert r.json() == {"removed": True}
         m = await scrape(client, c.proxy_url, ADMIN)
-        assert not [s for s in m.samples if s[1].get("instance") == decode.url]
+        assert not [s for s in m.samples if s[1].get("upstream") == decode.url]
 
 
 async def test_metrics_route_needs_the_admin_key_once_one_is_set(
@@ -206,7 +206,7 @@ def test_an_instance_that_registers_again_gets_its_health_series_back() -> None:
     again must still count as joining (its health gauge set)."""
     instance = Instance("http://127.0.0.1:9001")
     metrics = ProxyMetrics(instances=[InstanceState(instance, "decode")])
-    labels = {"role": "decode", "instance": instance.url}
+    labels = {"role": "decode", "upstream": instance.url}
     assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) == 1.0
     metrics.set_members([])  # unregistered while a stream on it waits for its first bytes
     assert metrics.registry.get_sample_value("epd_trio_instance_healthy", labels) is None

@@ -295,7 +295,7 @@ async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
         for _ in range(8):  # whichever worker answers, the totals are the same
             m = await fresh_scrape()
             assert ok(m) == n
-            labels = {"role": "decode", "instance": decode.url}
+            labels = {"role": "decode", "upstream": decode.url}
             assert m.get("epd_trio_upstream_requests_total", **labels) == n
             assert m.by("epd_trio_dp_rank_requests_total", "rank", **labels) == {
                 "0": n / 2, "1": n / 2}  # the shared slot counter: exact alternation

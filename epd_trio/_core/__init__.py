@@ -19,6 +19,8 @@ siblings.
     policies    the routing policies per stage and their bounded affinity indexes
     engine_load vLLM's load gauges, read from a /metrics page
     trace       what happened to one request: the record behind its metrics and log line
+    tracing     OpenTelemetry: when it is on (the OTEL_* variables), W3C trace context, the
+                spans' attributes
     counters    what a routing counter is (the shared one lives in the shell)
     moriio      MoRIIO registration frames, its request id and both legs' kv_transfer_params
     ec_handoff  the encoder's ec_transfer_params matched to items; the consumer's body

@@ -89,7 +89,8 @@ async def with_failover(
     here: an attempt that fails in an inner stage (the prefill inside a decode attempt) has
     already had that stage's own failover, and retrying it again would multiply the attempts.
     ``also_retry`` names inner stages that have no failover of their own (MoRIIO WRITE mode's
-    prefill, which runs beside decode): their failures are retried here too.
+    prefill, which runs beside decode): their failures are retried here too, and ``on_retry``
+    names the stage that failed (a failed WRITE prefill is a prefill retry, not a decode one).
     """
     slot, tried, attempts = first, set[Slot](), 0
     while True:
@@ -106,7 +107,7 @@ async def with_failover(
             if following is None:
                 raise
             if on_retry is not None:
-                on_retry(stage, slot[0], error)
+                on_retry(error.stage if error.stage in also_retry else stage, slot[0], error)
             slot = following
 
 

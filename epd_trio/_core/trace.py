@@ -38,6 +38,17 @@ class Attempt:
     seconds: float | None = None
     #: ``ok``, ``error`` (the instance failed or refused), or ``cancelled`` (abandoned).
     outcome: str | None = None
+    #: 1 for the stage's first call of the request, 2 for the next one (a failover, or a
+    #: prefill re-run for a decode retry)...; an encoder sub-request counts its own.
+    number: int = 1
+    #: The instance's HTTP status, when it answered.
+    status: int | None = None
+    #: What failed (``error.type`` of its span): the error's class, or the HTTP status.
+    error_type: str | None = None
+    #: A relayed stream that broke after its first byte.
+    stream_error: bool = False
+    #: A relayed stream whose client left before it ended.
+    client_gone: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -60,6 +71,11 @@ class RequestTrace:
     error: str | None = None
     #: The stage the client left in, when it did.
     cancelled_stage: str | None = None
+    #: The client's ``model`` (None until the body is parsed).
+    model: str | None = None
+    #: ``(prompt_tokens, completion_tokens)`` when the answer reported them and it was read
+    #: for a sampled trace.
+    usage: tuple[int, int] | None = None
 
 
 def outcome_of(error: ProxyError) -> str:

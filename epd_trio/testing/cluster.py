@@ -23,6 +23,7 @@ from .._core.config import Settings
 from .._core.routing import Instance
 from .._proxy import Proxy
 from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
+from .._tracing import Tracing
 from .fake_vllm import FakeVLLM, Role
 from .moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 
@@ -61,14 +62,15 @@ async def serve_proxy(
     port: int = 0,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[tuple[str, Proxy]]:
     """Serve the real proxy app for ``settings`` in-process (Hypercorn trio worker, port 0 = any).
 
     Yields the proxy's base URL and the ``Proxy`` behind the app (its registry and counters).
     Leaving the block shuts the server down gracefully, which closes its upstream client.
-    ``clock`` times MoRIIO registrations (``create_app``).
+    ``clock`` times MoRIIO registrations, ``tracing`` replaces the environment's (``create_app``).
     """
-    app = create_app(settings, clock=clock)
+    app = create_app(settings, clock=clock, tracing=tracing)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(partial(
@@ -92,6 +94,7 @@ async def run_cluster(
     host: str = "127.0.0.1",
     proxy_port: int = 0,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
+    tracing: Tracing | None = None,
     **settings: Any,
 ) -> AsyncIterator[Cluster]:
     """Start the fakes and the proxy (Hypercorn trio worker, in-process); stop all on exit.
@@ -113,8 +116,8 @@ async def run_cluster(
         })
         # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown
         # hook) before the fakes are cancelled.
-        async with serve_proxy(config, host=host, port=proxy_port, keep_alive=keep_alive) as (
-                url, proxy):
+        async with serve_proxy(config, host=host, port=proxy_port, keep_alive=keep_alive,
+                               tracing=tracing) as (url, proxy):
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
 
