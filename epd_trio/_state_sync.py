@@ -14,7 +14,8 @@ connection and everything that crosses it:
 - **the load signal**: every ``EPD_STATE_LOAD_INTERVAL`` it publishes this replica's in-flight
   counts (an expiring hash: a dead replica's counts vanish by themselves, there is no shared
   decrement to leak or drift) and reads the others' into ``Loads.remote``;
-- **the global cursor** (opt-in): ``take`` is one ``INCRBY``, with a short timeout.
+- **the global cursor** (opt-in): ``take`` is one ``INCRBY``, with a short timeout, on a lean
+  connection of its own (``_cursor_link``).
 
 Why clients do not notice when Redis misbehaves: no request waits for it (the global cursor
 falls back to the local one, counted), a replica keeps routing on its last view while the link
@@ -57,7 +58,7 @@ from ._core.shared_state import (
     sum_loads,
 )
 from ._core.state_url import StateURL
-from ._cursor_link import CursorLink
+from ._cursor_link import CursorLink, LinkBroken
 from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._replicated_roster import Pending, ReplicatedRoster
@@ -182,7 +183,7 @@ class StateLink:
             with trio.move_on_after(self._settings.global_cursor_timeout):
                 try:
                     return await cursor.incrby(self._cursor_keys[stage], n) - n
-                except Exception:  # whatever the store did, the request goes on
+                except LinkBroken:  # the session reconnects; this request goes on
                     pass
         self._metrics.global_cursor_fallback(stage)
         return None
