@@ -132,7 +132,7 @@ scrape_configs:
                              for rule in group["rules"]]
                     evaluated = [rule for rule in found  # "0001-...": never yet
                                  if not rule.get("lastEvaluation", "0001").startswith("0001")]
-                    return found if len(evaluated) == 9 else []
+                    return found if found and len(evaluated) == len(found) else []
 
                 found = await poll(rules, "evaluated rules")
                 assert {rule["name"] for rule in found} >= {"EpdTrioNoHealthyInstance"}
