@@ -32,6 +32,7 @@ import trio
 from epd_trio.testing import Behaviour
 from epd_trio.testing.cluster import run_cluster
 from epd_trio.testing.media import png_data_url
+from epd_trio.testing.process import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "epd-trio.json"
@@ -144,11 +145,7 @@ async def run(args: argparse.Namespace) -> list[tuple[str, str, Series]]:
             try:
                 return await _drive_and_query(args, c, port, rng)
             finally:
-                process.terminate()
-                with trio.move_on_after(10):
-                    await process.wait()
-                if process.returncode is None:
-                    process.kill()
+                await stop_process(process, grace=10)
 
 
 async def _drive_and_query(args: argparse.Namespace, c: Any, port: int,

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from epd_trio.testing import FakeVLLM
-from epd_trio.testing.process import read_url
+from epd_trio.testing.process import read_url, stop_process
 
 from helpers import chat_body, image, start_fakes
 
@@ -75,9 +75,4 @@ async def test_serves_an_epd_request_under_hypercorn(nursery: trio.Nursery) -> N
         assert len(encoder.requests()) == 2 and len(prefill.requests()) == 2
         assert sorted(x.rank for x in decode.requests()) == [0, 1]
     finally:
-        process.terminate()
-        with trio.move_on_after(15):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await stop_process(process)

@@ -24,6 +24,7 @@ import trio
 
 from epd_trio.testing import Behaviour
 from epd_trio.testing.cluster import run_cluster
+from epd_trio.testing.process import stop_process
 
 from helpers import CHAT, chat_body, image
 from real_servers import require_binary
@@ -157,9 +158,4 @@ scrape_configs:
                 assert alert["labels"]["severity"] == "critical"
                 nursery.cancel_scope.cancel()
         finally:
-            process.terminate()
-            with trio.move_on_after(10):
-                await process.wait()
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
+            await stop_process(process, grace=10)

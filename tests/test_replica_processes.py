@@ -19,7 +19,7 @@ import trio
 from epd_trio import Instance, Settings
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
 from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
-from epd_trio.testing.process import read_url
+from epd_trio.testing.process import read_url, stop_process
 from epd_trio.testing.redis_server import free_port
 
 from helpers import CHAT, chat_body, start_fakes
@@ -56,11 +56,7 @@ async def replica(nursery: trio.Nursery, command: list[str], env: dict[str, str]
         nursery.start_soon(drain, process.stderr)
         yield url
     finally:
-        process.terminate()
-        with trio.move_on_after(15):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
+        await stop_process(process)
 
 
 async def listing(url: str) -> dict[str, Any]:
@@ -192,9 +188,7 @@ async def test_a_dead_replicas_requests_stop_counting_within_5_s(nursery: trio.N
                         await link.next_load_read()
                 assert time.monotonic() - killed < 5.0
         finally:
-            if process.returncode is None:
-                process.kill()
-            await process.wait()
+            await stop_process(process, grace=0)
             held.set()
     finally:
         redis.kill()

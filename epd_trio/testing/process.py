@@ -30,3 +30,17 @@ async def read_url(stream: trio.abc.ReceiveStream, pattern: bytes, *, limit: flo
     """Read a server's output until ``pattern`` (one group: the URL) matches; return the URL."""
     match, _ = await read_until(stream, pattern, limit=limit)
     return match.group(1).decode()
+
+
+async def stop_process(process: trio.Process, grace: float = 15.0) -> None:
+    """SIGTERM, ``grace`` seconds to exit, then SIGKILL; returns once the process is reaped.
+    Shielded: a test's or a bench's teardown must not leave a server running because the
+    caller was being cancelled."""
+    with trio.CancelScope(shield=True):
+        if process.returncode is None:
+            process.terminate()
+            with trio.move_on_after(grace):
+                await process.wait()
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
