@@ -64,6 +64,12 @@ class ReplicatedRoster:
         #: The shared members as this replica knows them (registration times on local clocks).
         self._records: dict[str, Record] = {}
         self._pending: dict[str, Pending] = {}
+        #: Writes taken by the sync task and not yet confirmed written.
+        self._inflight: dict[str, Pending] = {}
+        #: Writes confirmed, by the count of confirmed batches when they were: a snapshot read
+        #: before a write landed must not undo it (``write_mark``).
+        self._written: dict[str, tuple[int, Pending]] = {}
+        self._batches = 0
         self._skipped: dict[str, str] = {}
         #: Called when a write is queued (the sync task's wake-up).
         self.on_pending: Callable[[], None] | None = None
@@ -106,14 +112,31 @@ class ReplicatedRoster:
 
     # -- what the sync task calls ------------------------------------------------------------------
     def take_pending(self) -> dict[str, Pending]:
-        """The writes owed to the store (the caller writes them, or ``requeue``s them)."""
+        """The writes owed to the store; the caller writes them, then says ``written`` (or
+        ``requeue``s them). Until then they stay this replica's: nothing read from the store
+        meanwhile undoes them."""
         pending, self._pending = self._pending, {}
+        self._inflight.update(pending)
         return pending
+
+    def written(self, writes: Mapping[str, Pending]) -> None:
+        """``writes`` are in the store now."""
+        self._batches += 1
+        for url, write in writes.items():
+            if url in self._inflight and self._inflight[url] is write:
+                del self._inflight[url]
+            self._written[url] = (self._batches, write)
 
     def requeue(self, writes: Mapping[str, Pending]) -> None:
         """Writes that failed: owed again, unless a newer change to the same URL came since."""
         for url, write in writes.items():
+            if url in self._inflight and self._inflight[url] is write:
+                del self._inflight[url]
             self._pending.setdefault(url, write)
+
+    def write_mark(self) -> int:
+        """Taken before reading a snapshot: writes confirmed after it win over what it read."""
+        return self._batches
 
     def known_records(self) -> list[Record]:
         """Every shared member this replica knows, as records with wall-clock times: what it
@@ -127,35 +150,61 @@ class ReplicatedRoster:
         return [record.member.url for record in self._records.values()
                 if record.member.moriio is None and live(record.member)]
 
+    def _ours(self, url: str) -> bool:
+        return url in self._pending or url in self._inflight
+
     def apply_put(self, record: Record) -> None:
         """Another replica registered or refreshed an instance (``record`` has wall time)."""
         url = record.member.url
-        if url in self._pending:
+        if self._ours(url):
             return  # our own newer change is on its way to the store
-        self._records[url] = self._to_local(record)
+        self._records[url] = self._joined(self._to_local(record))
         self._install(self._values())
 
     def apply_delete(self, url: str) -> None:
         """Another replica unregistered ``url``: gone from every replica, a static one too (an
         instance that says it is stopping must get no more requests)."""
-        if url in self._pending:
+        if self._ours(url):
             return
         self._records.pop(url, None)
         roster = self._roster
         self._install(self._values(), statics_from=replace(
             roster, members=tuple(m for m in roster.members if m.url != url)))
 
-    def apply_snapshot(self, records: Iterable[Record]) -> None:
-        """The whole shared roster as the store holds it now (wall times); pending writes win."""
-        fresh = {record.member.url: self._to_local(record) for record in records}
-        for url, write in self._pending.items():
+    def apply_snapshot(self, records: Iterable[Record], mark: int | None = None) -> None:
+        """The whole shared roster as the store held it when read (wall times), ``mark``
+        (``write_mark``) taken before the read: this replica's writes not yet written, or
+        confirmed after the mark, win over it."""
+        fresh = {record.member.url: self._joined(self._to_local(record)) for record in records}
+        mark = self._batches if mark is None else mark
+        overlay = {url: write for url, (batch, write) in self._written.items() if batch > mark}
+        overlay.update(self._inflight)
+        overlay.update(self._pending)
+        for url, write in overlay.items():
             if write is None:
                 fresh.pop(url, None)
             else:
                 fresh[url] = self._to_local(write[0])
+        self._written = {url: entry for url, entry in self._written.items() if entry[0] > mark}
         self._records = fresh
         self.loaded = True
         self._install(self._values())
+
+    def _joined(self, record: Record) -> Record:
+        """``record`` with what another registration path told this replica about the same
+        instance: an HTTP registration carries no MoRIIO peer, a MoRIIO heartbeat no encoder-
+        cache addresses, and a record written by a replica that heard only one path must not
+        erase the other (only an unregistration removes an instance, whole)."""
+        known = self._records.get(record.member.url)
+        if known is None:
+            return record
+        member, old = record.member, known.member
+        if member.moriio is None and old.moriio is not None:
+            member = replace(member, moriio=old.moriio)
+            record = replace(record, member=member, transfer_mode=known.transfer_mode)
+        if not member.ec_zmq_addrs and old.ec_zmq_addrs:
+            record = replace(record, member=replace(member, ec_zmq_addrs=old.ec_zmq_addrs))
+        return record
 
     # -- internals ------------------------------------------------------------------------------
     def _install(self, values: Mapping[str, int], statics_from: Roster | None = None) -> None:

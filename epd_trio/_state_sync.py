@@ -72,13 +72,26 @@ LOAD_EXPIRY_INTERVALS = 12
 #: Malformed entries remembered (each is counted once, not at every read).
 MALFORMED_MEMORY = 1024
 
-#: Write an instance's record back unless the store has it, or it unregistered (tombstone).
+#: Write an instance's record back unless the store has it (then index it anyway: an index entry
+#: pruned in a race comes back), or it unregistered (its tombstone).
 #: KEYS: instance, tombstone, index. ARGV: record, TTL in ms, URL.
 _WRITE_BACK = """
-if redis.call('exists', KEYS[2]) == 1 or redis.call('exists', KEYS[1]) == 1 then return 0 end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if redis.call('exists', KEYS[2]) == 1 then return 0 end
 redis.call('sadd', KEYS[3], ARGV[3])
+if redis.call('exists', KEYS[1]) == 1 then return 0 end
+redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
+"""
+#: Drop index entries whose instance key expired, unless it came back meanwhile (a registration
+#: between the read and this call). KEYS: the index. ARGV: the key prefix, then URLs.
+_PRUNE_INDEX = """
+local removed = 0
+for i = 2, #ARGV do
+  if redis.call('exists', ARGV[1] .. ARGV[i]) == 0 then
+    removed = removed + redis.call('srem', KEYS[1], ARGV[i])
+  end
+end
+return removed
 """
 
 
@@ -276,6 +289,7 @@ class StateLink:
         except BaseException:
             self._store.requeue(writes)
             raise
+        self._store.written(writes)
 
     async def _write(self, redis: coredis.Redis[bytes], writes: Mapping[str, Pending]) -> None:
         keys, me = self.keys, self.replica_id
@@ -334,6 +348,7 @@ class StateLink:
     async def _resync(self, redis: coredis.Redis[bytes]) -> None:
         """Read the whole shared roster; first write everything back if the store lost it."""
         keys = self.keys
+        mark = self._store.write_mark()
         with trio.fail_after(self._settings.state_timeout):
             if await redis.get(keys.fleet) is None:
                 # A store that never held this fleet, or that restarted empty / was flushed.
@@ -344,7 +359,7 @@ class StateLink:
             values = await redis.mget([keys.instance(url) for url in urls]) if urls else ()
             expired = [url for url, raw in zip(urls, values, strict=True) if raw is None]
             if expired:
-                await redis.srem(keys.index, expired)
+                await redis.eval(_PRUNE_INDEX, [keys.index], [keys.instance(""), *expired])
         records = []
         for url, raw in zip(urls, values, strict=True):
             if raw is None:
@@ -355,7 +370,7 @@ class StateLink:
                 self._count_malformed(keys.instance(url), raw, exc)
                 continue
             records.append(record)
-        self._store.apply_snapshot(records)
+        self._store.apply_snapshot(records, mark)
 
     async def _keep_alive(self, redis: coredis.Redis[bytes]) -> None:
         """Refresh the entries of the HTTP-registered instances this replica routes to."""

@@ -64,3 +64,21 @@ async def test_an_error_reply_breaks_the_link_and_releases_the_callers(
     assert info.group_contains(LinkBroken, match="WRONGTYPE")
     with pytest.raises(LinkBroken):
         await link.incrby(b"cl:test:other", 1)  # broken for good: the owner reconnects
+
+
+async def test_a_caller_that_gives_up_leaves_the_replies_aligned(redis_server: RedisServer) -> None:
+    async with trio.open_nursery() as nursery:
+        link = await CursorLink.open(parse_state_url(redis_server.url))
+        await nursery.start(link.run)
+        with trio.move_on_after(0):  # gives up before its reply: the reply is dropped
+            await link.incrby(b"cl:test:aligned", 1)
+        got = []
+
+        async def one(key: bytes) -> None:
+            got.append((key, await link.incrby(key, 10)))
+
+        async with trio.open_nursery() as callers:
+            callers.start_soon(one, b"cl:test:aligned")
+            callers.start_soon(one, b"cl:test:other")
+        assert sorted(got) == [(b"cl:test:aligned", 11), (b"cl:test:other", 10)]
+        nursery.cancel_scope.cancel()

@@ -193,6 +193,9 @@ async def test_the_global_cursor_splits_items_exactly_across_replicas(
                          for _, proxy in fleet]
             assert fallbacks == [0, 0, 0]
             assert [len(e.requests()) for e in encoders] == [100, 100, 100]
+            # The split came from the global cursor (independent cursors give it by chance).
+            keys = fleet[0][1].state.keys
+            assert redis_server.command("GET", keys.cursor("encode")) == "300"
         nursery.cancel_scope.cancel()
 
 
@@ -261,9 +264,18 @@ async def test_redis_killed_and_restarted_empty_under_load_fails_no_request(
                         r = await client.post(url + CHAT, json=chat_body(text="steady"))
                         statuses.append(r.status_code)
 
+                fewest = [2]
+
+                async def watch(proxy: Proxy) -> None:  # no replica drops an instance, ever
+                    while not done.is_set():
+                        fewest[0] = min(fewest[0], len(proxy.roster.of("decode")))
+                        with trio.move_on_after(0.01):
+                            await proxy.wait_roster(lambda roster: len(roster.of("decode")) < 2)
+
                 async with trio.open_nursery() as traffic:
-                    for url, _ in fleet:
+                    for url, proxy in fleet:
                         traffic.start_soon(load, url)
+                        traffic.start_soon(watch, proxy)
                     await trio.sleep(0.3)  # traffic flowing (time is what this measures)
                     redis.kill()
                     for _, proxy in fleet:  # every replica notices, and keeps routing
@@ -281,6 +293,7 @@ async def test_redis_killed_and_restarted_empty_under_load_fails_no_request(
                     await trio.sleep(0.3)
                     done.set()
                 assert statuses and set(statuses) == {200}, sorted(set(statuses))
+                assert fewest == [2]
                 # The replicas wrote back what they knew: both instances are in the store
                 # again, and no replica dropped one it was routing to.
                 keys = fleet[0][1].state.keys

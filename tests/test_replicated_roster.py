@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from epd_trio._core.counters import CursorCounters
 from epd_trio._core.roster import (
@@ -79,7 +80,10 @@ def test_others_changes_apply_unless_ours_to_the_same_url_is_still_pending() -> 
     put(store, registration("http://d:1"))
     store.apply_delete("http://d:1")  # ours is pending: theirs is older than what we write
     assert store.current().find("http://d:1") is not None
-    store.take_pending()
+    writes = store.take_pending()
+    store.apply_delete("http://d:1")  # ours is in flight: still ours
+    assert store.current().find("http://d:1") is not None
+    store.written(writes)
     store.apply_delete("http://d:1")
     assert store.current().find("http://d:1") is None
 
@@ -130,3 +134,41 @@ def test_a_record_this_replica_cannot_take_is_kept_and_never_deleted_by_it() -> 
     put(store, registration("http://d:1"))
     assert list(store.take_pending()) == ["http://d:1"]  # no delete of http://pd:1
     assert {r.member.url for r in store.known_records()} == {"http://pd:1", "http://d:1"}
+
+
+def test_a_write_taken_or_just_written_is_not_undone_by_a_snapshot_read_before_it() -> None:
+    store, _, _ = make()
+    put(store, registration("http://d:1"))
+    mark = store.write_mark()
+    writes = store.take_pending()  # on its way to the store
+    store.apply_snapshot([], mark)  # read before the write landed
+    assert store.current().find("http://d:1") is not None
+    store.written(writes)
+    store.apply_snapshot([], mark)  # still a read from before: the write stays
+    assert store.current().find("http://d:1") is not None
+    store.apply_snapshot([], store.write_mark())  # read after: the store says it is gone
+    assert store.current().find("http://d:1") is None
+    # A delete in flight is not undone by a snapshot that still holds the instance either.
+    put(store, registration("http://e:1"))
+    store.written(store.take_pending())
+    store.update(lambda roster, counters: unregister(roster, "http://e:1", counters))
+    mark = store.write_mark()
+    store.take_pending()
+    store.apply_snapshot([Record(registration("http://e:1"))], mark)
+    assert store.current().find("http://e:1") is None
+
+
+def test_a_record_from_another_path_never_erases_what_this_replica_heard_on_its_own() -> None:
+    from epd_trio._core.moriio import MoriioPeer
+    store, _, clocks = make()
+    peer = MoriioPeer("host:10.0.0.1,handshake:6301,notify:61001")
+    store.apply_put(Record(replace(registration("http://p:1", "prefill", at=clocks.wall),
+                                   moriio=peer), "READ"))
+    # Another replica heard only the HTTP registration (with its encoder-cache addresses).
+    http = replace(registration("http://p:1", "prefill", at=clocks.wall), ec_zmq_addrs=("z:1",))
+    store.apply_put(Record(http))
+    member = store.current().find("http://p:1")
+    assert member is not None and member.moriio == peer and member.ec_zmq_addrs == ("z:1",)
+    store.apply_snapshot([Record(registration("http://p:1", "prefill", at=clocks.wall))])
+    member = store.current().find("http://p:1")
+    assert member is not None and member.moriio == peer and member.ec_zmq_addrs == ("z:1",)
