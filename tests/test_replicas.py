@@ -68,8 +68,8 @@ async def wait_for(proxy: Proxy, predicate: Callable[[Roster], bool],
                 await proxy.wait_roster(predicate)
 
 
-def urls_of(proxy: Proxy, stage: str) -> list[str]:
-    return [inst.url for inst in proxy.roster.of(stage)]
+def decode_urls(roster: Roster) -> list[str]:
+    return [inst.url for inst in roster.of("decode")]
 
 
 async def test_a_registration_at_one_replica_is_routed_by_all(
@@ -84,7 +84,7 @@ async def test_a_registration_at_one_replica_is_routed_by_all(
             assert r.status_code == 200, r.text
             for _, proxy in fleet:
                 await wait_for(proxy, lambda roster: decode.url in
-                               [i.url for i in roster.of("decode")])
+                               decode_urls(roster))
             # Every replica routes to it (each probes it on its own first).
             for url, proxy in fleet:
                 await wait_for(proxy, lambda _, p=proxy: p.ready())
@@ -134,7 +134,7 @@ async def test_a_live_instance_outlives_its_ttl_while_a_replica_routes_to_it(
             # Three TTLs later (what is tested is the passage of time), the entry is still
             # there: the replicas that route to it refresh it at every resync.
             await trio.sleep(3.0)
-            assert [i.url for i in proxy.roster.of("decode")] == [decode.url]
+            assert decode_urls(proxy.roster) == [decode.url]
         nursery.cancel_scope.cancel()
 
 
@@ -151,7 +151,7 @@ async def test_a_malformed_entry_is_skipped_and_counted(
         async with replicas(redis_server, 2, prefix=prefix,
                             decode_urls=(Instance(decode.url),)) as fleet:
             for url, proxy in fleet:
-                assert [i.url for i in proxy.roster.of("decode")] == [decode.url]
+                assert decode_urls(proxy.roster) == [decode.url]
                 assert metric(proxy, "epd_trio_state_malformed_entries_total") == 2
                 r = await client.post(url + CHAT, json=chat_body(text="hi"))
                 assert r.status_code == 200
@@ -363,16 +363,12 @@ async def test_vllms_registrar_against_three_replicas_whether_it_names_all_or_on
                     await everywhere.wait_until(lambda: everywhere.registered)
                     await one.wait_until(lambda: one.registered)
                 for _, proxy in fleet:
-                    await wait_for(proxy, lambda roster: sorted(urls_of_roster(roster)) ==
+                    await wait_for(proxy, lambda roster: sorted(decode_urls(roster)) ==
                                    sorted([listed.url, unlisted.url]))
             # Leaving the blocks sends the registrars' DELETEs: gone from every replica.
             for _, proxy in fleet:
                 await wait_for(proxy, lambda roster: not roster.of("decode"))
         nursery.cancel_scope.cancel()
-
-
-def urls_of_roster(roster: Roster) -> list[str]:
-    return [inst.url for inst in roster.of("decode")]
 
 
 async def test_a_slow_redis_delays_no_request(

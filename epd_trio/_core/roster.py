@@ -154,12 +154,7 @@ def parse_registration(raw: bytes, now: float) -> Member:
     only from EC consumers (``prefill``, ``prefill_decode``), one per DP rank.
     """
     body = json_object(raw)
-    role = body.get("role")
-    if role not in ROLES:
-        raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
-    dp_size = body.get("dp_size", 1)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    role, dp_size = _role_and_dp_size(body)
     instance = parse_instance_url(body.get("url"), dp_size)
     addrs = body.get("ec_zmq_addrs", [])
     if addrs is None:
@@ -175,6 +170,18 @@ def parse_registration(raw: bytes, now: float) -> Member:
     return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now)
 
 
+def _role_and_dp_size(body: Mapping[str, Any]) -> tuple[str, int]:
+    """A registration body's ``role`` and ``dp_size`` (default 1), checked alike on both
+    kinds of registration; ``BadRequest`` (400) says what is wrong."""
+    role = body.get("role")
+    if role not in ROLES:
+        raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
+    dp_size = body.get("dp_size", 1)
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    return role, dp_size
+
+
 def parse_name_registration(raw: bytes) -> tuple[str, DnsName] | None:
     """A ``POST /instances`` body naming a DNS name (``"url": "dns+http://..."``) as
     ``(role, name)``; None for any other body (``parse_registration`` reads those). A
@@ -183,12 +190,7 @@ def parse_name_registration(raw: bytes) -> tuple[str, DnsName] | None:
     url = body.get("url")
     if not isinstance(url, str) or not is_dns_url(url):
         return None
-    role = body.get("role")
-    if role not in ROLES:
-        raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
-    dp_size = body.get("dp_size", 1)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    role, dp_size = _role_and_dp_size(body)
     spec = url.strip()
     if dp_size > 1 and "#dp=" not in spec:
         spec = f"{spec}#dp={dp_size}"
