@@ -55,7 +55,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -74,7 +73,7 @@ from bench._epoll_load import run_load_epoll
 from bench._load import Result
 from bench.burst import make_body_factory, percentile, process_tree_cpu
 from bench.lean_fake import DEFAULT_PREFILL_TIME, DEFAULT_TOKEN_INTERVAL
-from epd_trio.testing.process import read_until
+from epd_trio.testing.process import read_until, stop_process
 
 CHAT = "/v1/chat/completions"
 REFS = Path.home() / ".cache" / "epd-refs"
@@ -325,13 +324,7 @@ def free_port() -> int:
 
 
 async def stop(process: trio.Process, grace: float = 10.0) -> None:
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-        with trio.move_on_after(grace):
-            await process.wait()
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+    await stop_process(process, grace)
 
 
 async def wait_ready(process: trio.Process, url: str, log: Path) -> None:

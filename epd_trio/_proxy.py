@@ -109,8 +109,7 @@ class Proxy:
             if shared is not None:
                 raise ValueError("a shared state store replaces the workers' shared memory")
             counters, load_table = CursorCounters.local(), LocalLoadTable()
-            self._replicated = ReplicatedRoster(counters, moriio_clock=clock,
-                                                on_skipped=lambda url, why: None)
+            self._replicated = ReplicatedRoster(counters, moriio_clock=clock)
             self._store: RosterStore = self._replicated
         else:
             counters, self._store, load_table = routing_state(shared)

@@ -48,17 +48,15 @@ class ReplicatedRoster:
         self, counters: CursorCounters, *, clock: Callable[[], float] = time.monotonic,
         moriio_clock: Callable[[], float] | None = None,
         wall: Callable[[], float] = time.time, rng: random.Random | None = None,
-        on_skipped: Callable[[str, str], None] | None = None,
     ) -> None:
         """``clock`` stamps HTTP registrations and ``moriio_clock`` MoRIIO ones (the proxy's
-        clocks); ``wall`` is the time records carry; ``on_skipped(url, why)`` hears of every
-        record that could not join this view."""
+        clocks); ``wall`` is the time records carry. A record that cannot join this view is
+        logged once per reason."""
         self._counters = counters
         self._clock = clock
         self._moriio_clock = moriio_clock or clock
         self._wall = wall
         self._rng = rng or random.Random()
-        self._on_skipped = on_skipped
         self._roster = Roster()
         self._listener: Listener | None = None
         #: The shared members as this replica knows them (registration times on local clocks).
@@ -215,8 +213,6 @@ class ReplicatedRoster:
         for url, why in skipped:
             if self._skipped.get(url) != why:
                 log.warning("shared instance %s skipped: %s", url, why)
-                if self._on_skipped is not None:
-                    self._on_skipped(url, why)
         self._skipped = dict(skipped)
         new = changed_members(old, merged.members, values, merged.transfer_mode)
         new = reseeded(old, new, values, self._offset)
