@@ -408,7 +408,6 @@ async def test_an_unsampled_request_records_nothing_and_forwards_its_context(
 
 # -- end to end: the real exporter, two workers, SIGTERM ------------------------------------------
 async def test_serve_with_two_workers_exports_every_span_by_sigterm() -> None:
-    requests = 24
     with OtlpReceiver() as receiver:
         async with run_cluster(prefills=1, decodes=1) as c:
             env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
@@ -422,24 +421,29 @@ async def test_serve_with_two_workers_exports_every_span_by_sigterm() -> None:
             try:
                 assert process.stderr is not None
                 url = await read_url(process.stderr, rb"listening on (http://\S+)")
+                pids: set[int] = set()  # the workers that served a traced request
 
                 async def one(i: int) -> None:
-                    # A fresh connection per request, so both workers accept some of them.
-                    async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                    # A fresh connection per request, so both workers accept some of them. The
+                    # same connection then asks which worker it is on (the kernel picks the
+                    # worker per connection, so a fixed count could all land on one).
+                    limits = httpx.Limits(max_connections=1)
+                    async with httpx.AsyncClient(trust_env=False, timeout=30,
+                                                 limits=limits) as client:
                         r = await client.post(
                             url + CHAT, json=chat_body(stream=bool(i % 2)),
                             headers={"traceparent": f"00-{i + 1:032x}-{CLIENT_SPAN}-01"})
                         assert r.status_code == 200
+                        pids.add((await client.get(url + "/instances",
+                                                   headers=ADMIN)).json()["worker_pid"])
 
-                pids: set[int] = set()
-                with trio.fail_after(60):  # both workers serve (each answers with its pid)
-                    while len(pids) < 2:
-                        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
-                            pids.add((await client.get(url + "/instances",
-                                                       headers=ADMIN)).json()["worker_pid"])
-                async with trio.open_nursery() as nursery:
-                    for i in range(requests):
-                        nursery.start_soon(one, i)
+                requests = 0
+                with trio.fail_after(60):  # at least 24 requests, and both workers served some
+                    while requests < 24 or len(pids) < 2:
+                        async with trio.open_nursery() as nursery:
+                            for i in range(requests, requests + 8):
+                                nursery.start_soon(one, i)
+                        requests += 8
                 assert receiver.spans == []  # nothing exported yet: the flush is the shutdown's
                 process.send_signal(signal.SIGTERM)
                 with trio.fail_after(30):
