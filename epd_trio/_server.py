@@ -34,6 +34,14 @@ stream, the worker's lifespan and shutdown) and changes three things:
    per non-stream answer instead of two (h11 frames such a body's end as ``b""``, not written).
    A response without a length (a stream: chunked) sends its head at once, as before, so an
    SSE head still goes out before the first token.
+6. A chunk of a chunked body (a relayed token) is framed here, as h11's ``ChunkedWriter``
+   frames it (a ``Data`` event leaves h11's state machine where it is), and written with one
+   non-blocking ``send`` on the plain socket when the send lock is free. Only what the kernel
+   did not take goes the usual way (lock, shielded ``send_all``, which waits for the client).
+   Per token that skips h11's event processing, two of Hypercorn's event objects, the lock,
+   a shielded cancel scope and trio's ``send_all``, whose successful ``send`` always yields to
+   the scheduler: such a write yields once every ``_YIELD_EVERY`` chunks instead, so a relay
+   whose upstream always has bytes ready still lets the other tasks run.
 
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
@@ -47,12 +55,15 @@ the patch Hypercorn could take, with its measured effect.
 
 from __future__ import annotations
 
+import os
 import types
 from functools import partial
 from math import inf
 from typing import Any
 
+import h11
 import trio
+from h11._writers import ChunkedWriter
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol import ProtocolWrapper
 from hypercorn.protocol.events import Body, EndBody, Response
@@ -65,6 +76,9 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
 __all__ = ["ProxyTCPServer", "ProxyWorkerContext", "worker_serve"]
+
+#: A chunk written directly (change 6) yields to the scheduler once every this many writes.
+_YIELD_EVERY = 16
 
 
 class _Terminated(EventWrapper):
@@ -104,6 +118,12 @@ class ProxyTCPServer(TCPServer):
         self._peer_closed = False
         #: Writes held back (a content-length response's head) until its body; None: write.
         self._corked: list[bytes] | None = None
+        #: The h11 connection of the HTTP/1.1 protocol (None: HTTP/2, or not started yet), and
+        #: the plain socket a chunk may be written to directly (None: TLS).
+        self._h11: h11.Connection | None = None
+        self._plain: Any = None
+        #: Chunks written directly since the last yield to the scheduler.
+        self._unyielded = 0
 
     async def run(self) -> None:
         """Hypercorn's ``TCPServer.run`` with the idle timer armed instead of started."""
@@ -120,6 +140,7 @@ class ProxyTCPServer(TCPServer):
             alpn_protocol = "http/1.1"
             socket = self.stream.socket
             ssl = False
+            self._plain = socket
 
         try:
             client = parse_socket_addr(socket.family, socket.getpeername())
@@ -150,8 +171,15 @@ class ProxyTCPServer(TCPServer):
         inner = getattr(self.protocol, "protocol", None)
         if isinstance(inner, H11Protocol):
             inner.stream_send = partial(self._stream_send, inner.stream_send)
+            self._h11 = inner.connection
 
     async def _stream_send(self, stream_send: Any, event: Any) -> None:
+        if type(event) is Body and self._corked is None and self._plain is not None:
+            connection = self._h11
+            if (connection is not None and connection.our_state is h11.SEND_BODY
+                    and type(connection._writer) is ChunkedWriter):
+                await self._send_chunk(event.data)
+                return
         if (isinstance(event, Response) and event.status_code >= 200
                 and any(name.lower() == b"content-length" for name, _ in event.headers)):
             self._corked = []
@@ -167,6 +195,30 @@ class ProxyTCPServer(TCPServer):
             await self.protocol_send(RawData(data=b"".join(corked)))
         if not isinstance(event, Body | EndBody):
             await stream_send(event)
+
+    async def _send_chunk(self, data: bytes) -> None:
+        """One chunk of a chunked body, framed as h11 frames it (change 6)."""
+        if not data:
+            return  # h11 writes nothing for an empty chunk: it would read as the body's end
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        if not self.send_lock.locked():
+            await trio.lowlevel.checkpoint_if_cancelled()
+            fd = self._plain.fileno()
+            if fd != -1:  # -1: closed; the usual path below says so
+                try:
+                    sent = os.write(fd, frame)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    sent = 0  # the usual path below meets the same error and handles it
+                if sent == len(frame):
+                    self._unyielded += 1
+                    if self._unyielded >= _YIELD_EVERY:
+                        self._unyielded = 0
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    return
+                frame = frame[sent:]
+        await self.protocol_send(RawData(data=frame))
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):

@@ -391,3 +391,123 @@ async def test_a_stream_head_goes_out_before_its_first_chunk() -> None:
                 rest += await stream.receive_some()
         assert b"Transfer-Encoding: chunked" in writes[0] and b"data: 1" not in writes[0]
         nursery.cancel_scope.cancel()
+
+
+# -- chunks written directly (change 6 of epd_trio/_server.py) ------------------------------------
+def test_h11_internals_the_direct_chunk_write_relies_on() -> None:
+    """A chunk is framed as h11's ChunkedWriter frames it, only while h11 is in SEND_BODY with
+    that writer; a Data event must leave h11's state where it was."""
+    import h11
+    from h11._writers import ChunkedWriter
+
+    assert _source_hash(ChunkedWriter.send_data) == "0fbc8fb565f7029f", (
+        "h11's ChunkedWriter.send_data changed: check ProxyTCPServer._send_chunk's framing")
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    assert type(connection.next_event()) is h11.Request
+    connection.send(h11.Response(status_code=200, headers=[]))
+    assert connection.our_state is h11.SEND_BODY
+    assert type(connection._writer) is ChunkedWriter
+    assert connection.send(h11.Data(data=b"abc")) == b"3\r\nabc\r\n"
+    assert connection.our_state is h11.SEND_BODY
+    old = h11.Connection(h11.SERVER)  # an HTTP/1.0 client gets no chunked framing
+    old.receive_data(b"GET / HTTP/1.0\r\n\r\n")
+    old.next_event()
+    old.send(h11.Response(status_code=200, headers=[]))
+    assert type(old._writer) is not ChunkedWriter
+
+
+def _stream_app(chunks: list[bytes], during: Callable[[], None] = lambda: None) -> Any:
+    """An ASGI app that streams ``chunks`` (chunked), calling ``during()`` before each send."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await health_app(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream")]})
+        for chunk in chunks:
+            during()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+async def _raw_answer(port: int, request: bytes, *, wait_first: bool = False) -> bytes:
+    """The raw bytes of one answer, read until the server closes or the chunked body ends.
+    ``wait_first``: read nothing until every task is blocked (the server's socket buffer fills
+    and its writes become partial)."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(request)
+        if wait_first:
+            await trio.testing.wait_all_tasks_blocked()
+        answer = b""
+        while not answer.endswith(b"\r\n0\r\n\r\n"):
+            data = await stream.receive_some()
+            if not data:
+                break
+            answer += data
+    return answer
+
+
+def _h11_body(chunks: list[bytes]) -> bytes:
+    """What h11 itself writes for ``chunks`` as a chunked body, ended."""
+    import h11
+
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+    connection.next_event()
+    connection.send(h11.Response(status_code=200, headers=[]))
+    return b"".join(connection.send(h11.Data(data=c)) or b"" for c in chunks) + (
+        connection.send(h11.EndOfMessage()) or b"")
+
+
+@pytest.mark.parametrize("wait_first", [False, True], ids=["reading", "not-reading-at-first"])
+async def test_chunks_on_the_wire_are_h11s(wait_first: bool) -> None:
+    """Byte for byte what h11 writes, small and large chunks; a chunk the kernel takes only in
+    part (the client is not reading yet) is finished by the usual path."""
+    chunks = [b"data: 1\n\n", b"x" * 3_000_000, b"data: 3\n\n", b"y" * 70_000]
+    async with trio.open_nursery() as nursery:
+        port, _ = await _serve_recording(_stream_app(chunks), nursery)
+        for _ in range(2):  # two answers on two connections: each is framed alike
+            answer = await _raw_answer(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n",
+                                       wait_first=wait_first)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b"Transfer-Encoding: chunked" in head
+            assert body == _h11_body(chunks)
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_http10_client_gets_the_body_unframed() -> None:
+    chunks = [b"data: 1\n\n", b"data: 2\n\n"]
+    async with trio.open_nursery() as nursery:
+        port, _ = await _serve_recording(_stream_app(chunks), nursery)
+        answer = await _raw_answer(port, b"GET / HTTP/1.0\r\n\r\n")
+        assert answer.partition(b"\r\n\r\n")[2] == b"".join(chunks)
+        nursery.cancel_scope.cancel()
+
+
+async def test_direct_chunk_writes_still_yield_to_other_tasks() -> None:
+    """An app that sends chunk after chunk with nothing else to wait on: the direct writes
+    never block, and still let another task run every few chunks."""
+    ticks = 0
+    seen: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await trio.lowlevel.checkpoint()
+
+    chunks = [b"data: %d\n\n" % i for i in range(10 * _server._YIELD_EVERY)]
+    async with trio.open_nursery() as nursery:
+        port, _ = await _serve_recording(
+            _stream_app(chunks, during=lambda: seen.append(ticks)), nursery)
+        nursery.start_soon(ticker)
+        answer = await _raw_answer(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert answer.partition(b"\r\n\r\n")[2] == _h11_body(chunks)
+        nursery.cancel_scope.cancel()
+    ran = seen[-1] - seen[0]  # the ticker's turns while the app sent its chunks
+    assert ran >= len(chunks) // _server._YIELD_EVERY - 1
