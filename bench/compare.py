@@ -43,7 +43,9 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
 Clients (``--client``): ``epoll`` (default; ``bench._epoll_load``: one epoll loop, each request
 written with one ``send``), ``split`` (the same loop writing each request's head and body with two
 ``send`` calls, as httpx and so the OpenAI SDK do), ``aiohttp`` (``bench._aiohttp_load``: a plain
-aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``). The load
+aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``), ``openai``
+(``bench._openai_load``: the OpenAI SDK's ``AsyncOpenAI``, on httpx, in a process of its own,
+under ``--openai-python``). The load
 generator's CPU in the report is the client's, whichever it is.
 
 docs/performance.md says how to install the references and gives the figures.
@@ -82,8 +84,13 @@ DEFAULT_EPD_PROXY = REFS / "disagg_epd_proxy.py"
 DEFAULT_EPD_PROXY_PYTHON = REFS / "epd-proxy-venv" / "bin" / "python"
 #: A Python with aiohttp for ``--client aiohttp`` (the EPD proxy's venv has it).
 DEFAULT_AIOHTTP_PYTHON = DEFAULT_EPD_PROXY_PYTHON
-CLIENTS = ("epoll", "split", "aiohttp")
-AIOHTTP_LOAD = Path(__file__).with_name("_aiohttp_load.py")
+#: A Python with the OpenAI SDK for ``--client openai`` (install_references.sh makes it).
+DEFAULT_OPENAI_PYTHON = REFS / "openai-venv" / "bin" / "python"
+CLIENTS = ("epoll", "split", "aiohttp", "openai")
+#: The clients that run as a process of their own: their script, and the option naming the
+#: Python that runs it.
+CLIENT_SCRIPTS = {"aiohttp": (Path(__file__).with_name("_aiohttp_load.py"), "aiohttp_python"),
+                  "openai": (Path(__file__).with_name("_openai_load.py"), "openai_python")}
 PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
 DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
 #: Seconds a peer gets to answer its readiness probe after it was started.
@@ -411,8 +418,8 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
 
         async def load(requests: int, concurrency: int) -> tuple[list[Result], float]:
             """The results, and the CPU seconds a client process of its own spent."""
-            if args.client == "aiohttp":
-                return await run_load_aiohttp(args, host, int(port_), make_body, requests,
+            if args.client in CLIENT_SCRIPTS:
+                return await run_load_process(args, host, int(port_), make_body, requests,
                                               concurrency, logdir)
             # The epoll client runs in a thread: this process has nothing else to do meanwhile,
             # and its CPU (os.times: every thread) is the load generator's.
@@ -438,16 +445,19 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
             await stop(process)
 
 
-async def run_load_aiohttp(args: argparse.Namespace, host: str, port: int,
+async def run_load_process(args: argparse.Namespace, host: str, port: int,
                            make_body: Callable[[int], bytes], requests: int, concurrency: int,
                            logdir: Path) -> tuple[list[Result], float]:
-    """``bench._aiohttp_load`` in a process of its own; its results and its CPU seconds.
+    """``bench._aiohttp_load`` or ``bench._openai_load`` in a process of its own; its results
+    and its CPU seconds.
 
-    The bodies are made here (the client's Python has only aiohttp) and written to a file, one a
-    line; the client's wall clock starts after its imports, so they are not in its figures."""
+    The bodies are made here (the client's Python has only its client library) and written to a
+    file, one a line; the client's wall clock starts after its imports, so they are not in its
+    figures."""
     bodies = logdir / "bodies.jsonl"
     bodies.write_bytes(b"\n".join(make_body(i) for i in range(requests)) + b"\n")
-    cmd = [str(args.aiohttp_python), str(AIOHTTP_LOAD), "--host", host, "--port", str(port),
+    script, python = CLIENT_SCRIPTS[args.client]
+    cmd = [str(getattr(args, python)), str(script), "--host", host, "--port", str(port),
            "--path", CHAT, "--bodies", str(bodies), "--concurrency", str(concurrency),
            "--timeout", str(args.timeout)]
     if args.stream:
@@ -455,7 +465,7 @@ async def run_load_aiohttp(args: argparse.Namespace, host: str, port: int,
     done = await trio.run_process(cmd, capture_stdout=True, capture_stderr=True, check=False,
                                   preexec_fn=pinned(args.rest_cpus))
     if done.returncode != 0:
-        raise RuntimeError(f"the aiohttp client failed ({done.returncode}):\n"
+        raise RuntimeError(f"the {args.client} client failed ({done.returncode}):\n"
                            f"{done.stderr.decode(errors='replace')[-3000:]}")
     report = json.loads(done.stdout)
     return [Result(**r) for r in report["results"]], float(report["cpu"])
@@ -532,10 +542,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--client", choices=CLIENTS, default="epoll",
                    help="the load: epoll (one send per request; default), split (head and body "
                    "as two sends, as httpx / the OpenAI SDK write), aiohttp (an aiohttp "
-                   "ClientSession in a process of its own)")
+                   "ClientSession in a process of its own), openai (the OpenAI SDK's "
+                   "AsyncOpenAI, on httpx, in a process of its own)")
     p.add_argument("--aiohttp-python", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_AIOHTTP_PYTHON", DEFAULT_AIOHTTP_PYTHON)),
         help="a Python with aiohttp, for --client aiohttp (default: the EPD proxy's venv)")
+    p.add_argument("--openai-python", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_OPENAI_PYTHON", DEFAULT_OPENAI_PYTHON)),
+        help="a Python with the openai package, for --client openai")
     p.add_argument("--vllm-router", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_VLLM_ROUTER", DEFAULT_VLLM_ROUTER)))
     p.add_argument("--epd-proxy", type=Path, default=Path(os.environ.get(
@@ -554,9 +568,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
         args.images = 1 if args.layout == "epd" else 0
-    if args.client == "aiohttp" and not os.access(args.aiohttp_python, os.X_OK):
-        p.error(f"--client aiohttp: no Python at {args.aiohttp_python} (--aiohttp-python / "
-                "EPD_BENCH_AIOHTTP_PYTHON; bench/install_references.sh makes one)")
+    if args.client in CLIENT_SCRIPTS:
+        python = getattr(args, CLIENT_SCRIPTS[args.client][1])
+        if not os.access(python, os.X_OK):
+            option = CLIENT_SCRIPTS[args.client][1].replace("_", "-")
+            p.error(f"--client {args.client}: no Python at {python} (--{option} / "
+                    f"EPD_BENCH_{option.upper().replace('-', '_')}; "
+                    "bench/install_references.sh makes one)")
     return args
 
 

@@ -6,6 +6,7 @@
 #     httptools, aiohttp, msgspec). The proxy file itself is vLLM's code: fetch it yourself from
 #     https://github.com/vllm-project/vllm/blob/main/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py
 #     into ~/.cache/epd-refs/disagg_epd_proxy.py (or point --epd-proxy / EPD_BENCH_EPD_PROXY at it).
+#   - the OpenAI SDK (PyPI `openai`), the load of `bench.compare --client openai`
 # Usage: sh bench/install_references.sh   (PYTHON=python3.12 to pick the interpreter)
 set -eu
 PYTHON=${PYTHON:-python3}
@@ -22,6 +23,13 @@ if [ ! -x "$REFS/epd-proxy-venv/bin/python" ] || \
 fi
 "$REFS/vllm-router-venv/bin/pip" show vllm-router | grep -i '^version' | sed 's/^/vllm-router /'
 "$REFS/epd-proxy-venv/bin/pip" list 2>/dev/null | grep -iE '^(fastapi|uvicorn|uvloop|aiohttp|msgspec) '
+# The OpenAI SDK, for `bench.compare --client openai` (the client most users run).
+if [ ! -x "$REFS/openai-venv/bin/python" ] || \
+        ! "$REFS/openai-venv/bin/python" -c "import openai" 2>/dev/null; then
+    "$PYTHON" -m venv "$REFS/openai-venv"
+    "$REFS/openai-venv/bin/pip" install -q openai
+fi
+"$REFS/openai-venv/bin/pip" list 2>/dev/null | grep -iE '^(openai|httpx) '
 if [ -f "$REFS/disagg_epd_proxy.py" ]; then
     echo "EPD proxy: $REFS/disagg_epd_proxy.py"
 else

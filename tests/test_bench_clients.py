@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import socket
+import sys
 import threading
 from pathlib import Path
 
@@ -66,3 +67,7 @@ def test_compare_client_choice(tmp_path: Path) -> None:
     assert compare_args(["--client", "split"]).client == "split"
     with pytest.raises(SystemExit):
         compare_args(["--client", "aiohttp", "--aiohttp-python", str(tmp_path / "none")])
+    with pytest.raises(SystemExit):
+        compare_args(["--client", "openai", "--openai-python", str(tmp_path / "none")])
+    python = Path(sys.executable)
+    assert compare_args(["--client", "openai", "--openai-python", str(python)]).client == "openai"
