@@ -207,10 +207,8 @@ class ProxyTCPServer(TCPServer):
             if fd != -1:  # -1: closed; the usual path below says so
                 try:
                     sent = os.write(fd, frame)
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    sent = 0  # the usual path below meets the same error and handles it
+                except OSError:  # full (BlockingIOError) or broken: the usual path below
+                    sent = 0     # waits for the client, or meets the same error and handles it
                 if sent == len(frame):
                     self._unyielded += 1
                     if self._unyielded >= _YIELD_EVERY:
