@@ -17,16 +17,10 @@ only (its start-up and imports excluded).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
-import os
 import sys
 import time
 
-
-def _cpu() -> float:
-    times = os.times()
-    return times.user + times.system
+from _client_process import parse_args, read_bodies, report, run_workers
 
 
 async def _one(session, url: str, body: bytes, index: int, stream: bool, limit: float,
@@ -93,37 +87,18 @@ async def _run(args: argparse.Namespace, bodies: list[bytes]) -> list[dict]:
     import aiohttp
 
     url = f"http://{args.host}:{args.port}{args.path}"
-    results: list[dict] = []
-    next_index = iter(range(len(bodies)))
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def worker() -> None:
-            for index in next_index:
-                results.append(await _one(session, url, bodies[index], index, args.stream,
-                                          args.timeout, args.record_gaps))
-
-        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(bodies)))))
-    return sorted(results, key=lambda r: r["index"])
+        return await run_workers(
+            lambda index: _one(session, url, bodies[index], index, args.stream, args.timeout,
+                               args.record_gaps),
+            len(bodies), args.concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/_aiohttp_load.py")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--path", required=True)
-    p.add_argument("--bodies", required=True, help="a file with one request body per line")
-    p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--stream", action="store_true")
-    p.add_argument("--record-gaps", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0)
-    args = p.parse_args(argv)
-    with open(args.bodies, "rb") as f:
-        bodies = f.read().splitlines()
-    cpu0 = _cpu()
-    results = asyncio.run(_run(args, bodies))
-    json.dump({"cpu": _cpu() - cpu0, "results": results}, sys.stdout)
-    return 0
+    args = parse_args("python bench/_aiohttp_load.py", argv)
+    bodies = read_bodies(args.bodies)
+    return report(lambda: _run(args, bodies))
 
 
 if __name__ == "__main__":

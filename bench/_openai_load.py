@@ -19,16 +19,11 @@ dependency of epd_trio. Standard library and openai only. Input: one request bod
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import os
 import sys
 import time
 
-
-def _cpu() -> float:
-    times = os.times()
-    return times.user + times.system
+from _client_process import parse_args, read_bodies, report, run_workers
 
 
 async def _one(client, body: dict, index: int, record_gaps: bool) -> dict:
@@ -75,40 +70,22 @@ async def _one(client, body: dict, index: int, record_gaps: bool) -> dict:
 async def _run(args: argparse.Namespace, bodies: list[dict]) -> list[dict]:
     import openai
 
-    results: list[dict] = []
-    next_index = iter(range(len(bodies)))
     async with openai.AsyncOpenAI(base_url=f"http://{args.host}:{args.port}/v1",
                                   api_key="unused", max_retries=0,
                                   timeout=args.timeout) as client:
-
-        async def worker() -> None:
-            for index in next_index:
-                results.append(await _one(client, bodies[index], index, args.record_gaps))
-
-        await asyncio.gather(*(worker() for _ in range(min(args.concurrency, len(bodies)))))
-    return sorted(results, key=lambda r: r["index"])
+        return await run_workers(
+            lambda index: _one(client, bodies[index], index, args.record_gaps),
+            len(bodies), args.concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/_openai_load.py")
-    p.add_argument("--host", required=True)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--path", default="/v1/chat/completions",
-                   help="only the chat endpoint: the SDK names its own paths")
-    p.add_argument("--bodies", required=True, help="a file with one request body per line")
-    p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--stream", action="store_true", help="(each body says so itself)")
-    p.add_argument("--record-gaps", action="store_true")
-    p.add_argument("--timeout", type=float, default=120.0)
-    args = p.parse_args(argv)
+    # The SDK names its own path, and each body says whether it streams: --path must be the
+    # chat endpoint, and --stream is taken from the bodies.
+    args = parse_args("python bench/_openai_load.py", argv)
     if args.path != "/v1/chat/completions":
-        p.error("--path: the OpenAI client loads /v1/chat/completions only")
-    with open(args.bodies, "rb") as f:
-        bodies = [json.loads(line) for line in f.read().splitlines()]
-    cpu0 = _cpu()
-    results = asyncio.run(_run(args, bodies))
-    json.dump({"cpu": _cpu() - cpu0, "results": results}, sys.stdout)
-    return 0
+        sys.exit("--path: the OpenAI client loads /v1/chat/completions only")
+    bodies = [json.loads(line) for line in read_bodies(args.bodies)]
+    return report(lambda: _run(args, bodies))
 
 
 if __name__ == "__main__":
