@@ -8,10 +8,10 @@ one connector with ``limit=concurrency`` (so each task keeps its connection aliv
 
 It runs as a separate process under a Python that has aiohttp (``--aiohttp-python``; by default
 the EPD proxy's reference venv, which has it): aiohttp is no dependency of epd_trio. Standard
-library, aiohttp and ``_client_process`` (its neighbour) only, so it runs in that venv. Input: one request body per line in
-``--bodies``. Output on stdout: one JSON object, ``{"cpu": seconds, "results": [...]}``, each
-result with the fields of ``bench._load.Result``; ``cpu`` is this process's CPU during the load
-only (its start-up and imports excluded).
+library, aiohttp and ``_client_process`` (its neighbour) only, so it runs in that venv.
+Input: one request body per line in ``--bodies``. Output on stdout: one JSON object,
+``{"cpu": seconds, "results": [...]}``, each result with the fields of ``bench._load.Result``;
+``cpu`` is this process's CPU during the load only (its start-up and imports excluded).
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ keeps a pooled connection alive), no retries (a retry would hide a failure).
 It runs as a separate process under a Python that has the SDK (``--openai-python``; by default
 ``~/.cache/epd-refs/openai-venv``, which ``bench/install_references.sh`` makes): the SDK is no
 dependency of epd_trio. Standard library, openai and ``_client_process`` (its neighbour) only.
-Input: one request body per line in ``--bodies`` (its fields become the call's arguments). Output on stdout: one JSON object,
-``{"cpu": seconds, "results": [...]}``, each result with the fields of ``bench._load.Result``;
-``cpu`` is this process's CPU during the load only (its start-up and imports excluded).
+Input: one request body per line in ``--bodies`` (its fields become the call's arguments).
+Output on stdout: one JSON object, ``{"cpu": seconds, "results": [...]}``, each result with the
+fields of ``bench._load.Result``; ``cpu`` is this process's CPU during the load only (its
+start-up and imports excluded).
 ``size`` is 0: the SDK hands over parsed objects, not bytes.
 """
 
