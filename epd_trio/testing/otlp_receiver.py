@@ -134,6 +134,10 @@ class OtlpReceiver:
                                         daemon=True)
 
     @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
     def endpoint(self) -> str:
         """The base URL to give as ``OTEL_EXPORTER_OTLP_ENDPOINT``."""
         host, port = self._server.server_address[:2]

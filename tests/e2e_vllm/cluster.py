@@ -40,6 +40,13 @@ import httpx
 from .processes import alive, free_ports, start_ticks, stop_tree, tail
 from .provision import VLLM_CLI, Home, Log, ensure_model, ensure_venv
 
+#: Where every server exports its traces (``--otlp-traces-endpoint``): OTLP over HTTP/protobuf
+#: (vLLM 0.32 speaks gRPC unless told), in batches every 0.5 s. A test session listens on the
+#: cluster's ``traces_port`` (``epd_trio.testing.otlp_receiver``); while nothing does, vLLM's
+#: exporter drops its batches, which costs the servers nothing else.
+TRACES_PATH = "/v1/traces"
+TRACE_ENV = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "500"}
+
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
 #: The servers' context length: a prompt over it is a 400 (one of the tests). Long enough that a
@@ -95,6 +102,9 @@ class Cluster:
     ec_dir: str | None
     #: Started by this process: lifeline attached, stopped when the owner is done with it.
     owned: bool = True
+    #: The loopback port every server sends its traces to (None: a cluster recorded before
+    #: the servers exported traces).
+    traces_port: int | None = None
     #: Servers stopped on purpose (``stop([name])``), for ``restart`` to bring back.
     stopped: set[str] = field(default_factory=set)
     #: The lifeline pipe (write end kept here, read end inherited by each server).
@@ -128,6 +138,10 @@ class Cluster:
         server = self.servers[name]
         shutil.rmtree(server.tmpdir, ignore_errors=True)
         env = self.home.server_env(Path(server.tmpdir))
+        trace_args: list[str] = []
+        if self.traces_port is not None:
+            env.update(TRACE_ENV)
+            trace_args = ["--otlp-traces-endpoint", f"http://{HOST}:{self.traces_port}{TRACES_PATH}"]
         if server.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(server.nixl_port)
         pass_fds: tuple[int, ...] = ()
@@ -140,7 +154,7 @@ class Cluster:
                "--host", HOST, "--port", str(server.port), "--served-model-name", MODEL_NAME,
                "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "bfloat16",
                "--max-num-seqs", "8", "--enforce-eager", "--distributed-executor-backend", "uni",
-               "--enable-request-id-headers", *server.args]
+               "--enable-request-id-headers", *trace_args, *server.args]
         with open(server.log, "wb") as log:
             process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                        env=env, start_new_session=True, pass_fds=pass_fds)
@@ -236,6 +250,7 @@ class Cluster:
     # -- state ---------------------------------------------------------------------------------
     def save(self) -> None:
         state = {"layout": self.layout, "model": self.model, "ec_dir": self.ec_dir,
+                 "traces_port": self.traces_port,
                  # A test session's cluster names its owner: another session must neither
                  # share it nor stop it (a cluster from ``cluster start`` has none: shared).
                  "owner_pid": os.getpid() if self.owned else None,
@@ -247,6 +262,8 @@ class Cluster:
                           for n, s in self.servers.items())
         lines = [f"# {self.layout} cluster, model tiny-{self.model} (served as {MODEL_NAME!r}), "
                  f"home {self.home.root}", f"# ports: {ports}"]
+        if self.traces_port is not None:
+            lines.append(f"# traces: OTLP/HTTP to http://{HOST}:{self.traces_port}{TRACES_PATH}")
         if self.ec_dir:
             lines.append(f"# encoder cache: {self.ec_dir}/<item uuid>/")
         lines += [f"{k}={v}" for k, v in self.urls_env().items()]
@@ -282,9 +299,14 @@ def _provisioning(home: Home) -> Iterator[None]:
         yield
 
 
-def _plan(home: Home, layout: str, model: str, *, owned: bool) -> Cluster:
+def _plan(home: Home, layout: str, model: str, *, owned: bool,
+          traces_port: int | None = None) -> Cluster:
+    """The servers of ``layout`` on free ports; ``traces_port`` where they send their traces
+    (default: a free port too, for a receiver started later)."""
     roles = LAYOUTS[layout]
-    ports = free_ports(len(roles) + 2)  # an HTTP port per server, a NIXL port for P and D
+    # An HTTP port per server, a NIXL port for P and D, and the traces port.
+    *ports, free_traces_port = free_ports(len(roles) + 3)
+    traces_port = traces_port or free_traces_port
     nixl = dict(zip(("prefill", "decode"), ports[len(roles):], strict=True))
     run = home.run
     ec_dir = str(run / "ec-cache") if layout == "epd" else None
@@ -309,7 +331,7 @@ def _plan(home: Home, layout: str, model: str, *, owned: bool) -> Cluster:
                      tmpdir=str(run / "tmp" / role), nixl_port=nixl.get(role))
         for role, port in zip(roles, ports, strict=False)
     }
-    return Cluster(home, layout, model, servers, ec_dir, owned=owned)
+    return Cluster(home, layout, model, servers, ec_dir, owned=owned, traces_port=traces_port)
 
 
 def recorded_cluster(home: Home) -> Cluster | None:
@@ -324,7 +346,8 @@ def recorded_cluster(home: Home) -> Cluster | None:
             f"another test session (pid {owner}) is using the real-vLLM cluster in {home.root}; "
             "wait for it, or give this one its own EPD_E2E_HOME (and EPD_E2E_VENV to share the venv)")
     servers = {name: Server(**s) for name, s in state["servers"].items()}
-    return Cluster(home, state["layout"], state["model"], servers, state["ec_dir"], owned=False)
+    return Cluster(home, state["layout"], state["model"], servers, state["ec_dir"], owned=False,
+                   traces_port=state.get("traces_port"))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -338,8 +361,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | None = None,
-                  owned: bool = True, log: Log = print) -> Cluster:
+                  owned: bool = True, log: Log = print, traces_port: int | None = None) -> Cluster:
     """Provision (venv, model), start the servers, wait until healthy; retry once on failure.
+
+    ``traces_port``: where the servers send their traces (a receiver already listening there).
 
     Raises ``ClusterError`` with the servers' log tails when both attempts fail, after stopping
     everything it started. ``owned`` ties the servers to this process (lifeline).
@@ -359,7 +384,7 @@ def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | No
             recorded.stop()  # a server of it died: stop what is left and forget it
         failures = []
         for attempt in range(1, START_ATTEMPTS + 1):
-            cluster = _plan(home, layout, model, owned=owned)
+            cluster = _plan(home, layout, model, owned=owned, traces_port=traces_port)
             cluster.clear_encoder_cache()
             started = time.monotonic()
             try:

@@ -15,10 +15,19 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import httpx
 import pytest
 
+from epd_trio.testing.otlp_receiver import OtlpReceiver
+
 from .cluster import Cluster, recorded_cluster, start_cluster
 from .provision import Home
 
 _OBSERVED = pytest.StashKey[list[str]]()
+#: Tests that stop one of the session's servers on purpose: they run after every other test,
+#: whatever file they are in, since bringing the server back costs a vLLM start-up.
+STOPS_A_SERVER = ("test_encoder_stopped_fails_media_cleanly_and_text_still_works",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.name in STOPS_A_SERVER)  # stable: the rest keep their order
 
 
 def _say(config: pytest.Config) -> Callable[[str], None]:
@@ -33,21 +42,41 @@ def _say(config: pytest.Config) -> Callable[[str], None]:
 
 
 @pytest.fixture(scope="session")
-def vllm_cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+def vllm_session(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, OtlpReceiver]]:
+    """The cluster, and the OTLP receiver its servers export their traces to (listening
+    before they start, so that no span of the session is dropped)."""
     say = _say(request.config)
     home = Home.from_env()
     recorded = recorded_cluster(home)
     if recorded is not None and not recorded.healthy():
         say(f"using the cluster already running in {home.root} (left running)")
-        yield recorded
+        with OtlpReceiver(port=recorded.traces_port or 0) as receiver:
+            yield recorded, receiver
         return
-    cluster = start_cluster("epd", "vision", home=home, owned=True, log=say)
-    say(cluster.describe().replace("\n", "\n[vllm-e2e] "))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
-        say("cluster stopped")
+    with OtlpReceiver() as receiver:
+        cluster = start_cluster("epd", "vision", home=home, owned=True, log=say,
+                                traces_port=receiver.port)
+        say(cluster.describe().replace("\n", "\n[vllm-e2e] "))
+        try:
+            yield cluster, receiver
+        finally:
+            cluster.stop()
+            say("cluster stopped")
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(vllm_session: tuple[Cluster, OtlpReceiver]) -> Cluster:
+    return vllm_session[0]
+
+
+@pytest.fixture
+def vllm_spans(vllm_session: tuple[Cluster, OtlpReceiver]) -> OtlpReceiver:
+    """What the cluster's servers exported of their traces (vLLM's ``llm_request`` spans)."""
+    cluster, receiver = vllm_session
+    assert cluster.traces_port == receiver.port, (
+        f"the cluster running in {cluster.home.root} was started without traces: stop it "
+        "(python -m tests.e2e_vllm.cluster stop) and start it again")
+    return receiver
 
 
 @pytest.fixture
