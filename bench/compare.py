@@ -586,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     print(render(report))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            # default=sorted: the CPU sets of --proxy-cpus / --rest-cpus, as lists
+            json.dump(report, f, indent=1, default=sorted)
         print(f"report written to {args.json}")
     failed = any(r["ok"] != r["requests"] for rnd in report["rounds"] for r in rnd.values())
     return 1 if failed else 0

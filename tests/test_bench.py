@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -214,16 +215,21 @@ def test_references_are_skipped_with_a_reason(tmp_path: Path) -> None:
 
 async def test_compare_runs_epd_trio_and_direct_side_by_side(tmp_path: Path) -> None:
     report_path = tmp_path / "compare.json"
+    # Pinned to the CPUs this test may use anyway: the pinning, and its sets in the report.
+    cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     with trio.fail_after(120):
         result = await trio.run_process(
             [sys.executable, "-m", "bench.compare", "--peers", "epd_trio,direct", "--stream",
              "--requests", "20", "--concurrency", "4", "--max-tokens", "5", "--rounds", "1",
-             "--warmup", "4", "--quiet", "--json", str(report_path)],
+             "--warmup", "4", "--quiet", "--json", str(report_path),
+             "--proxy-cpus", cpus, "--rest-cpus", cpus],
             capture_stdout=True, capture_stderr=True, check=False)
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
     assert "epd_trio / direct (per round):" in out
-    (by_peer,) = json.loads(report_path.read_text())["rounds"]
+    report = json.loads(report_path.read_text())
+    assert report["config"]["proxy_cpus"] == sorted(os.sched_getaffinity(0))
+    (by_peer,) = report["rounds"]
     assert by_peer["epd_trio"]["ok"] == 20 and by_peer["direct"]["ok"] == 20
     assert by_peer["epd_trio"]["proxy_cpu_us_per_token"] > 0
     assert by_peer["epd_trio"]["events_per_request"] == 6  # the role chunk and 5 tokens
