@@ -100,6 +100,8 @@ class Leg:
             self._released = True
             self._state.in_flight -= 1
             self._counts.in_flight.dec()
+            if self.held:  # a relayed stream is over: its span ends now, not at its first bytes
+                self._attempt.ended = time.perf_counter()
 
     def client_left(self) -> None:
         """The client left while this leg's stream was relayed to it."""

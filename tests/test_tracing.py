@@ -229,9 +229,33 @@ async def test_tracing_off_forwards_the_client_context_to_every_leg(
                 assert "traceparent" not in leg.headers and "tracestate" not in leg.headers
 
 
+#: Seconds between two tokens of a fake decode whose stream's end must show in its span.
+TOKEN_GAP = 0.05
+
+
+def first_byte_ns(server: Any) -> int:
+    """When the proxy had the reply's first bytes, on the spans' clock."""
+    return server.start_time + int(server.attributes["gen_ai.latency.time_to_first_token"] * 1e9)
+
+
+def assert_ends_with_its_stream(decode: Any, server: Any, gaps: int) -> None:
+    """The decode span lasted until its stream was over, not only until its first bytes.
+
+    The fake waited ``TOKEN_GAP`` before each of ``gaps`` frames after its first, so the last
+    of them reached the proxy at least ``gaps * TOKEN_GAP`` after the request arrived (no
+    tolerance needed: a span's times are the proxy's ``perf_counter``, which ``trio.sleep``
+    waits on). Ended at the first bytes, the span would end before the reply's first bytes."""
+    assert decode.end_time >= server.start_time + int(gaps * TOKEN_GAP * 1e9)
+    assert decode.end_time > first_byte_ns(server) + int(gaps * TOKEN_GAP * 1e9) // 2
+    # Released with the request's resources, right before the SERVER span ends.
+    assert 0 <= server.end_time - decode.end_time < int(TOKEN_GAP * 1e9)
+
+
 async def test_the_span_tree_of_an_epd_request(client: httpx.AsyncClient) -> None:
     tracing, exporter = in_memory()
     async with run_cluster(encoders=2, prefills=1, decodes=1, decode_dp=2, tracing=tracing) as c:
+        # Tokens spaced out: the stream's end is well after its first byte.
+        c.decodes[0].behaviour = Behaviour(chunk_delay=TOKEN_GAP)
         body = chat_body(image(1), image(2), stream=True,
                          stream_options={"include_usage": True})
         r = await client.post(c.proxy_url + CHAT, json=body,
@@ -283,8 +307,9 @@ async def test_the_span_tree_of_an_epd_request(client: httpx.AsyncClient) -> Non
         assert decode.attributes["url.full"] == c.decodes[0].url + CHAT
         assert decode.attributes["server.address"] == "127.0.0.1"
         assert decode.attributes["server.port"] == int(c.decodes[0].url.rsplit(":", 1)[1])
-        # The decode span lasts until the stream ended, not only until its first byte.
-        assert decode.end_time >= legs[2].end_time
+        # The decode span lasts until the stream ended, not only until its first byte: the
+        # role chunk, 5 words, the finish chunk, the usage and [DONE], spaced by TOKEN_GAP.
+        assert_ends_with_its_stream(decode, server, gaps=8)
         # A new trace when the client sends none: legs still name their own spans.
         exporter.clear()
         await client.post(c.proxy_url + "/v1/completions",
@@ -359,21 +384,25 @@ async def test_a_client_gone_mid_stream_ends_the_decode_span_as_client_gone(
     tracing, exporter = in_memory()
     async with run_cluster(prefills=1, decodes=1, tracing=tracing) as c:
         (decode,) = c.decodes
-        decode.behaviour = Behaviour(chunk_delay=3600)  # the first chunk, then silence
-        first_byte = trio.Event()
+        # Tokens spaced out; the client leaves after the second, long before the last.
+        decode.behaviour = Behaviour(chunk_delay=TOKEN_GAP, tokens=10**6)
+        second_token = trio.Event()
 
         async def request(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
             with trio.CancelScope() as scope:
                 task_status.started(scope)
                 async with client.stream("POST", c.proxy_url + CHAT,
-                                         json=chat_body(stream=True)) as r:
-                    async for _ in r.aiter_raw():
-                        first_byte.set()
+                                         json=chat_body(stream=True, max_tokens=10**6)) as r:
+                    events = 0
+                    async for chunk in r.aiter_raw():
+                        events += chunk.count(b"data: ")
+                        if events >= 2:
+                            second_token.set()
 
         async with trio.open_nursery() as nursery:
             scope = await nursery.start(request)
             with trio.fail_after(10):
-                await first_byte.wait()
+                await second_token.wait()
                 scope.cancel()
                 await decode.wait_until(lambda: decode.disconnects == 1)
         await trio.testing.wait_all_tasks_blocked()
@@ -384,6 +413,26 @@ async def test_a_client_gone_mid_stream_ends_the_decode_span_as_client_gone(
         assert server.attributes["epd_trio.outcome"] == "cancelled"
         assert server.attributes["epd_trio.cancelled_stage"] == "decode"
         assert "gen_ai.latency.time_to_first_token" in server.attributes
+        # The span lasts until the client left (after the second frame), not its first byte.
+        assert_ends_with_its_stream(decode_span, server, gaps=1)
+
+
+async def test_a_stream_broken_mid_way_ends_the_decode_span_when_it_broke(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_cluster(prefills=1, decodes=1, tracing=tracing) as c:
+        c.decodes[0].behaviour = Behaviour(chunk_delay=TOKEN_GAP, break_after=4)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+        assert r.status_code == 200 and b'"error"' in r.content
+        await trio.testing.wait_all_tasks_blocked()
+        server, (prefill, decode) = tree(exporter)
+        assert prefill.attributes["epd_trio.outcome"] == "ok"
+        assert decode.attributes["epd_trio.outcome"] == "stream_error"
+        assert decode.status.status_code is StatusCode.ERROR
+        assert server.attributes["epd_trio.outcome"] == "stream_error"
+        # Frames 0 to 3 were sent, the last of them 3 gaps after the first; then it broke.
+        assert_ends_with_its_stream(decode, server, gaps=3)
 
 
 async def test_an_unsampled_request_records_nothing_and_forwards_its_context(

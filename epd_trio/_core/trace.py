@@ -49,6 +49,11 @@ class Attempt:
     stream_error: bool = False
     #: A relayed stream whose client left before it ended.
     client_gone: bool = False
+    #: ``time.perf_counter()`` when a relayed stream was over (its last byte relayed, its
+    #: client gone, or it broke): the end of its span. None for any other call, which ends at
+    #: ``started + seconds`` (``seconds`` keeps measuring the first bytes, as the latency
+    #: metric and the decode timeout do).
+    ended: float | None = None
 
 
 @dataclass(slots=True, eq=False)
