@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from epd_trio._core.config import ConfigError
-from epd_trio._core.trace import Attempt, RequestTrace
+from epd_trio._core.trace import Attempt, AttemptNumbers, RequestTrace
 from epd_trio._core.tracing import (
     DEFAULT_RATIO,
     TracingSettings,
@@ -40,7 +40,7 @@ from epd_trio._core.tracing import (
 )
 from epd_trio._tracing import OtelTracing, Tracing, create_tracing
 from epd_trio.testing import Behaviour
-from epd_trio.testing.cluster import run_cluster
+from epd_trio.testing.cluster import run_cluster, run_moriio_cluster
 from epd_trio.testing.otlp_receiver import OtlpReceiver
 from epd_trio.testing.process import read_url
 
@@ -348,6 +348,80 @@ async def test_a_failover_shows_as_two_attempts(client: httpx.AsyncClient) -> No
         assert second.attributes["http.request.resend_count"] == 1
         assert second.attributes["epd_trio.outcome"] == "ok"
         assert first.attributes["epd_trio.upstream"] != second.attributes["epd_trio.upstream"]
+        assert server.attributes["epd_trio.retries"] == 1
+
+
+def test_attempt_numbers_count_the_tries_of_each_stage() -> None:
+    """A leg's number is how many times its stage was tried for the request (see
+    ``AttemptNumbers``): the encoder sub-requests sent together are one try."""
+    numbers = AttemptNumbers()
+    assert [numbers.take("encode"), numbers.take("encode")] == [1, 1]  # two sub-requests
+    numbers.failed_over("encode", 1)  # the second failed over
+    assert numbers.take("encode") == 2
+    numbers.encoded()
+    assert [numbers.take("prefill"), numbers.take("prefill")] == [1, 2]  # a prefill failover
+    numbers.failed_over("prefill", 2)  # changes nothing: one call per try
+    assert numbers.take("decode") == 1
+    # A decode retry re-runs the request: encode and prefill are tried once more each.
+    assert [numbers.take("encode"), numbers.take("encode")] == [3, 3]
+    numbers.encoded()
+    assert [numbers.take("prefill"), numbers.take("decode")] == [3, 2]
+
+
+def numbered(legs: list[Any]) -> dict[str, list[tuple[int, int, str]]]:
+    """Per stage, each leg's (attempt, resend count, outcome), in start order."""
+    by_stage: dict[str, list[tuple[int, int, str]]] = {}
+    for leg in legs:
+        a = leg.attributes
+        by_stage.setdefault(leg.name, []).append(
+            (a["epd_trio.attempt"], a["http.request.resend_count"], a["epd_trio.outcome"]))
+    return by_stage
+
+
+def fails_once_then_clears(fakes: list[Any]) -> None:
+    """Whichever of ``fakes`` is called first answers 503 once, and clears the others."""
+    def clears(others: list[Any]) -> Any:
+        async def gate() -> None:
+            for other in others:
+                other.behaviour = Behaviour()
+        return gate
+
+    for fake in fakes:
+        fake.behaviour = Behaviour(fail_status=503, fail_count=1,
+                                   gate=clears([f for f in fakes if f is not fake]))
+
+
+async def test_a_decode_retry_numbers_the_re_run_prefill_and_encoders_as_their_next_try(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_cluster(encoders=2, prefills=1, decodes=2, tracing=tracing) as c:
+        fails_once_then_clears(c.decodes)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(image(1), image(2)))
+        assert r.status_code == 200
+        await trio.testing.wait_all_tasks_blocked()
+        server, legs = tree(exporter)
+        assert numbered(legs) == {
+            "encode": [(1, 0, "ok"), (1, 0, "ok"), (2, 1, "ok"), (2, 1, "ok")],
+            "prefill": [(1, 0, "ok"), (2, 1, "ok")],
+            "decode": [(1, 0, "error"), (2, 1, "ok")],
+        }
+        assert server.attributes["epd_trio.retries"] == 1
+
+
+async def test_a_moriio_write_prefill_failover_numbers_the_re_run_decode_as_attempt_2(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_moriio_cluster(mode="WRITE", prefills=2, tracing=tracing) as c:
+        fails_once_then_clears(c.prefills)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200, r.text
+        await trio.testing.wait_all_tasks_blocked()
+        server, legs = tree(exporter)
+        # The two legs of an attempt run at once; the failed prefill cancelled its decode.
+        assert numbered(legs) == {"prefill": [(1, 0, "error"), (2, 1, "ok")],
+                                  "decode": [(1, 0, "cancelled"), (2, 1, "ok")]}
         assert server.attributes["epd_trio.retries"] == 1
 
 
