@@ -126,6 +126,45 @@ def test_off_by_default() -> None:
     assert isinstance(create_tracing(ENDPOINT), OtelTracing)
 
 
+#: Run in a fresh interpreter: the app module built from the environment, then a proxy in
+#: front of a fake decode serving a request that carries a client ``traceparent``; prints the
+#: OpenTelemetry modules loaded by then.
+NO_OTEL_SCRIPT = """
+import sys
+
+import httpx
+import trio
+
+import epd_trio.__main__
+import epd_trio.app
+from epd_trio.testing import run_cluster
+
+async def one_request():
+    async with run_cluster(prefills=1, decodes=1) as c, httpx.AsyncClient(trust_env=False) as client:
+        r = await client.post(c.proxy_url + "/v1/chat/completions", headers={"traceparent": sys.argv[1]},
+                              json={"model": "fake-model", "max_tokens": 2, "stream": True,
+                                    "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\\n\\n"), r.text
+        assert c.decodes[0].requests()[0].headers["traceparent"] == sys.argv[1]
+
+trio.run(one_request)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
+"""
+
+
+@pytest.mark.parametrize("switch", [{}, {**ENDPOINT, "OTEL_SDK_DISABLED": "true"}])
+def test_tracing_off_never_imports_opentelemetry(switch: dict[str, str]) -> None:
+    """The SDK is an optional extra, and this venv has it: a top-level import of it anywhere
+    on the serving path would go unnoticed by every other test, and cost each proxy start-up
+    (and break one installed without the extra). Here nothing of it may be loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({**switch, "EPD_DECODE_URLS": "http://127.0.0.1:9"})
+    done = subprocess.run([sys.executable, "-c", NO_OTEL_SCRIPT, CLIENT["traceparent"]],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 # -- the trace context ----------------------------------------------------------------------------
 @pytest.mark.parametrize("value", [
     None, "", "garbage", f"00-{TRACE_ID}-{CLIENT_SPAN}",  # too short
