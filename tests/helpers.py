@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -47,6 +48,13 @@ async def open_stuck_stream(url: str) -> trio.SocketStream:
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     return stuck
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
 
 
 @asynccontextmanager

@@ -26,7 +26,7 @@ import trio
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_url
 
-from helpers import CHAT, chat_body, image, start_fakes
+from helpers import CHAT, chat_body, image, slug, start_fakes
 from real_servers import require_binary
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,6 +107,12 @@ def test_the_alert_rules_pass_their_unit_tests() -> None:
     assert "SUCCESS" in done.stdout
 
 
+def runbook_base() -> str:
+    """The one base every ``runbook_url`` starts with (the rules file's ``# runbook base:``)."""
+    (base,) = re.findall(r"^# runbook base: (\S+)$", RULES.read_text(), flags=re.MULTILINE)
+    return base
+
+
 def test_every_alert_has_a_firing_and_a_silent_case_a_severity_and_a_runbook() -> None:
     text = RULE_TESTS.read_text()
     firing = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels", text))
@@ -119,7 +125,25 @@ def test_every_alert_has_a_firing_and_a_silent_case_a_severity_and_a_runbook() -
         block = rules.split(f"- alert: {name}\n", 1)[1].split("- alert:", 1)[0]
         assert re.search(r"severity: (critical|warning)\n", block), name
         assert "summary:" in block and "description:" in block, name
-        assert f"#{name.lower()}" in block and f"### {name}\n" in runbook, name
+        assert f'runbook_url: "{runbook_base()}#{slug(name)}"' in block, name
+        assert f"### {name}\n" in runbook, name
+
+
+def test_every_runbook_url_is_absolute_from_the_one_base_and_names_a_runbook_section() -> None:
+    """Alertmanager and Grafana show a ``runbook_url`` as a link: a path relative to this
+    repository leads nowhere there. One base, which an operator points at their copy of the
+    docs; the anchors are the observability page's sections."""
+    base = runbook_base()
+    assert base.startswith("https://") and "#" not in base
+    page = (ROOT / "docs" / "how-to" / "observability.md").read_text()
+    sections = {slug(h) for h in re.findall(r"^#{2,6}\s+(.*)$", page, flags=re.MULTILINE)}
+    for path in (RULES, RULE_TESTS, KUBERNETES):  # the unit tests expect the same URLs
+        urls = re.findall(r"runbook_url: (.*)$", path.read_text(), flags=re.MULTILINE)
+        assert len(urls) == len(alert_names()), path
+        for url in urls:
+            url = url.strip('"')
+            assert url.startswith(base + "#"), (path, url)
+            assert url.removeprefix(base + "#") in sections, (path, url)
 
 
 # -- the dashboard ----------------------------------------------------------------------------------
