@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+import yaml
 
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_url
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 RULES = DEPLOY / "prometheus" / "epd-trio-alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "epd-trio-alerts.test.yml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "epd-trio.json"
 
 
@@ -251,10 +253,27 @@ def test_the_kubernetes_objects_are_generated_and_carry_the_checked_files(tmp_pa
     done = subprocess.run([sys.executable, str(DEPLOY / "kubernetes" / "generate.py"), "--check",
                            str(KUBERNETES)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    config_map, rule = KUBERNETES.read_text().split("\n---\n")
+    text = KUBERNETES.read_text()
+    config_map, rule, monitor = text.split("\n---\n")
+    assert [o["kind"] for o in yaml.safe_load_all(text)] == [
+        "ConfigMap", "PrometheusRule", "ServiceMonitor"]
     dashboard = config_map.split("  epd-trio.json: |\n", 1)[1]
     assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())
     assert "kind: PrometheusRule" in rule
+    # The ServiceMonitor scrapes /metrics under the job name the rules select.
+    scrape = yaml.safe_load(monitor)
+    assert scrape["apiVersion"] == "monitoring.coreos.com/v1"
+    assert scrape["spec"]["selector"]["matchLabels"]
+    (endpoint,) = scrape["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"]
+    (job,) = set(re.findall(r'job="([^"]+)"', RULES.read_text()))
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "targetLabel": "job", "replacement": job}]
+    assert job == yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"][0]["job_name"]
+    # The Kubernetes how-to shows it as generated.
+    page = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    shown = page.split("\n---\napiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\n", 1)[1]
+    assert "kind: ServiceMonitor\n" + shown.split("```", 1)[0] == monitor.split("\n", 1)[1]
     groups = "\n".join(line[2:] for line in rule.split("spec:\n", 1)[1].splitlines())
     (tmp_path / "rules.yml").write_text(groups + "\n")
     checked = promtool("check", "rules", str(tmp_path / "rules.yml"))
