@@ -26,7 +26,7 @@ from ._core.errors import ProxyError, UpstreamError, UpstreamStatusError
 from ._core.failover import Slot, is_retryable
 from ._core.health import InstanceState, Registry
 from ._core.routing import Instance
-from ._core.trace import Attempt, RequestTrace, outcome_of
+from ._core.trace import Attempt, AttemptNumbers, RequestTrace, outcome_of
 from ._core.tracing import usage_of
 from ._metrics import ProxyMetrics
 from ._request_log import log_request, log_retry, log_stream_failure, log_upstream_failure
@@ -100,6 +100,8 @@ class Leg:
             self._released = True
             self._state.in_flight -= 1
             self._counts.in_flight.dec()
+            if self.held:  # a relayed stream is over: its span ends now, not at its first bytes
+                self._attempt.ended = time.perf_counter()
 
     def client_left(self) -> None:
         """The client left while this leg's stream was relayed to it."""
@@ -118,15 +120,15 @@ class Leg:
 class RequestAccount:
     """One client request's accounting (a ``LegObserver`` for the stages)."""
 
-    __slots__ = ("_next_number", "acc", "spans", "trace")
+    __slots__ = ("_numbers", "acc", "spans", "trace")
 
     def __init__(self, acc: Accounting, trace: RequestTrace, spans: RequestSpans) -> None:
         self.acc = acc
         self.trace = trace
         #: The request's spans (or, tracing off, the trace headers its legs forward).
         self.spans = spans
-        #: The attempt number of a stage's next leg, set by ``retried`` (failovers show).
-        self._next_number: dict[str, int] = {}
+        #: Each leg's attempt number (failovers and re-runs show in its span).
+        self._numbers = AttemptNumbers()
 
     @contextmanager
     def leg(self, stage: str, slot: Slot) -> Iterator[Leg]:
@@ -141,9 +143,7 @@ class RequestAccount:
         counts.in_flight.inc()
         if rank is not None:
             acc.metrics.rank(counts, stage, url, rank).inc()
-        attempt = Attempt(stage, url, rank, time.perf_counter())
-        if self._next_number:
-            attempt.number = self._next_number.pop(stage, 1)
+        attempt = Attempt(stage, url, rank, time.perf_counter(), number=self._numbers.take(stage))
         self.trace.attempts.append(attempt)
         leg = Leg(self, state, counts, attempt, self.spans.leg_headers(attempt))
         outcome = "cancelled"
@@ -176,7 +176,7 @@ class RequestAccount:
         trace.retries += 1
         for attempt in reversed(trace.attempts):
             if attempt.stage == stage and attempt.instance == error.instance:
-                self._next_number[stage] = attempt.number + 1
+                self._numbers.failed_over(stage, attempt.number)
                 break
         log_retry(trace, stage, instance, error)
 
@@ -193,6 +193,7 @@ class RequestAccount:
 
     def encoded(self, calls: Iterable[Any]) -> None:
         """The encode stage succeeded: count each ``EncoderCall``'s items at its encoder."""
+        self._numbers.encoded()
         for call in calls:
             self.acc.metrics.encoded(call.instance.url, len(call.item_indices))
 

@@ -271,7 +271,9 @@ class _Recording:
             span.set_attributes(attributes)
             if attributes["epd_trio.outcome"] in ("error", "stream_error"):
                 span.set_status(error)
-            end = finished if attempt.seconds is None else attempt.started + attempt.seconds
+            end = attempt.ended
+            if end is None:
+                end = finished if attempt.seconds is None else attempt.started + attempt.seconds
             span.end(end_time=offset + int(end * 1e9))
         span = self._span
         span.set_attributes(request_attributes(trace))

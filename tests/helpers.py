@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -45,6 +48,29 @@ async def open_stuck_stream(url: str) -> trio.SocketStream:
         b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
         b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
     return stuck
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+@asynccontextmanager
+async def hold_admission_places(url: str, count: int) -> AsyncIterator[None]:
+    """``count`` chat requests at ``url`` that send their headers and never their body: each
+    holds an admission place (taken before the body is read) until the block ends and its
+    connection closes."""
+    parts = urlsplit(url)
+    async with AsyncExitStack() as held:
+        for _ in range(count):
+            stream = await held.enter_async_context(
+                await trio.open_tcp_stream(parts.hostname, parts.port))
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                                  b"content-type: application/json\r\ncontent-length: 100"
+                                  b"\r\n\r\n{")
+        yield
 
 
 class Samples:

@@ -38,6 +38,7 @@ import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
 from epd_trio.testing import run_cluster
 
+from helpers import slug
 from real_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,13 +115,6 @@ def table_rows(page: Path) -> list[list[str]]:
 
 def code_spans(cell: str) -> list[str]:
     return re.findall(r"`([^`]+)`", cell)
-
-
-def slug(heading: str) -> str:
-    """GitHub's anchor for a heading."""
-    text = heading.strip().lower().replace("`", "")
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
 
 
 def anchors(page: Path) -> set[str]:

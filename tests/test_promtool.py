@@ -10,7 +10,9 @@ tools come from Debian's ``prometheus`` package (``tests/real_servers.require_bi
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -20,17 +22,19 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+import yaml
 
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_url
 
-from helpers import CHAT, chat_body, image, start_fakes
+from helpers import CHAT, chat_body, image, slug, start_fakes
 from real_servers import require_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 RULES = DEPLOY / "prometheus" / "epd-trio-alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "epd-trio-alerts.test.yml"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 DASHBOARD = DEPLOY / "grafana" / "epd-trio.json"
 
 
@@ -105,6 +109,12 @@ def test_the_alert_rules_pass_their_unit_tests() -> None:
     assert "SUCCESS" in done.stdout
 
 
+def runbook_base() -> str:
+    """The one base every ``runbook_url`` starts with (the rules file's ``# runbook base:``)."""
+    (base,) = re.findall(r"^# runbook base: (\S+)$", RULES.read_text(), flags=re.MULTILINE)
+    return base
+
+
 def test_every_alert_has_a_firing_and_a_silent_case_a_severity_and_a_runbook() -> None:
     text = RULE_TESTS.read_text()
     firing = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels", text))
@@ -117,7 +127,25 @@ def test_every_alert_has_a_firing_and_a_silent_case_a_severity_and_a_runbook() -
         block = rules.split(f"- alert: {name}\n", 1)[1].split("- alert:", 1)[0]
         assert re.search(r"severity: (critical|warning)\n", block), name
         assert "summary:" in block and "description:" in block, name
-        assert f"#{name.lower()}" in block and f"### {name}\n" in runbook, name
+        assert f'runbook_url: "{runbook_base()}#{slug(name)}"' in block, name
+        assert f"### {name}\n" in runbook, name
+
+
+def test_every_runbook_url_is_absolute_from_the_one_base_and_names_a_runbook_section() -> None:
+    """Alertmanager and Grafana show a ``runbook_url`` as a link: a path relative to this
+    repository leads nowhere there. One base, which an operator points at their copy of the
+    docs; the anchors are the observability page's sections."""
+    base = runbook_base()
+    assert base.startswith("https://") and "#" not in base
+    page = (ROOT / "docs" / "how-to" / "observability.md").read_text()
+    sections = {slug(h) for h in re.findall(r"^#{2,6}\s+(.*)$", page, flags=re.MULTILINE)}
+    for path in (RULES, RULE_TESTS, KUBERNETES):  # the unit tests expect the same URLs
+        urls = re.findall(r"runbook_url: (.*)$", path.read_text(), flags=re.MULTILINE)
+        assert len(urls) == len(alert_names()), path
+        for url in urls:
+            url = url.strip('"')
+            assert url.startswith(base + "#"), (path, url)
+            assert url.removeprefix(base + "#") in sections, (path, url)
 
 
 # -- the dashboard ----------------------------------------------------------------------------------
@@ -189,7 +217,7 @@ def test_the_dashboard_lint() -> None:
 async def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_real_scrape(
     nursery: trio.Nursery,
 ) -> None:
-    require_binary("promtool")
+    # No Prometheus tool here: the scrape is epd-trio serve's, in front of fakes.
     text = await live_scrape(nursery, 1)
     exported = {line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
                 if line and not line.startswith("#")}
@@ -202,6 +230,21 @@ async def test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_real_scra
     assert queried - state_only <= exported, queried - state_only - exported
 
 
+def test_the_metric_check_runs_where_prometheus_is_not_installed() -> None:
+    """It needs no promtool, so a machine without Debian's prometheus still runs it: here, in
+    CI mode (where a required binary that is missing fails the test) with a PATH that has no
+    promtool on it."""
+    name = "test_every_metric_the_dashboard_and_the_alerts_query_is_in_a_real_scrape"
+    bin_dir = Path(sys.executable).parent
+    assert shutil.which("promtool", path=str(bin_dir)) is None
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", f"tests/test_promtool.py::{name}", "-q",
+         "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PATH": str(bin_dir), "CI": "true"})
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout + done.stderr
+
+
 # -- the Kubernetes objects -------------------------------------------------------------------------
 KUBERNETES = DEPLOY / "kubernetes" / "epd-trio-observability.yml"
 
@@ -210,10 +253,27 @@ def test_the_kubernetes_objects_are_generated_and_carry_the_checked_files(tmp_pa
     done = subprocess.run([sys.executable, str(DEPLOY / "kubernetes" / "generate.py"), "--check",
                            str(KUBERNETES)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    config_map, rule = KUBERNETES.read_text().split("\n---\n")
+    text = KUBERNETES.read_text()
+    config_map, rule, monitor = text.split("\n---\n")
+    assert [o["kind"] for o in yaml.safe_load_all(text)] == [
+        "ConfigMap", "PrometheusRule", "ServiceMonitor"]
     dashboard = config_map.split("  epd-trio.json: |\n", 1)[1]
     assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())
     assert "kind: PrometheusRule" in rule
+    # The ServiceMonitor scrapes /metrics under the job name the rules select.
+    scrape = yaml.safe_load(monitor)
+    assert scrape["apiVersion"] == "monitoring.coreos.com/v1"
+    assert scrape["spec"]["selector"]["matchLabels"]
+    (endpoint,) = scrape["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"]
+    (job,) = set(re.findall(r'job="([^"]+)"', RULES.read_text()))
+    assert endpoint["relabelings"] == [
+        {"action": "replace", "targetLabel": "job", "replacement": job}]
+    assert job == yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"][0]["job_name"]
+    # The Kubernetes how-to shows it as generated.
+    page = (ROOT / "docs" / "how-to" / "kubernetes.md").read_text()
+    shown = page.split("\n---\napiVersion: monitoring.coreos.com/v1\nkind: ServiceMonitor\n", 1)[1]
+    assert "kind: ServiceMonitor\n" + shown.split("```", 1)[0] == monitor.split("\n", 1)[1]
     groups = "\n".join(line[2:] for line in rule.split("spec:\n", 1)[1].splitlines())
     (tmp_path / "rules.yml").write_text(groups + "\n")
     checked = promtool("check", "rules", str(tmp_path / "rules.yml"))

@@ -27,7 +27,7 @@ from opentelemetry.trace import SpanKind, StatusCode, get_current_span
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from epd_trio._core.config import ConfigError
-from epd_trio._core.trace import Attempt, RequestTrace
+from epd_trio._core.trace import Attempt, AttemptNumbers, RequestTrace
 from epd_trio._core.tracing import (
     DEFAULT_RATIO,
     TracingSettings,
@@ -40,7 +40,7 @@ from epd_trio._core.tracing import (
 )
 from epd_trio._tracing import OtelTracing, Tracing, create_tracing
 from epd_trio.testing import Behaviour
-from epd_trio.testing.cluster import run_cluster
+from epd_trio.testing.cluster import run_cluster, run_moriio_cluster
 from epd_trio.testing.otlp_receiver import OtlpReceiver
 from epd_trio.testing.process import read_url
 
@@ -124,6 +124,45 @@ def test_tracing_without_the_sdk_is_a_clear_start_up_error() -> None:
 def test_off_by_default() -> None:
     assert type(create_tracing({})) is Tracing
     assert isinstance(create_tracing(ENDPOINT), OtelTracing)
+
+
+#: Run in a fresh interpreter: the app module built from the environment, then a proxy in
+#: front of a fake decode serving a request that carries a client ``traceparent``; prints the
+#: OpenTelemetry modules loaded by then.
+NO_OTEL_SCRIPT = """
+import sys
+
+import httpx
+import trio
+
+import epd_trio.__main__
+import epd_trio.app
+from epd_trio.testing import run_cluster
+
+async def one_request():
+    async with run_cluster(prefills=1, decodes=1) as c, httpx.AsyncClient(trust_env=False) as client:
+        r = await client.post(c.proxy_url + "/v1/chat/completions", headers={"traceparent": sys.argv[1]},
+                              json={"model": "fake-model", "max_tokens": 2, "stream": True,
+                                    "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\\n\\n"), r.text
+        assert c.decodes[0].requests()[0].headers["traceparent"] == sys.argv[1]
+
+trio.run(one_request)
+print(sorted(m for m in sys.modules if m.split(".")[0] == "opentelemetry"))
+"""
+
+
+@pytest.mark.parametrize("switch", [{}, {**ENDPOINT, "OTEL_SDK_DISABLED": "true"}])
+def test_tracing_off_never_imports_opentelemetry(switch: dict[str, str]) -> None:
+    """The SDK is an optional extra, and this venv has it: a top-level import of it anywhere
+    on the serving path would go unnoticed by every other test, and cost each proxy start-up
+    (and break one installed without the extra). Here nothing of it may be loaded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update({**switch, "EPD_DECODE_URLS": "http://127.0.0.1:9"})
+    done = subprocess.run([sys.executable, "-c", NO_OTEL_SCRIPT, CLIENT["traceparent"]],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 # -- the trace context ----------------------------------------------------------------------------
@@ -229,9 +268,33 @@ async def test_tracing_off_forwards_the_client_context_to_every_leg(
                 assert "traceparent" not in leg.headers and "tracestate" not in leg.headers
 
 
+#: Seconds between two tokens of a fake decode whose stream's end must show in its span.
+TOKEN_GAP = 0.05
+
+
+def first_byte_ns(server: Any) -> int:
+    """When the proxy had the reply's first bytes, on the spans' clock."""
+    return server.start_time + int(server.attributes["gen_ai.latency.time_to_first_token"] * 1e9)
+
+
+def assert_ends_with_its_stream(decode: Any, server: Any, gaps: int) -> None:
+    """The decode span lasted until its stream was over, not only until its first bytes.
+
+    The fake waited ``TOKEN_GAP`` before each of ``gaps`` frames after its first, so the last
+    of them reached the proxy at least ``gaps * TOKEN_GAP`` after the request arrived (no
+    tolerance needed: a span's times are the proxy's ``perf_counter``, which ``trio.sleep``
+    waits on). Ended at the first bytes, the span would end before the reply's first bytes."""
+    assert decode.end_time >= server.start_time + int(gaps * TOKEN_GAP * 1e9)
+    assert decode.end_time > first_byte_ns(server) + int(gaps * TOKEN_GAP * 1e9) // 2
+    # Released with the request's resources, right before the SERVER span ends.
+    assert 0 <= server.end_time - decode.end_time < int(TOKEN_GAP * 1e9)
+
+
 async def test_the_span_tree_of_an_epd_request(client: httpx.AsyncClient) -> None:
     tracing, exporter = in_memory()
     async with run_cluster(encoders=2, prefills=1, decodes=1, decode_dp=2, tracing=tracing) as c:
+        # Tokens spaced out: the stream's end is well after its first byte.
+        c.decodes[0].behaviour = Behaviour(chunk_delay=TOKEN_GAP)
         body = chat_body(image(1), image(2), stream=True,
                          stream_options={"include_usage": True})
         r = await client.post(c.proxy_url + CHAT, json=body,
@@ -283,8 +346,9 @@ async def test_the_span_tree_of_an_epd_request(client: httpx.AsyncClient) -> Non
         assert decode.attributes["url.full"] == c.decodes[0].url + CHAT
         assert decode.attributes["server.address"] == "127.0.0.1"
         assert decode.attributes["server.port"] == int(c.decodes[0].url.rsplit(":", 1)[1])
-        # The decode span lasts until the stream ended, not only until its first byte.
-        assert decode.end_time >= legs[2].end_time
+        # The decode span lasts until the stream ended, not only until its first byte: the
+        # role chunk, 5 words, the finish chunk, the usage and [DONE], spaced by TOKEN_GAP.
+        assert_ends_with_its_stream(decode, server, gaps=8)
         # A new trace when the client sends none: legs still name their own spans.
         exporter.clear()
         await client.post(c.proxy_url + "/v1/completions",
@@ -326,6 +390,80 @@ async def test_a_failover_shows_as_two_attempts(client: httpx.AsyncClient) -> No
         assert server.attributes["epd_trio.retries"] == 1
 
 
+def test_attempt_numbers_count_the_tries_of_each_stage() -> None:
+    """A leg's number is how many times its stage was tried for the request (see
+    ``AttemptNumbers``): the encoder sub-requests sent together are one try."""
+    numbers = AttemptNumbers()
+    assert [numbers.take("encode"), numbers.take("encode")] == [1, 1]  # two sub-requests
+    numbers.failed_over("encode", 1)  # the second failed over
+    assert numbers.take("encode") == 2
+    numbers.encoded()
+    assert [numbers.take("prefill"), numbers.take("prefill")] == [1, 2]  # a prefill failover
+    numbers.failed_over("prefill", 2)  # changes nothing: one call per try
+    assert numbers.take("decode") == 1
+    # A decode retry re-runs the request: encode and prefill are tried once more each.
+    assert [numbers.take("encode"), numbers.take("encode")] == [3, 3]
+    numbers.encoded()
+    assert [numbers.take("prefill"), numbers.take("decode")] == [3, 2]
+
+
+def numbered(legs: list[Any]) -> dict[str, list[tuple[int, int, str]]]:
+    """Per stage, each leg's (attempt, resend count, outcome), in start order."""
+    by_stage: dict[str, list[tuple[int, int, str]]] = {}
+    for leg in legs:
+        a = leg.attributes
+        by_stage.setdefault(leg.name, []).append(
+            (a["epd_trio.attempt"], a["http.request.resend_count"], a["epd_trio.outcome"]))
+    return by_stage
+
+
+def fails_once_then_clears(fakes: list[Any]) -> None:
+    """Whichever of ``fakes`` is called first answers 503 once, and clears the others."""
+    def clears(others: list[Any]) -> Any:
+        async def gate() -> None:
+            for other in others:
+                other.behaviour = Behaviour()
+        return gate
+
+    for fake in fakes:
+        fake.behaviour = Behaviour(fail_status=503, fail_count=1,
+                                   gate=clears([f for f in fakes if f is not fake]))
+
+
+async def test_a_decode_retry_numbers_the_re_run_prefill_and_encoders_as_their_next_try(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_cluster(encoders=2, prefills=1, decodes=2, tracing=tracing) as c:
+        fails_once_then_clears(c.decodes)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(image(1), image(2)))
+        assert r.status_code == 200
+        await trio.testing.wait_all_tasks_blocked()
+        server, legs = tree(exporter)
+        assert numbered(legs) == {
+            "encode": [(1, 0, "ok"), (1, 0, "ok"), (2, 1, "ok"), (2, 1, "ok")],
+            "prefill": [(1, 0, "ok"), (2, 1, "ok")],
+            "decode": [(1, 0, "error"), (2, 1, "ok")],
+        }
+        assert server.attributes["epd_trio.retries"] == 1
+
+
+async def test_a_moriio_write_prefill_failover_numbers_the_re_run_decode_as_attempt_2(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_moriio_cluster(mode="WRITE", prefills=2, tracing=tracing) as c:
+        fails_once_then_clears(c.prefills)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200, r.text
+        await trio.testing.wait_all_tasks_blocked()
+        server, legs = tree(exporter)
+        # The two legs of an attempt run at once; the failed prefill cancelled its decode.
+        assert numbered(legs) == {"prefill": [(1, 0, "error"), (2, 1, "ok")],
+                                  "decode": [(1, 0, "cancelled"), (2, 1, "ok")]}
+        assert server.attributes["epd_trio.retries"] == 1
+
+
 async def test_a_failed_encoder_cancels_its_sibling_and_fails_the_request(
     client: httpx.AsyncClient,
 ) -> None:
@@ -359,21 +497,25 @@ async def test_a_client_gone_mid_stream_ends_the_decode_span_as_client_gone(
     tracing, exporter = in_memory()
     async with run_cluster(prefills=1, decodes=1, tracing=tracing) as c:
         (decode,) = c.decodes
-        decode.behaviour = Behaviour(chunk_delay=3600)  # the first chunk, then silence
-        first_byte = trio.Event()
+        # Tokens spaced out; the client leaves after the second, long before the last.
+        decode.behaviour = Behaviour(chunk_delay=TOKEN_GAP, tokens=10**6)
+        second_token = trio.Event()
 
         async def request(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
             with trio.CancelScope() as scope:
                 task_status.started(scope)
                 async with client.stream("POST", c.proxy_url + CHAT,
-                                         json=chat_body(stream=True)) as r:
-                    async for _ in r.aiter_raw():
-                        first_byte.set()
+                                         json=chat_body(stream=True, max_tokens=10**6)) as r:
+                    events = 0
+                    async for chunk in r.aiter_raw():
+                        events += chunk.count(b"data: ")
+                        if events >= 2:
+                            second_token.set()
 
         async with trio.open_nursery() as nursery:
             scope = await nursery.start(request)
             with trio.fail_after(10):
-                await first_byte.wait()
+                await second_token.wait()
                 scope.cancel()
                 await decode.wait_until(lambda: decode.disconnects == 1)
         await trio.testing.wait_all_tasks_blocked()
@@ -384,6 +526,26 @@ async def test_a_client_gone_mid_stream_ends_the_decode_span_as_client_gone(
         assert server.attributes["epd_trio.outcome"] == "cancelled"
         assert server.attributes["epd_trio.cancelled_stage"] == "decode"
         assert "gen_ai.latency.time_to_first_token" in server.attributes
+        # The span lasts until the client left (after the second frame), not its first byte.
+        assert_ends_with_its_stream(decode_span, server, gaps=1)
+
+
+async def test_a_stream_broken_mid_way_ends_the_decode_span_when_it_broke(
+    client: httpx.AsyncClient,
+) -> None:
+    tracing, exporter = in_memory()
+    async with run_cluster(prefills=1, decodes=1, tracing=tracing) as c:
+        c.decodes[0].behaviour = Behaviour(chunk_delay=TOKEN_GAP, break_after=4)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+        assert r.status_code == 200 and b'"error"' in r.content
+        await trio.testing.wait_all_tasks_blocked()
+        server, (prefill, decode) = tree(exporter)
+        assert prefill.attributes["epd_trio.outcome"] == "ok"
+        assert decode.attributes["epd_trio.outcome"] == "stream_error"
+        assert decode.status.status_code is StatusCode.ERROR
+        assert server.attributes["epd_trio.outcome"] == "stream_error"
+        # Frames 0 to 3 were sent, the last of them 3 gaps after the first; then it broke.
+        assert_ends_with_its_stream(decode, server, gaps=3)
 
 
 async def test_an_unsampled_request_records_nothing_and_forwards_its_context(

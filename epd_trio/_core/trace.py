@@ -38,8 +38,9 @@ class Attempt:
     seconds: float | None = None
     #: ``ok``, ``error`` (the instance failed or refused), or ``cancelled`` (abandoned).
     outcome: str | None = None
-    #: 1 for the stage's first call of the request, 2 for the next one (a failover, or a
-    #: prefill re-run for a decode retry)...; an encoder sub-request counts its own.
+    #: How many times its stage has been tried for the client request, this call included
+    #: (``AttemptNumbers`` applies the rule): 1, then 2 for a failover, a prefill or encode
+    #: re-run for a decode retry, a decode re-run after a MoRIIO WRITE prefill failover...
     number: int = 1
     #: The instance's HTTP status, when it answered.
     status: int | None = None
@@ -49,6 +50,62 @@ class Attempt:
     stream_error: bool = False
     #: A relayed stream whose client left before it ended.
     client_gone: bool = False
+    #: ``time.perf_counter()`` when a relayed stream was over (its last byte relayed, its
+    #: client gone, or it broke): the end of its span. None for any other call, which ends at
+    #: ``started + seconds`` (``seconds`` keeps measuring the first bytes, as the latency
+    #: metric and the decode timeout do).
+    ended: float | None = None
+
+
+class AttemptNumbers:
+    """The attempt number of each leg of one client request (``Attempt.number``).
+
+    The rule: a leg's number is how many times its stage has been tried for the request, this
+    leg included. Prefill and decode make one call per try, so each of their legs takes the
+    next number, whatever caused it: a failover within the stage, a prefill re-run for a
+    decode retry (its KV handle belonged to the failed decode), a decode re-run after a MoRIIO
+    WRITE prefill failover. The encoder sub-requests sent together are one try of the encode
+    stage, so each takes the try's number (1 the first time); a sub-request failed over is
+    that sub-request's next try (its number + 1); and the stage re-run for a decode retry is
+    numbered after every encode leg before it.
+
+    Why per stage and not per request: a span's ``epd_trio.attempt`` then says how often that
+    stage was asked, which is what an operator reading a failover wants; the request's own
+    count of failovers is ``RequestTrace.retries``.
+    """
+
+    __slots__ = ("_encode_highest", "_encode_retry", "_next")
+
+    def __init__(self) -> None:
+        #: The number of a stage's next leg (1 when absent).
+        self._next: dict[str, int] = {}
+        #: The number of the next encode leg when it is a sub-request's failover (0: none).
+        self._encode_retry = 0
+        self._encode_highest = 0
+
+    def take(self, stage: str) -> int:
+        """The number of a leg of ``stage`` that starts now."""
+        if stage == "encode":
+            number = self._encode_retry or self._next.get(stage, 1)
+            self._encode_retry = 0
+            self._encode_highest = max(self._encode_highest, number)
+            return number
+        number = self._next.get(stage, 1)
+        self._next[stage] = number + 1
+        return number
+
+    def failed_over(self, stage: str, failed: int) -> None:
+        """``stage`` is retried elsewhere after its leg numbered ``failed`` failed.
+
+        Only an encoder sub-request needs telling: its retry is the next encode leg to start
+        (``with_failover`` starts it with no checkpoint in between, so no sibling's leg can
+        take the number), numbered ``failed + 1``."""
+        if stage == "encode":
+            self._encode_retry = failed + 1
+
+    def encoded(self) -> None:
+        """The encode stage succeeded: a re-run of it (a decode retry) is its next try."""
+        self._next["encode"] = self._encode_highest + 1
 
 
 @dataclass(slots=True, eq=False)

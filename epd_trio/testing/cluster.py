@@ -126,7 +126,8 @@ async def run_cluster(
 async def run_moriio_cluster(
     *, mode: Literal["READ", "WRITE"] = "READ", encoders: int = 0, prefills: int = 1,
     prefill_dp: int = 1, decodes: int = 1, decode_dp: int = 1, prefill_tp: int = 1,
-    decode_tp: int = 1, host: str = "127.0.0.1", proxy_port: int = 0, **settings: Any,
+    decode_tp: int = 1, host: str = "127.0.0.1", proxy_port: int = 0,
+    tracing: Tracing | None = None, **settings: Any,
 ) -> AsyncIterator[Cluster]:
     """Like ``run_cluster``, with prefill and decode fakes that speak MoRIIO and register over
     ZMQ (one ``MoriioStandIn`` each, on the proxy's registration socket at any free port); the
@@ -145,7 +146,7 @@ async def run_moriio_cluster(
         for fake in (*e, *p, *d):
             await nursery.start(fake.serve, host)
         config = replace(config, encode_urls=tuple(Instance(f.url) for f in e))
-        async with serve_proxy(config, host=host, port=proxy_port) as (url, proxy):
+        async with serve_proxy(config, host=host, port=proxy_port, tracing=tracing) as (url, proxy):
             assert proxy.moriio_endpoint is not None
             for fake in (*p, *d):
                 assert fake.moriio is not None
