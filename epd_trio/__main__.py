@@ -35,6 +35,7 @@ from ._core.config import (
     flag_name,
 )
 from ._core.roster import layout_name
+from ._discovery import check_discovery
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
@@ -175,8 +176,12 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         settings = load_settings(flags=flags, config_path=args.config)
         check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
+        check_discovery(settings)  # the same for a missing or refused kubeconfig
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"epd-trio: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,

@@ -15,7 +15,8 @@ import trio
 
 from ._core.config import Settings
 from ._discovery_dns import Apply, DnsDiscovery
-from ._discovery_k8s import KubernetesDiscovery, kube_api
+from ._discovery_k8s import KubernetesDiscovery
+from ._kube_api import kube_api
 
 
 class Source(Protocol):
@@ -40,3 +41,12 @@ def discovery_sources(
             settings.selectors(), apply, api=kube_api(settings),
             port=settings.service_discovery_port))
     return sources
+
+
+def check_discovery(settings: Settings) -> None:
+    """How Kubernetes discovery would reach the API server, checked before any worker starts:
+    no pod and no kubeconfig, a refused kubeconfig (an exec plugin, say) or an unreadable CA is
+    an ``OSError`` naming it. Each process that discovers checks again when it starts (a token
+    file may be rotated meanwhile: it is read again at every connection)."""
+    if settings.selectors():
+        kube_api(settings).connect()

@@ -26,39 +26,29 @@ watching again from the same expired version instead of listing, and ends with a
 a dropped connection; it also brings a dozen dependencies for the two GETs used here. httpx is
 already a dependency and runs on trio natively.
 
-In-cluster configuration (no kubeconfig): the API at ``KUBERNETES_SERVICE_HOST``/``_PORT``, the
-service account's token (re-read at every connection: the kubelet rotates it) and CA, and its
-namespace. ``EPD_SERVICE_DISCOVERY_API`` names another API base URL, for ``kubectl proxy``
-outside the cluster and for the tests' fake API server; then no token is sent.
+How the API server is reached (in-cluster, a kubeconfig, or a given URL) is ``_kube_api``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
-import ssl
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import orjson
 import trio
 
-from ._core.config import Settings
 from ._core.discovery import (
     Discovered,
     PodView,
     backoff,
     watch_event,
 )
+from ._kube_api import KubeApi, KubeConnection
 
 log = logging.getLogger("epd_trio.discovery")
-
-#: Where Kubernetes mounts a pod's service account.
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: Pods per list page.
 LIST_PAGE = 500
 #: Seconds a watch is asked to last (``timeoutSeconds``); the read timeout is longer, so a
@@ -82,60 +72,6 @@ class Gone(Exception):
     """410: the version watched or listed from is no longer kept; list again."""
 
 
-@dataclass(frozen=True, slots=True)
-class KubeApi:
-    """How to reach the API server (read when discovery starts, not at import or parse)."""
-
-    #: ``EPD_SERVICE_DISCOVERY_API``, or None for the in-cluster configuration.
-    override: str | None = None
-    namespace: str | None = None
-    account_dir: Path = SERVICE_ACCOUNT_DIR
-    environ: Mapping[str, str] | None = None
-
-    def base_url(self) -> str:
-        if self.override:
-            return self.override
-        env = os.environ if self.environ is None else self.environ
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise OSError("Kubernetes discovery: KUBERNETES_SERVICE_HOST/PORT are not set (not "
-                          "in a pod?); set EPD_SERVICE_DISCOVERY_API (e.g. a kubectl proxy URL)")
-        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-
-    def watched_namespace(self) -> str:
-        if self.namespace:
-            return self.namespace
-        path = self.account_dir / "namespace"
-        try:
-            return path.read_text().strip() or "default"
-        except OSError:
-            return "default"
-
-    def token(self) -> str | None:
-        """The service account's token, read afresh (the kubelet rotates it)."""
-        if self.override:
-            return None
-        try:
-            return (self.account_dir / "token").read_text().strip() or None
-        except OSError as exc:
-            raise OSError(f"Kubernetes discovery: cannot read the service account token "
-                          f"({exc})") from None
-
-    def verify(self) -> ssl.SSLContext | bool:
-        if self.override:
-            return True
-        ca = self.account_dir / "ca.crt"
-        try:
-            return ssl.create_default_context(cafile=str(ca))
-        except OSError as exc:
-            raise OSError(f"Kubernetes discovery: cannot read the cluster CA {ca} "
-                          f"({exc})") from None
-
-
-def kube_api(settings: Settings) -> KubeApi:
-    return KubeApi(settings.service_discovery_api, settings.service_discovery_namespace)
-
-
 class KubernetesDiscovery:
     """One list-and-watch task per ``(role, selector)``, until cancelled.
 
@@ -152,6 +88,7 @@ class KubernetesDiscovery:
         self._api = api
         self._port = port
         self._jitter = jitter
+        self._connection: KubeConnection | None = None
         #: The view of each role (pods and the version watched from).
         self.views: dict[str, PodView | None] = dict.fromkeys((r for r, _ in self._selectors))
         #: Counts per role: lists made, watch events handled, reconnects after errors.
@@ -174,18 +111,19 @@ class KubernetesDiscovery:
         self._changed = trio.Event()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        base = self._api.base_url()
-        namespace = self._api.watched_namespace()
-        verify = self._api.verify()
+        # Nothing to reach the API server with (no pod, no kubeconfig, a refused one): start-up
+        # fails here with an OSError naming the cause.
+        self._connection = connection = self._api.connect()
         timeout = httpx.Timeout(REQUEST_TIMEOUT, read=WATCH_SECONDS + 30)
-        log.info("Kubernetes discovery in namespace %s at %s: %s", namespace, base,
+        log.info("Kubernetes discovery in namespace %s at %s: %s", connection.namespace,
+                 connection.described,
                  "; ".join(f"{role} {sel}" for role, sel in self._selectors))
         # A connection per call (a watch lasts a minute, lists are rare): no reuse of a
         # connection the API server may be closing, and nothing to go stale between calls.
         limits = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=base, verify=verify, timeout=timeout,
-                                     limits=limits) as client:
-            path = f"/api/v1/namespaces/{namespace}/pods"
+        async with httpx.AsyncClient(base_url=connection.base_url, verify=connection.verify,
+                                     timeout=timeout, limits=limits) as client:
+            path = f"/api/v1/namespaces/{connection.namespace}/pods"
             firsts = []
             async with trio.open_nursery() as nursery:
                 for role, selector in self._selectors:
@@ -230,7 +168,8 @@ class KubernetesDiscovery:
                 await trio.sleep(delay)
 
     def _headers(self) -> dict[str, str]:
-        token = self._api.token()
+        assert self._connection is not None
+        token = self._connection.token()
         return {"accept": "application/json",
                 **({"authorization": f"Bearer {token}"} if token else {})}
 

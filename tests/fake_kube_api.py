@@ -12,7 +12,9 @@ What the tests steer: pods put and deleted (each a new ``resourceVersion``), boo
 ``compact`` (forget the history: a watch from before it gets 410 Gone, as an HTTP status or as
 an ``ERROR`` event, ``gone_as``), ``expire_watches`` (an ``ERROR`` 410 on the open watches),
 ``drop_watches`` (the connections cut mid-stream, no final chunk), ``stop``/``start`` (the
-server unreachable). Every object is built with the official ``kubernetes`` client's models,
+server unreachable). Over TLS when given an ``ssl_context`` (the client certificates it saw are
+in ``client_certs``), and answering 401 without ``Authorization: Bearer TOKEN`` when given a
+``token``. Every object is built with the official ``kubernetes`` client's models,
 so the JSON is the API's own shape (camelCase, ``podIP``, ``deletionTimestamp``).
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import ssl
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -80,9 +83,14 @@ def matches(selector: str, labels: dict[str, str]) -> bool:
 
 
 class FakeKubeApi:
-    def __init__(self, namespace: str = "ns", page_size: int = 500) -> None:
+    def __init__(self, namespace: str = "ns", page_size: int = 500, *,
+                 ssl_context: ssl.SSLContext | None = None, token: str | None = None) -> None:
         self.namespace = namespace
         self.page_size = page_size
+        self.ssl_context = ssl_context
+        self.token = token
+        #: The subject of each client certificate presented (TLS only; None: none presented).
+        self.client_certs: list[Any] = []
         self.pods: dict[str, dict[str, Any]] = {}
         self._versions = itertools.count(100)
         self.resource_version = next(self._versions)
@@ -103,7 +111,8 @@ class FakeKubeApi:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     # -- what the tests steer ----------------------------------------------------------------
     def put(self, pod: dict[str, Any]) -> int:
@@ -204,7 +213,17 @@ class FakeKubeApi:
             api_version="v1", kind="Status", status="Failure", reason="Expired", code=410,
             message=f"too old resource version: ({self.oldest})", metadata=V1ListMeta()))))
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp
+        if self.ssl_context is not None:
+            stream = trio.SSLStream(tcp, self.ssl_context, server_side=True)
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError:  # the client refused our certificate, or we its
+                await tcp.aclose()
+                return
+            peer = stream.getpeercert()
+            self.client_certs.append(peer.get("subject") if peer else None)
         conn = h11.Connection(h11.SERVER)
         try:
             while True:
@@ -218,9 +237,10 @@ class FakeKubeApi:
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
             return
         finally:
-            await stream.aclose()
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.aclose()
 
-    async def _next_request(self, conn: h11.Connection, stream: trio.SocketStream
+    async def _next_request(self, conn: h11.Connection, stream: trio.abc.Stream
                             ) -> h11.Request | None:
         request = None
         while True:
@@ -237,10 +257,10 @@ class FakeKubeApi:
             elif isinstance(event, h11.ConnectionClosed):
                 return None
 
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
+    async def _send(self, conn: h11.Connection, stream: trio.abc.Stream, event: Any) -> None:
         await stream.send_all(conn.send(event) or b"")
 
-    async def _json(self, conn: h11.Connection, stream: trio.SocketStream, status: int,
+    async def _json(self, conn: h11.Connection, stream: trio.abc.Stream, status: int,
                     body: Any) -> None:
         raw = orjson.dumps(body)
         await self._send(conn, stream, h11.Response(status_code=status, headers=[
@@ -248,12 +268,17 @@ class FakeKubeApi:
         await self._send(conn, stream, h11.Data(data=raw))
         await self._send(conn, stream, h11.EndOfMessage())
 
-    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _answer(self, conn: h11.Connection, stream: trio.abc.Stream,
                       request: h11.Request) -> bool:
         target = urlsplit(request.target.decode())
         query = {k: v[0] for k, v in parse_qs(target.query).items()}
         headers = {k.decode().lower(): v.decode() for k, v in request.headers}
         self.authorization.append(headers.get("authorization"))
+        if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
+            await self._json(conn, stream, 401, to_json(V1Status(
+                api_version="v1", kind="Status", status="Failure", code=401,
+                reason="Unauthorized", message="Unauthorized")))
+            return True
         if target.path != f"/api/v1/namespaces/{self.namespace}/pods":
             await self._json(conn, stream, 404, to_json(V1Status(
                 api_version="v1", kind="Status", status="Failure", code=404, reason="NotFound",
@@ -267,7 +292,7 @@ class FakeKubeApi:
         await self._list(conn, stream, query)
         return True
 
-    async def _list(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _list(self, conn: h11.Connection, stream: trio.abc.Stream,
                     query: dict[str, str]) -> None:
         selector = query.get("labelSelector", "")
         names = sorted(n for n, p in self.pods.items()
@@ -287,7 +312,7 @@ class FakeKubeApi:
             metadata=V1ListMeta(resource_version=str(self.resource_version), _continue=more)))
             | {"items": [self.pods[n] for n in page]})
 
-    async def _watch(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _watch(self, conn: h11.Connection, stream: trio.abc.Stream,
                      query: dict[str, str]) -> bool:
         since = int(query.get("resourceVersion") or 0)
         if since and since < self.oldest and self.gone_as == "status":

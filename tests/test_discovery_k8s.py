@@ -10,7 +10,6 @@ whole proxy with traffic on the real clock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,7 +20,8 @@ from fake_kube_api import FakeKubeApi, make_pod
 from epd_trio._core.counters import CursorCounters
 from epd_trio._core.discovery import Discovered
 from epd_trio._core.roster import Roster, replace_source
-from epd_trio._discovery_k8s import KubeApi, KubernetesDiscovery
+from epd_trio._discovery_k8s import KubernetesDiscovery
+from epd_trio._kube_api import KubeApi
 from epd_trio._roster_store import LocalRosterStore
 from epd_trio.testing import FakeVLLM, serve_proxy
 
@@ -195,24 +195,6 @@ async def test_an_error_status_backs_off_and_keeps_the_view(
     # Backoff 0.5, 1, 2, 4 s between the five tries.
     assert trio.current_time() - started == pytest.approx(7.5, abs=0.1)
     assert roles.urls("decode") == []
-
-
-def test_in_cluster_configuration(tmp_path: Path) -> None:
-    (tmp_path / "token").write_text("tok-1\n")
-    (tmp_path / "namespace").write_text("serving\n")
-    api = KubeApi(account_dir=tmp_path, environ={"KUBERNETES_SERVICE_HOST": "fd00::1",
-                                                 "KUBERNETES_SERVICE_PORT": "443"})
-    assert api.base_url() == "https://[fd00::1]:443"
-    assert api.watched_namespace() == "serving"
-    assert api.token() == "tok-1"
-    (tmp_path / "token").write_text("tok-2")  # rotated by the kubelet: read afresh
-    assert api.token() == "tok-2"
-    with pytest.raises(OSError, match="cluster CA"):
-        api.verify()
-    with pytest.raises(OSError, match="KUBERNETES_SERVICE_HOST"):
-        KubeApi(account_dir=tmp_path, environ={}).base_url()
-    assert KubeApi(override="http://127.0.0.1:8001", account_dir=tmp_path).token() is None
-    assert KubeApi(namespace="given", account_dir=tmp_path).watched_namespace() == "given"
 
 
 async def test_discovered_pods_serve_traffic_and_leave_without_a_failure(

@@ -180,6 +180,8 @@ def needs(field: str) -> dict[str, str]:
         return {"EPD_STATE_URL": "redis://sample:1/0"}
     if field.endswith("_selector"):
         return {"EPD_SERVICE_DISCOVERY": "true"}
+    if field in ("service_discovery_kubeconfig", "service_discovery_context"):
+        return {"EPD_SERVICE_DISCOVERY": "true", "EPD_DECODE_SELECTOR": "app=sample"}
     return {}
 
 

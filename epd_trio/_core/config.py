@@ -184,10 +184,15 @@ class Settings:
     service_discovery_port: int = 8000
     #: The namespace watched (None: the service account's own namespace).
     service_discovery_namespace: str | None = None
-    #: The API server's base URL (None: in-cluster, from ``KUBERNETES_SERVICE_HOST``/``_PORT``
-    #: with the service account's token and CA). Set it to a ``kubectl proxy`` URL to run
-    #: outside the cluster.
+    #: The API server's base URL, reached without credentials (a ``kubectl proxy`` URL). None:
+    #: in-cluster (the service account), else a kubeconfig.
     service_discovery_api: str | None = None
+    #: A kubeconfig file to reach the API server with (None: in a pod, the service account;
+    #: outside one, the first file of ``KUBECONFIG``, else ``~/.kube/config``).
+    service_discovery_kubeconfig: str | None = None
+    #: The kubeconfig context to use (None: its ``current-context``); set, a kubeconfig is
+    #: read also in a pod.
+    service_discovery_context: str | None = None
 
     #: Where several proxy replicas share their roster, loads and cursors: a Redis server,
     #: ``redis://[:password@]host:port[/db]``, ``rediss://...`` (TLS) or ``unix:///path``
@@ -228,6 +233,13 @@ class Settings:
             given = next(role for role, sel in selectors.items() if sel)
             raise ConfigError(env_name(f"{given}_selector"), "is used only with "
                               f"{env_name('service_discovery')}=true")
+        for name in ("service_discovery_kubeconfig", "service_discovery_context"):
+            if getattr(self, name) is not None and not self.service_discovery:
+                raise ConfigError(env_name(name), "is used only with "
+                                  f"{env_name('service_discovery')}=true")
+            if getattr(self, name) is not None and self.service_discovery_api is not None:
+                raise ConfigError(env_name(name), f"and {env_name('service_discovery_api')} "
+                                  "both say how to reach the API server: set one")
         if (not self.decode_urls and not self.admin_key and self.kv_connector != "moriio"
                 and self.state_url is None and not self.decode_selector):
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
@@ -460,6 +472,13 @@ def _name(raw: Any) -> str:
     return value
 
 
+def _text(raw: Any) -> str:
+    value = str(raw).strip()
+    if not value:
+        raise ValueError("expected a non-empty value")
+    return value
+
+
 def _api_url(raw: Any) -> str:
     value = str(raw).strip().rstrip("/")
     if not value.startswith(("http://", "https://")):
@@ -523,6 +542,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "service_discovery_port": _port,
     "service_discovery_namespace": _name,
     "service_discovery_api": _api_url,
+    "service_discovery_kubeconfig": _text,
+    "service_discovery_context": _text,
     "state_url": _state_url,
     "state_prefix": _key_prefix,
     "replica_id": _key_prefix,
