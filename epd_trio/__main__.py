@@ -171,10 +171,14 @@ def _add_serve(commands: Any) -> None:
                                help=f"{env} (default {default})")
 
 
+def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings ``epd-trio serve``'s flags give (None: not given), for ``settings_from``."""
+    return {field: getattr(args, field) for field in FLAG_FIELDS}
+
+
 def _serve(args: argparse.Namespace) -> int:
-    flags = {field: getattr(args, field) for field in FLAG_FIELDS}
     try:
-        settings = load_settings(flags=flags, config_path=args.config)
+        settings = load_settings(flags=serve_flags(args), config_path=args.config)
         check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
         check_discovery(settings)  # the same for a missing or refused kubeconfig
     except ConfigError as exc:
@@ -193,6 +197,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return trio.run(_demo, args)
+    except OSError as exc:
+        print(f"epd-trio: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``epd-trio`` (the tests parse the docs' manifests with it)."""
     parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -207,14 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "register over ZMQ (default generic)")
     demo.add_argument("--moriio-mode", choices=("READ", "WRITE"), default="READ",
                       help="the MoRIIO transfer mode of the fakes (default READ)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            return _serve(args)
-        return trio.run(_demo, args)
-    except OSError as exc:
-        print(f"epd-trio: {exc}", file=sys.stderr)
-        return 1
+    return parser
 
 
 if __name__ == "__main__":
