@@ -27,22 +27,18 @@ from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
 from epd_trio.testing.process import read_url
 
-from helpers import CHAT, chat_body
+from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
 
-ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+ADDRESSES = POD_ADDRESSES
 NAME = "vllm-decode.test"
 
 
 async def serve_fakes(
     nursery: trio.Nursery, addresses: tuple[str, ...], dp_size: int = 1
 ) -> tuple[int, list[FakeVLLM]]:
-    """One decode fake per address, all on the same port (the first one's)."""
+    """One decode fake per address, all on the same port."""
     fakes = [FakeVLLM(role="decode", dp_size=dp_size) for _ in addresses]
-    first = await nursery.start(fakes[0].serve, addresses[0], 0)
-    port = int(first.rsplit(":", 1)[1])
-    for fake, address in zip(fakes[1:], addresses[1:], strict=True):
-        await nursery.start(fake.serve, address, port)
-    return port, fakes
+    return await serve_on_addresses(nursery, fakes, addresses), fakes
 
 
 def settings_for(spec: str, server: Dnsmasq, **extra: Any) -> Settings:
