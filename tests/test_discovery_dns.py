@@ -21,8 +21,8 @@ import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
 from epd_trio._core.config import Settings
-from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, parse_dns_url
-from epd_trio._discovery_dns import DnsDiscovery
+from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, Empty, parse_dns_url
+from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
 from epd_trio.testing.process import read_url
@@ -142,6 +142,19 @@ async def test_a_resolver_that_stops_answering_keeps_the_last_view(
         assert decode_urls(proxy) == before
 
 
+async def emptied_once_confirmed(found: DnsDiscovery, spec: str, proxy: Proxy, count: int) -> None:
+    """Wait for the empty answer to empty the roster, checking that every round before the
+    last confirmation kept all ``count`` instances."""
+    await until(found, lambda: found.views[spec].empty_rounds >= 1)
+    seen: list[tuple[int, int]] = []
+    await until(found, lambda: seen.append(
+        (found.views[spec].empty_rounds, len(decode_urls(proxy)))) or
+        found.views[spec].empty_rounds > EMPTY_CONFIRMATIONS)
+    assert {rounds for rounds, _count in seen} >= set(range(1, EMPTY_CONFIRMATIONS + 2))
+    assert all(n == count for rounds, n in seen if rounds <= EMPTY_CONFIRMATIONS), seen
+    assert decode_urls(proxy) == []
+
+
 async def test_an_empty_answer_empties_the_roster_once_confirmed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -151,20 +164,36 @@ async def test_an_empty_answer_empties_the_roster_once_confirmed(
         found = discovery_of(proxy)
         spec = f"dns+http://{NAME}:{port}"
         await server.set_hosts([("127.0.0.9", "other.test")])  # the name is now NXDOMAIN
-        await until(found, lambda: found.views[spec].empty_rounds >= 1)
-        seen: list[tuple[int, int]] = []
         # Until confirmed, every round keeps both instances; then they go at once.
-        await until(found, lambda: seen.append(
-            (found.views[spec].empty_rounds, len(decode_urls(proxy)))) or
-            found.views[spec].empty_rounds > EMPTY_CONFIRMATIONS)
-        assert all(count == 2 for rounds, count in seen if rounds <= EMPTY_CONFIRMATIONS)
-        assert decode_urls(proxy) == []
+        await emptied_once_confirmed(found, spec, proxy, 2)
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             response = await client.post(CHAT, json=chat_body())
         assert response.status_code == 503
         # The name coming back brings them back.
         await server.set_hosts([(ADDRESSES[0], NAME)])
         await until(found, lambda: decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"])
+
+
+async def test_a_name_left_without_addresses_empties_the_roster_once_confirmed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The name still exists (a TXT record) but has no A or AAAA record: NOERROR with no
+    answer (dnspython's NoAnswer), not NXDOMAIN. Empty all the same, after two confirmations."""
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    spec = f"dns+http://{NAME}:{port}"
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]], txt=[NAME]) as server, \
+            serve_proxy(settings_for(spec, server)) as (_url, proxy):
+        found = discovery_of(proxy)
+        assert len(decode_urls(proxy)) == 2
+        await server.set_hosts([])
+        resolver = make_resolver(server.nameserver, 1.0)
+        for rdtype in ("A", "AAAA"):
+            assert await ask(resolver, (NAME, rdtype), search=False) == Empty(
+                f"{NAME}: no {rdtype} record")
+        assert len(await resolver.resolve(NAME + ".", "TXT", search=False)) == 1  # it exists
+        await emptied_once_confirmed(found, spec, proxy, 2)
+        await server.set_hosts([(ADDRESSES[1], NAME)])
+        await until(found, lambda: decode_urls(proxy) == [f"http://{ADDRESSES[1]}:{port}"])
 
 
 async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> None:
@@ -184,6 +213,36 @@ async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> N
             await until(found, lambda: decode_urls(proxy) == [urls[0]])
             await served_by(fakes[0], 3)
         assert set(statuses) == {200}
+
+
+async def test_srv_records_join_and_leave_while_traffic_flows(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """SRV records change only with a dnsmasq restart (same port): the rounds asked while it is
+    down fail and keep the view, so the roster changes only when the new records answer."""
+    fakes = [FakeVLLM(role="decode") for _ in range(3)]
+    urls = [await nursery.start(partial(fake.serve)) for fake in fakes]
+    ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+    records = [f"_http._tcp.vllm.test,t{i}.test,{port}" for i, port in enumerate(ports)]
+    hosts = [("127.0.0.1", f"t{i}.test") for i in range(3)]
+    async with dnsmasq(tmp_path, hosts, srv=records[:2]) as server, \
+            serve_proxy(settings_for("dnssrv+http://_http._tcp.vllm.test", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        assert sorted(decode_urls(proxy)) == sorted(urls[:2])
+        async with traffic(url) as statuses:
+            await served_by(fakes[0], 2)
+            await served_by(fakes[1], 2)
+            await server.set_srv(records)  # t2 joins
+            await until(found, lambda: len(decode_urls(proxy)) == 3)
+            await served_by(fakes[2], 3)
+            await server.set_srv(records[1:])  # t0 leaves
+            await until(found, lambda: urls[0] not in decode_urls(proxy))
+            left_at = len(fakes[0].requests())
+            await served_by(fakes[1], 3)
+            await served_by(fakes[2], 3)
+        assert sorted(decode_urls(proxy)) == sorted(urls[1:])
+        assert len(fakes[0].requests()) <= left_at + 1  # at most one in flight when it left
+        assert statuses and set(statuses) == {200}, statuses
 
 
 async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(
