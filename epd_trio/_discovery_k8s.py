@@ -56,6 +56,8 @@ LIST_PAGE = 500
 WATCH_SECONDS = 60
 #: Seconds to connect, and to get a list's answer.
 REQUEST_TIMEOUT = 10.0
+#: A list's timeouts: connect, send, read, each REQUEST_TIMEOUT.
+LIST_TIMEOUT = httpx.Timeout(REQUEST_TIMEOUT)
 
 Apply = Callable[[str, str, Sequence[Discovered]], tuple[list[str], list[str]]]
 
@@ -177,7 +179,9 @@ class KubernetesDiscovery:
         params: dict[str, Any] = {"labelSelector": selector, "limit": LIST_PAGE}
         view: PodView | None = None
         while True:
-            response = await client.get(path, params=params, headers=self._headers())
+            # The client's read timeout is the watch's (minutes); a list answers in seconds.
+            response = await client.get(path, params=params, headers=self._headers(),
+                                        timeout=LIST_TIMEOUT)
             if response.status_code == 410:
                 # The continue token expired between two pages: list again from the start.
                 params.pop("continue", None)

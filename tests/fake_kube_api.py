@@ -104,6 +104,8 @@ class FakeKubeApi:
         self.authorization: list[str | None] = []
         #: Continue tokens to refuse with 410 (the API's "continue token expired"), then serve.
         self.expire_continues = 0
+        #: Lists get no answer at all while set (an API server that stalls).
+        self.stall_lists = False
         self._watchers: list[trio.MemorySendChannel[Any]] = []
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -294,6 +296,8 @@ class FakeKubeApi:
 
     async def _list(self, conn: h11.Connection, stream: trio.abc.Stream,
                     query: dict[str, str]) -> None:
+        if self.stall_lists:
+            await trio.sleep_forever()
         selector = query.get("labelSelector", "")
         names = sorted(n for n, p in self.pods.items()
                        if matches(selector, p["metadata"].get("labels") or {}))

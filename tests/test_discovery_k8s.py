@@ -26,7 +26,7 @@ from epd_trio._core.config import Settings
 from epd_trio._core.counters import CursorCounters
 from epd_trio._core.discovery import Discovered
 from epd_trio._core.roster import Roster, replace_source
-from epd_trio._discovery_k8s import KubernetesDiscovery
+from epd_trio._discovery_k8s import REQUEST_TIMEOUT, KubernetesDiscovery
 from epd_trio._kube_api import KubeApi
 from epd_trio._proxy import Proxy
 from epd_trio._roster_store import LocalRosterStore
@@ -190,6 +190,21 @@ async def test_the_watch_is_renewed_when_the_api_ends_it(
     await fake.wait_until(lambda: len(fake.watches()) == 3)  # each ends after timeoutSeconds
     assert found.reconnects["decode"] == 0 and found.lists["decode"] == 1
     assert {q["timeoutSeconds"] for q in fake.watches()} == {"60"}
+
+
+async def test_a_stalled_list_times_out_after_the_request_timeout(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A list gets REQUEST_TIMEOUT (10 s), not the watch's read timeout (90 s)."""
+    fake.stall_lists = True
+    roles = Roles()
+    started = trio.current_time()
+    found = await start(nursery, fake, roles)  # reports started once the first list failed
+    assert trio.current_time() - started == pytest.approx(REQUEST_TIMEOUT, abs=0.1)
+    assert found.reconnects["decode"] == 1 and roles.urls("decode") == []
+    fake.stall_lists = False
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    await until(found, lambda: roles.urls("decode") == ["http://127.0.1.1:8000"])
 
 
 async def test_an_error_status_backs_off_and_keeps_the_view(
