@@ -9,7 +9,8 @@ One task per role (``EPD_DECODE_SELECTOR``, ...), each doing what client-go's re
   (``_core/discovery.PodView``); a ``BOOKMARK`` only moves the version watched from. The API
   ends a watch after ``timeoutSeconds``: the next one starts from the last version seen;
 - **410 Gone** (as the watch's status, or an ``ERROR`` event: the version is older than the API
-  server keeps) means list again; so does a list whose ``continue`` token expired;
+  server keeps) means list again; so does a list whose ``continue`` token expired. Once at
+  once; a 410 again before a watch ended in time backs off like an error;
 - a **dropped connection**, a timeout, a 5xx or a refusal: reconnect after a backoff (doubling
   from 0.5 s to 30 s, jittered), watching from the last version seen.
 
@@ -150,12 +151,22 @@ class KubernetesDiscovery:
                 view = await self._watch(client, path, role, selector, view)
                 failures = gone = 0  # the API ended the watch in time: watch on from there
             except Gone:
-                log.info("Kubernetes %s watch: resource version gone (410); listing again", role)
+                # Once: list again at once (the version just expired). Again before a watch
+                # ended in time: back off, as for an error (an API server answering 410 to
+                # every list would otherwise be asked in a loop).
                 view = None
                 failures, gone = 0, gone + 1
-                if gone > 1:  # Gone again straight after a list: do not hammer the API
-                    self.reconnects[role] += 1
-                    await trio.sleep(backoff(gone - 1, self._jitter()))
+                if gone == 1:
+                    log.info("Kubernetes %s: resource version gone (410); listing again", role)
+                    continue
+                first.set()
+                self.reconnects[role] += 1
+                delay = backoff(gone - 1, self._jitter())
+                log.log(logging.WARNING if gone <= 4 or gone % 10 == 0 else logging.DEBUG,
+                        "Kubernetes %s: 410 Gone %d times in a row; keeping the last view, "
+                        "listing again in %.1f s", role, gone, delay)
+                self._step()
+                await trio.sleep(delay)
             except Exception as exc:
                 # httpx errors, error statuses, malformed lines or objects, the roster full.
                 first.set()
@@ -183,10 +194,9 @@ class KubernetesDiscovery:
             response = await client.get(path, params=params, headers=self._headers(),
                                         timeout=LIST_TIMEOUT)
             if response.status_code == 410:
-                # The continue token expired between two pages: list again from the start.
-                params.pop("continue", None)
-                view = None
-                continue
+                # The continue token expired between two pages, or the version is gone: list
+                # again from the start (``_follow`` decides when).
+                raise Gone
             page = _json_or_raise(response)
             view = PodView.listed(page) if view is None else view.merged(page)
             token = (page.get("metadata") or {}).get("continue")

@@ -106,6 +106,10 @@ class FakeKubeApi:
         self.expire_continues = 0
         #: Lists get no answer at all while set (an API server that stalls).
         self.stall_lists = False
+        #: Lists to refuse with 410 Gone (the version listed from is no longer kept), then serve.
+        self.gone_lists = 0
+        #: ``trio.current_time()`` of each request, in the order of ``requests``.
+        self.times: list[float] = []
         self._watchers: list[trio.MemorySendChannel[Any]] = []
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -173,6 +177,11 @@ class FakeKubeApi:
 
     def lists(self) -> list[dict[str, str]]:
         return [query for kind, query in self.requests if kind == "list"]
+
+    def times_of(self, wanted: str) -> list[float]:
+        """When each request of a kind (``list`` or ``watch``) came, on trio's clock."""
+        return [t for (kind, _q), t in zip(self.requests, self.times, strict=True)
+                if kind == wanted]
 
     # -- serving ----------------------------------------------------------------------------
     async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
@@ -288,6 +297,7 @@ class FakeKubeApi:
             return True
         watching = query.get("watch") in ("true", "1")
         self.requests.append(("watch" if watching else "list", query))
+        self.times.append(trio.current_time())
         self._step()
         if watching:
             return await self._watch(conn, stream, query)
@@ -298,6 +308,12 @@ class FakeKubeApi:
                     query: dict[str, str]) -> None:
         if self.stall_lists:
             await trio.sleep_forever()
+        if self.gone_lists:
+            self.gone_lists -= 1
+            await self._json(conn, stream, 410, to_json(V1Status(
+                api_version="v1", kind="Status", status="Failure", reason="Expired", code=410,
+                message="too old resource version", metadata=V1ListMeta())))
+            return
         selector = query.get("labelSelector", "")
         names = sorted(n for n, p in self.pods.items()
                        if matches(selector, p["metadata"].get("labels") or {}))

@@ -10,6 +10,7 @@ probes, a load-aware policy, ``epd-trio serve --workers 2``, replicas sharing a 
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -180,6 +181,23 @@ async def test_410_gone_lists_again(
     fake.expire_watches()
     await until(found, lambda: found.lists["decode"] == 3)
     assert len(roles.urls("decode")) == 3
+
+
+async def test_lists_refused_with_410_again_and_again_back_off(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """The first 410 lists again at once (a continue token or version that just expired);
+    the next ones wait, doubling to 30 s: not a loop hammering the API server."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.gone_lists = 10
+    roles = Roles()
+    found = await start(nursery, fake, roles)  # reports started once it backs off
+    with trio.fail_after(200):
+        await found.wait_until(lambda: roles.urls("decode") == ["http://127.0.1.1:8000"])
+    times = fake.times_of("list")
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(times)]
+    assert gaps == [0, 0.5, 1, 2, 4, 8, 16, 30, 30, 30]  # the 11th list is answered
+    assert found.lists["decode"] == 1
 
 
 async def test_the_watch_is_renewed_when_the_api_ends_it(
