@@ -12,7 +12,8 @@ One task per role (``EPD_DECODE_SELECTOR``, ...), each doing what client-go's re
   server keeps) means list again; so does a list whose ``continue`` token expired. Once at
   once; a 410 again before a watch ended in time backs off like an error;
 - a **dropped connection**, a timeout, a 5xx or a refusal: reconnect after a backoff (doubling
-  from 0.5 s to 30 s, jittered), watching from the last version seen.
+  from 0.5 s to 30 s, jittered), watching from the last version seen. So does a watch that
+  ended cleanly within a second without an event (client-go's "very short watch").
 
 Until a new answer comes, the roster keeps the last view: an API server that is unreachable
 never empties it. After every list and every event, the role's Ready pods replace its
@@ -57,6 +58,8 @@ LIST_PAGE = 500
 WATCH_SECONDS = 60
 #: Seconds to connect, and to get a list's answer.
 REQUEST_TIMEOUT = 10.0
+#: Seconds under which a watch that delivered no event is a failure (``ShortWatch``).
+SHORT_WATCH = 1.0
 #: A list's timeouts: connect, send, read, each REQUEST_TIMEOUT.
 LIST_TIMEOUT = httpx.Timeout(REQUEST_TIMEOUT)
 
@@ -73,6 +76,12 @@ class ApiError(Exception):
 
 class Gone(Exception):
     """410: the version watched or listed from is no longer kept; list again."""
+
+
+class ShortWatch(Exception):
+    """A watch that ended cleanly within ``SHORT_WATCH`` having delivered nothing: something
+    between here and the API server cuts it. Handled as an error (backoff), as client-go's
+    reflector does ("very short watch"), or it would be asked again in a busy loop."""
 
 
 class KubernetesDiscovery:
@@ -148,8 +157,8 @@ class KubernetesDiscovery:
                     self.lists[role] += 1
                     self._publish(role, selector, view)
                     first.set()
-                view = await self._watch(client, path, role, selector, view)
-                failures = gone = 0  # the API ended the watch in time: watch on from there
+                view = await self._watch_in_time(client, path, role, selector, view)
+                failures = gone = 0  # the watch ran its course: watch on from there
             except Gone:
                 # Once: list again at once (the version just expired). Again before a watch
                 # ended in time: back off, as for an error (an API server answering 410 to
@@ -203,6 +212,16 @@ class KubernetesDiscovery:
             if not token:
                 return view
             params["continue"] = token
+
+    async def _watch_in_time(self, client: httpx.AsyncClient, path: str, role: str,
+                             selector: str, view: PodView) -> PodView:
+        """``_watch``, raising ``ShortWatch`` if it ended at once without an event."""
+        started, events = trio.current_time(), self.events[role]
+        view = await self._watch(client, path, role, selector, view)
+        lasted = trio.current_time() - started
+        if self.events[role] == events and lasted < SHORT_WATCH:
+            raise ShortWatch(f"the watch ended after {lasted:.1f} s without an event")
+        return view
 
     async def _watch(self, client: httpx.AsyncClient, path: str, role: str, selector: str,
                      view: PodView) -> PodView:

@@ -108,6 +108,9 @@ class FakeKubeApi:
         self.stall_lists = False
         #: Lists to refuse with 410 Gone (the version listed from is no longer kept), then serve.
         self.gone_lists = 0
+        #: Watches to end as soon as they have sent the events they owe (a proxy or load
+        #: balancer that cuts them), then serve.
+        self.end_watches = 0
         #: ``trio.current_time()`` of each request, in the order of ``requests``.
         self.times: list[float] = []
         self._watchers: list[trio.MemorySendChannel[Any]] = []
@@ -361,6 +364,10 @@ class FakeKubeApi:
         for version, event in self.history:
             if version > since and wanted(event):
                 await line(event)
+        if self.end_watches:
+            self.end_watches -= 1
+            await self._send(conn, stream, h11.EndOfMessage())
+            return True
         self._watchers.append(send)
         self._step()
         try:

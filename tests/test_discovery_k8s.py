@@ -225,6 +225,32 @@ async def test_a_stalled_list_times_out_after_the_request_timeout(
     await until(found, lambda: roles.urls("decode") == ["http://127.0.1.1:8000"])
 
 
+async def test_watches_ending_at_once_without_an_event_back_off(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A watch that ends cleanly within a second having delivered nothing is an error (as
+    client-go's reflector has it): reconnect after the backoff, not in a busy loop."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.end_watches = 9
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    await until(found, lambda: found.reconnects["decode"] >= 6)  # the 6th has ended too
+    times = fake.times_of("watch")
+    assert [round(b - a, 3) for a, b in itertools.pairwise(times[:6])] == [0.5, 1, 2, 4, 8]
+    assert found.lists["decode"] == 1 and roles.urls("decode") == ["http://127.0.1.1:8000"]
+    # A watch that delivers an event is progress, however short: the next one comes at once,
+    # and the backoff starts over.
+    fake.put(make_pod("d1", "127.0.1.2", DECODE))  # the 7th watch (after 16 s) delivers it
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    await fake.wait_until(lambda: len(fake.watches()) >= 9)
+    times = fake.times_of("watch")
+    assert [round(b - a, 3) for a, b in itertools.pairwise(times[5:9])] == [16, 0, 0.5]
+    await fake.wait_until(lambda: fake.watching == 1)  # the 10th lasts: no more reconnects
+    reconnects = found.reconnects["decode"]
+    await trio.sleep(30)
+    assert found.reconnects["decode"] == reconnects and fake.watching == 1
+
+
 async def test_an_error_status_backs_off_and_keeps_the_view(
     nursery: trio.Nursery, autojump_clock: Any
 ) -> None:
