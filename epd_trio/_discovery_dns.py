@@ -9,7 +9,7 @@ roster store). The rules (a failure keeps the last view; an empty answer empties
 confirmed) are the core's.
 
 Why dnspython: a maintained resolver with an asynchronous API that runs on trio itself (its
-``asyncbackend`` detects trio through sniffio: no thread, no asyncio), with the system's
+trio ``asyncbackend``, named on every query: no thread, no asyncio), with the system's
 ``/etc/resolv.conf`` (search domains and ``ndots``, as ``vllm-decode.ns.svc`` needs inside
 Kubernetes) or a given server and port. No cache: every round asks the server, so a record
 that vanished is seen at the next round, not after its TTL.
@@ -24,6 +24,7 @@ import ipaddress
 import logging
 from collections.abc import Callable, Sequence
 
+import dns.asyncbackend
 import dns.asyncresolver
 import dns.exception
 import dns.resolver
@@ -70,11 +71,19 @@ def make_resolver(nameserver: str | None, timeout: float) -> dns.asyncresolver.R
     return resolver
 
 
+def trio_backend() -> dns.asyncbackend.Backend:
+    """dnspython's trio backend, given to every query: without it dnspython picks a backend by
+    sniffing the running library, and a wrong guess would only show as failed rounds (which
+    keep the last view: silent). Raises if dnspython cannot run on trio."""
+    return dns.asyncbackend.get_backend("trio")
+
+
 async def ask(resolver: dns.asyncresolver.Resolver, query: Query, *, search: bool) -> Answer:
-    """One query as an ``Answer``; never raises for a DNS outcome."""
+    """One query as an ``Answer``, on trio's backend; never raises for a DNS outcome."""
     qname, rdtype = query
     try:
-        reply = await resolver.resolve(qname if search else qname + ".", rdtype, search=search)
+        reply = await resolver.resolve(qname if search else qname + ".", rdtype, search=search,
+                                       backend=trio_backend())
     except dns.resolver.NXDOMAIN:
         return Empty(f"{qname}: no such name (NXDOMAIN)")
     except dns.resolver.NoAnswer:

@@ -16,7 +16,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import dns._asyncio_backend
+import dns._trio_backend
+import dns.asyncbackend
 import httpx
+import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
@@ -243,6 +247,42 @@ async def test_srv_records_join_and_leave_while_traffic_flows(
         assert sorted(decode_urls(proxy)) == sorted(urls[1:])
         assert len(fakes[0].requests()) <= left_at + 1  # at most one in flight when it left
         assert statuses and set(statuses) == {200}, statuses
+
+
+async def test_the_queries_run_on_dnspythons_trio_backend(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every socket of a round is made by dnspython's trio backend, none by its asyncio one,
+    even if dnspython's own guess (sniffing the running library) said asyncio: a backend
+    picked wrongly cannot hide behind failed rounds that keep the last view."""
+    made: list[str] = []
+    trio_socket = dns._trio_backend.Backend.make_socket
+
+    async def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(self.name())
+        return await trio_socket(self, *args, **kwargs)
+
+    async def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(self.name())
+        raise AssertionError("dnspython's asyncio backend under trio")
+
+    monkeypatch.setattr(dns._trio_backend.Backend, "make_socket", spy)
+    monkeypatch.setattr(dns._asyncio_backend.Backend, "make_socket", refuse)
+    monkeypatch.setattr(dns.asyncbackend, "get_default_backend",
+                        lambda: dns.asyncbackend.get_backend("asyncio"))  # a wrong guess
+    spec = f"dns+http://{NAME}:8000"
+    found_urls: list[list[str]] = []
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server, \
+            trio.open_nursery() as rounds:
+        found = DnsDiscovery([("decode", parse_dns_url(spec))],
+                             lambda source, role, found: found_urls.append(
+                                 [d.instance.url for d in found]) or ([], []),
+                             nameserver=server.nameserver, interval=0.05, timeout=0.3)
+        await rounds.start(found.run)
+        await until(found, lambda: found.rounds >= 2)
+        rounds.cancel_scope.cancel()
+    assert found_urls[0] == [f"http://{ADDRESSES[0]}:8000"]
+    assert len(made) >= 4 and set(made) == {"trio"}  # A and AAAA, two rounds
 
 
 async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(
