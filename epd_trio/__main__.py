@@ -160,6 +160,10 @@ def _add_serve(commands: Any) -> None:
             serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
                                metavar="KEY=VALUE", help=f"{field.removesuffix('_selector')} "
                                f"pods' labels ({env})")
+            if field == "decode_selector":
+                serve.add_argument("--selector", dest="selector", nargs="+", action="extend",
+                                   metavar="KEY=VALUE", help="vllm-router's --selector (a fleet "
+                                   "without a prefill/decode split): --decode-selector")
         elif isinstance(SETTING_DEFAULTS[field], bool):
             serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
                                default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")
@@ -172,8 +176,22 @@ def _add_serve(commands: Any) -> None:
 
 
 def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The settings ``epd-trio serve``'s flags give (None: not given), for ``settings_from``."""
-    return {field: getattr(args, field) for field in FLAG_FIELDS}
+    """The settings ``epd-trio serve``'s flags give (None: not given), for ``settings_from``.
+
+    vllm-router's ``--selector`` selects the pods of a fleet without a prefill/decode split,
+    each serving whole requests: here, the decode (combined) role's ``--decode-selector``.
+    vllm-router takes it or the two split selectors, never both; so does this.
+    """
+    flags = {field: getattr(args, field) for field in FLAG_FIELDS}
+    selector = getattr(args, "selector", None)
+    if selector:
+        given = [flag_name(f) for f in ("prefill_selector", "decode_selector") if flags[f]]
+        if given:
+            raise ConfigError("--selector", "is vllm-router's selector of a fleet without a "
+                              "prefill/decode split (--decode-selector here): give it or "
+                              f"{given[0]}, not both")
+        flags["decode_selector"] = selector
+    return flags
 
 
 def _serve(args: argparse.Namespace) -> int:

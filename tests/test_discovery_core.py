@@ -6,7 +6,8 @@ import orjson
 import pytest
 
 from epd_trio import Instance
-from epd_trio._core.config import ConfigError, settings_from
+from epd_trio.__main__ import build_parser, serve_flags
+from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import (
     EMPTY_CONFIRMATIONS,
     Discovered,
@@ -93,6 +94,22 @@ def test_selectors_take_vllm_routers_spelling() -> None:
 
 
 # -- DNS answers ----------------------------------------------------------------------------------
+def serve_settings(*argv: str) -> Settings:
+    """The settings ``epd-trio serve ARGV`` would run with (no environment)."""
+    return settings_from({}, flags=serve_flags(build_parser().parse_args(["serve", *argv])))
+
+
+def test_vllm_routers_plain_selector_is_the_decode_selector() -> None:
+    settings = serve_settings("--service-discovery", "--selector", "app=vllm", "role=pd")
+    assert settings.selectors() == [("decode", "app=vllm,role=pd")]
+    assert settings.layout == "PD"
+    assert serve_settings("--service-discovery", "--decode-selector", "app=vllm").selectors() == [
+        ("decode", "app=vllm")]
+    for split in ("--prefill-selector", "--decode-selector"):
+        with pytest.raises(ConfigError, match=f"^--selector: .*: give it or {split}, not both"):
+            serve_settings("--service-discovery", "--selector", "app=vllm", split, "role=x")
+
+
 NAME = parse_dns_url("dns+http://vllm-d:8000#dp=2")
 SRV = parse_dns_url("dnssrv+http://_http._tcp.vllm-d")
 
