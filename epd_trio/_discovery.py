@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import trio
 
 from ._core.config import Settings
-from ._discovery_dns import Apply, DnsDiscovery
+from ._discovery_dns import Apply, DnsDiscovery, check_nameserver
 from ._discovery_k8s import KubernetesDiscovery
 from ._kube_api import kube_api
 
@@ -44,9 +44,11 @@ def discovery_sources(
 
 
 def check_discovery(settings: Settings) -> None:
-    """How Kubernetes discovery would reach the API server, checked before any worker starts:
-    no pod and no kubeconfig, a refused kubeconfig (an exec plugin, say) or an unreadable CA is
-    an ``OSError`` naming it. Each process that discovers checks again when it starts (a token
-    file may be rotated meanwhile: it is read again at every connection)."""
+    """What discovery needs from outside, checked before any worker starts: how Kubernetes
+    discovery reaches the API server (no pod and no kubeconfig, a refused kubeconfig such as an
+    exec plugin, an unreadable CA) and a DNS server given by a name that does not resolve are
+    an ``OSError`` naming it. Each process that discovers checks again when it starts."""
     if settings.selectors():
         kube_api(settings).connect()
+    if settings.dns_names() or settings.admin_key:
+        check_nameserver(settings.dns_nameserver)

@@ -70,10 +70,22 @@ def test_settings_take_dns_names_in_the_url_lists() -> None:
         ("prefill", "dnssrv+http://_http._tcp.vllm-p"), ("decode", "dns+http://vllm-d:8000#dp=4")]
     # A DNS name alone is a configured decode stage.
     assert settings_from({"EPD_DECODE_URLS": "dns+http://vllm-d:8000"}).layout == "PD"
-    with pytest.raises(ConfigError, match=r"EPD_DNS_NAMESERVER.*IP address"):
-        settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_DNS_NAMESERVER": "kube-dns"})
-    assert settings_from({"EPD_DECODE_URLS": "http://d:1",
-                          "EPD_DNS_NAMESERVER": "[::1]:5353"}).dns_nameserver == "[::1]:5353"
+
+
+@pytest.mark.parametrize("given, accepted", [
+    ("10.96.0.10", True), ("[::1]:5353", True), ("127.0.0.1:5353", True),
+    # A name: resolved once when discovery starts (tests/test_discovery_dns.py).
+    ("kube-dns", True), ("kube-dns.kube-system.svc.cluster.local.:53", True),
+    ("dns_server", False), ("bad name", False), ("-x.example", False), ("x.example:0", False),
+    ("x.example:99999", False), ("x.example:port", False),
+])
+def test_the_dns_nameserver_is_an_address_or_a_host_name(given: str, accepted: bool) -> None:
+    environ = {"EPD_DECODE_URLS": "http://d:1", "EPD_DNS_NAMESERVER": given}
+    if accepted:
+        assert settings_from(environ).dns_nameserver == given
+    else:
+        with pytest.raises(ConfigError, match=r"^EPD_DNS_NAMESERVER: "):
+            settings_from(environ)
 
 
 def test_selectors_take_vllm_routers_spelling() -> None:

@@ -8,6 +8,7 @@ Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's re
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -24,8 +25,9 @@ import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
-from epd_trio._core.config import Settings
+from epd_trio._core.config import Settings, settings_from
 from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, Empty, parse_dns_url
+from epd_trio._discovery import check_discovery
 from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
@@ -190,7 +192,7 @@ async def test_a_name_left_without_addresses_empties_the_roster_once_confirmed(
         found = discovery_of(proxy)
         assert len(decode_urls(proxy)) == 2
         await server.set_hosts([])
-        resolver = make_resolver(server.nameserver, 1.0)
+        resolver = await make_resolver(server.nameserver, 1.0)
         for rdtype in ("A", "AAAA"):
             assert await ask(resolver, (NAME, rdtype), search=False) == Empty(
                 f"{NAME}: no {rdtype} record")
@@ -283,6 +285,54 @@ async def test_the_queries_run_on_dnspythons_trio_backend(
         rounds.cancel_scope.cancel()
     assert found_urls[0] == [f"http://{ADDRESSES[0]}:8000"]
     assert len(made) >= 4 and set(made) == {"trio"}  # A and AAAA, two rounds
+
+
+async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
+    spec = f"dns+http://{NAME}:{port}"
+    asked: list[str] = []
+    getaddrinfo = trio.socket.getaddrinfo
+
+    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return await getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
+        settings = Settings(decode_urls=(parse_dns_url(spec),),
+                            dns_nameserver=f"localhost:{server.port}", dns_interval=0.05,
+                            dns_timeout=0.3)
+        async with serve_proxy(settings) as (_url, proxy):
+            found = discovery_of(proxy)
+            assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
+            assert "127.0.0.1" in (await found.resolver()).nameservers
+            rounds = found.rounds
+            await until(found, lambda: found.rounds >= rounds + 3)
+    assert asked.count("localhost") == 1  # once, not per round
+
+
+async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unknown(*args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    async def unknown_async(*args: Any, **kwargs: Any) -> Any:
+        unknown()
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    monkeypatch.setattr(trio.socket, "getaddrinfo", unknown_async)
+    settings = settings_from({"EPD_DECODE_URLS": "dns+http://vllm-decode.test:8000",
+                              "EPD_DNS_NAMESERVER": "kube-dns.example:53"})
+    message = r"EPD_DNS_NAMESERVER kube-dns.example does not resolve \(.*\); name the DNS server"
+    with pytest.raises(OSError, match=message):
+        check_discovery(settings)  # epd-trio serve, before any worker
+    found = DnsDiscovery(settings.dns_names(), lambda *a: ([], []),
+                         nameserver=settings.dns_nameserver, interval=1, timeout=1)
+    with pytest.raises(OSError, match=message):
+        await found.run()  # in each process that discovers, before it reports started
 
 
 async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(

@@ -162,8 +162,9 @@ class Settings:
     #: ``*_embeds`` reference on the consumer legs (the instance then neither receives the pixels
     #: nor re-runs the media processor); off: the raw media is sent (upstream's ``--no-rewrite``).
     ec_rewrite: bool = True
-    #: ``host[:port]`` of the DNS server that expands ``dns+``/``dnssrv+`` URLs (None: the
-    #: system's resolver, ``/etc/resolv.conf``, search domains included).
+    #: ``host[:port]`` of the DNS server that expands ``dns+``/``dnssrv+`` URLs: an address, or
+    #: a name resolved once when discovery starts (None: the system's resolver,
+    #: ``/etc/resolv.conf``, search domains included).
     dns_nameserver: str | None = None
     #: Seconds between two resolutions of each DNS name.
     dns_interval: float = 5.0
@@ -426,17 +427,23 @@ def _factor(raw: Any) -> float:
 
 
 def _nameserver(raw: Any) -> str:
-    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``: a DNS server's address."""
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``: a DNS server's address, or a host
+    name (resolved once when discovery starts)."""
     value = str(raw).strip()
     host, port = split_host_port(value, 53)
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"expected an IP address[:port] (a DNS server is named by its "
-                         f"address), got {raw!r}") from None
+        if not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"expected an IP address or a host name, with an optional :port, "
+                             f"got {raw!r}") from None
     if not 0 < port < 65536:
         raise ValueError(f"expected a port in 1..65535, got {raw!r}")
     return value
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?\.)*"
+                        r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?\.?")
 
 
 def split_host_port(value: str, default_port: int) -> tuple[str, int]:
