@@ -8,7 +8,9 @@ over real HTTP/1.1 (h11) on a loopback port:
 - ``...&watch=true&resourceVersion=RV&allowWatchBookmarks=true&timeoutSeconds=S``: a chunked
   stream of JSON lines, the events after ``RV`` first, then live ones; ended after ``S``.
 
-What the tests steer: pods put and deleted (each a new ``resourceVersion``), bookmarks,
+What the tests steer: pods put and deleted (each a new ``resourceVersion``; a watch sees them as
+the API server's watch cache sends them to a label selector: a pod relabelled out of the
+selector arrives as DELETED, one relabelled into it as ADDED), bookmarks,
 ``compact`` (forget the history: a watch from before it gets 410 Gone, as an HTTP status or as
 an ``ERROR`` event, ``gone_as``), ``expire_watches`` (an ``ERROR`` 410 on the open watches),
 ``drop_watches`` (the connections cut mid-stream, no final chunk), ``stop``/``start`` (the
@@ -24,6 +26,7 @@ import contextlib
 import datetime
 import itertools
 import ssl
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -64,6 +67,45 @@ def make_pod(
             V1PodCondition(type="Ready", status="True" if ready else "False")])))
 
 
+def _at(pod: dict[str, Any], version: int) -> dict[str, Any]:
+    return {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to a pod: the pod after it, and before it (None when it is new)."""
+
+    type: str
+    pod: dict[str, Any]
+    previous: dict[str, Any] | None
+
+    def seen_by(self, selector: str) -> dict[str, Any] | None:
+        """The event a watch with ``selector`` gets, as the API server's watch cache makes it:
+        a pod that stops matching is DELETED (its last matching state, at the new version),
+        one that starts matching is ADDED, one that matches neither before nor after is not
+        sent at all."""
+        if self.type == "DELETED":
+            return _event("DELETED", self.pod) if _labelled(selector, self.pod) else None
+        now = _labelled(selector, self.pod)
+        before = self.previous is not None and _labelled(selector, self.previous)
+        if now and before:
+            return _event("MODIFIED", self.pod)
+        if now:
+            return _event("ADDED", self.pod)
+        if before:
+            assert self.previous is not None
+            return _event("DELETED", self.previous)
+        return None
+
+
+def _labelled(selector: str, pod: dict[str, Any]) -> bool:
+    return matches(selector, (pod.get("metadata") or {}).get("labels") or {})
+
+
+def _event(kind: str, pod: dict[str, Any]) -> dict[str, Any]:
+    return to_json(V1WatchEvent(type=kind, object=pod))
+
+
 def matches(selector: str, labels: dict[str, str]) -> bool:
     for term in filter(None, selector.split(",")):
         if "!=" in term:
@@ -94,8 +136,10 @@ class FakeKubeApi:
         self.pods: dict[str, dict[str, Any]] = {}
         self._versions = itertools.count(100)
         self.resource_version = next(self._versions)
-        #: ``(resourceVersion, event JSON)`` of every change since the last ``compact``.
-        self.history: list[tuple[int, dict[str, Any]]] = []
+        #: Every change since the last ``compact``: ``(resourceVersion, Change)``.
+        self.history: list[tuple[int, Change]] = []
+        #: Every event line a watch sent: ``(labelSelector, type, pod name)``.
+        self.sent: list[tuple[str, str, str]] = []
         self.oldest = 0
         #: How a too-old watch is refused: ``status`` (HTTP 410) or ``event`` (an ERROR line).
         self.gone_as = "status"
@@ -127,18 +171,18 @@ class FakeKubeApi:
     def put(self, pod: dict[str, Any]) -> int:
         """Add or change a pod; returns its new resourceVersion."""
         name = pod["metadata"]["name"]
-        kind = "MODIFIED" if name in self.pods else "ADDED"
+        previous = self.pods.get(name)
         version = self._bump()
-        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}}
+        pod = _at(pod, version)
         self.pods[name] = pod
-        self._emit(version, kind, pod)
+        self._emit(version, Change("MODIFIED" if previous else "ADDED", pod,
+                                   _at(previous, version) if previous else None))
         return version
 
     def delete(self, name: str) -> int:
         version = self._bump()
-        pod = self.pods.pop(name)
-        self._emit(version, "DELETED", {**pod, "metadata": {**pod["metadata"],
-                                                             "resourceVersion": str(version)}})
+        pod = _at(self.pods.pop(name), version)
+        self._emit(version, Change("DELETED", pod, pod))
         return version
 
     def bookmark(self) -> int:
@@ -208,10 +252,9 @@ class FakeKubeApi:
         self.resource_version = next(self._versions)
         return self.resource_version
 
-    def _emit(self, version: int, kind: str, pod: dict[str, Any]) -> None:
-        event = to_json(V1WatchEvent(type=kind, object=pod))
-        self.history.append((version, event))
-        self._send_all(("event", event))
+    def _emit(self, version: int, change: Change) -> None:
+        self.history.append((version, change))
+        self._send_all(("event", change))
 
     def _send_all(self, item: Any) -> None:
         for channel in list(self._watchers):
@@ -353,17 +396,19 @@ class FakeKubeApi:
             await self._send(conn, stream, h11.Data(data=raw[: len(raw) // 2]))
             await self._send(conn, stream, h11.Data(data=raw[len(raw) // 2:]))
 
-        def wanted(event: dict[str, Any]) -> bool:
-            labels = (event["object"].get("metadata") or {}).get("labels") or {}
-            return matches(selector, labels)
+        async def change_line(change: Change) -> None:
+            event = change.seen_by(selector)
+            if event is not None:
+                self.sent.append((selector, event["type"], event["object"]["metadata"]["name"]))
+                await line(event)
 
         if since and since < self.oldest:  # gone_as == "event"
             await line(self._gone_event())
             await self._send(conn, stream, h11.EndOfMessage())
             return True
-        for version, event in self.history:
-            if version > since and wanted(event):
-                await line(event)
+        for version, change in self.history:
+            if version > since:
+                await change_line(change)
         if self.end_watches:
             self.end_watches -= 1
             await self._send(conn, stream, h11.EndOfMessage())
@@ -384,8 +429,8 @@ class FakeKubeApi:
                     elif kind == "bookmark":
                         if bookmarks:
                             await line(event)
-                    elif wanted(event):
-                        await line(event)
+                    else:
+                        await change_line(event)
             await self._send(conn, stream, h11.EndOfMessage())
             return True
         finally:

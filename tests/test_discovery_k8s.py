@@ -111,6 +111,26 @@ async def test_list_then_watch_ready_pods_only(
     assert found.lists == {"decode": 1, "prefill": 1} and found.reconnects["decode"] == 0
 
 
+async def test_a_pod_relabelled_out_of_the_selector_leaves(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A Ready pod whose labels stop matching arrives as DELETED (the API server's watch cache
+    turns the change into a deletion for that selector) and leaves; relabelled back, ADDED."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.put(make_pod("d1", "127.0.1.2", DECODE))
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    await fake.wait_until(lambda: fake.watching == 1)
+    fake.put(make_pod("d0", "127.0.1.1", {"app": "vllm", "role": "canary"}))  # Running, Ready
+    await until(found, lambda: roles.urls("decode") == ["http://127.0.1.2:8000"])
+    assert fake.sent[-1] == (SELECTOR, "DELETED", "d0")
+    fake.put(make_pod("d0", "127.0.1.1", {"app": "vllm", "role": "canary", "x": "y"}))
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))  # unseen, then back in
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    assert fake.sent[-2:] == [(SELECTOR, "DELETED", "d0"), (SELECTOR, "ADDED", "d0")]
+    assert found.lists["decode"] == 1 and found.reconnects["decode"] == 0  # the watch said it
+
+
 async def test_an_expired_continue_token_lists_from_the_start(
     nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
 ) -> None:
