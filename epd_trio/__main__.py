@@ -35,6 +35,7 @@ from ._core.config import (
     flag_name,
 )
 from ._core.roster import layout_name
+from ._discovery import check_discovery
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
@@ -159,6 +160,10 @@ def _add_serve(commands: Any) -> None:
             serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
                                metavar="KEY=VALUE", help=f"{field.removesuffix('_selector')} "
                                f"pods' labels ({env})")
+            if field == "decode_selector":
+                serve.add_argument("--selector", dest="selector", nargs="+", action="extend",
+                                   metavar="KEY=VALUE", help="vllm-router's --selector (a fleet "
+                                   "without a prefill/decode split): --decode-selector")
         elif isinstance(SETTING_DEFAULTS[field], bool):
             serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
                                default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")
@@ -170,13 +175,35 @@ def _add_serve(commands: Any) -> None:
                                help=f"{env} (default {default})")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings ``epd-trio serve``'s flags give (None: not given), for ``settings_from``.
+
+    vllm-router's ``--selector`` selects the pods of a fleet without a prefill/decode split,
+    each serving whole requests: here, the decode (combined) role's ``--decode-selector``.
+    vllm-router takes it or the two split selectors, never both; so does this.
+    """
     flags = {field: getattr(args, field) for field in FLAG_FIELDS}
+    selector = getattr(args, "selector", None)
+    if selector:
+        given = [flag_name(f) for f in ("prefill_selector", "decode_selector") if flags[f]]
+        if given:
+            raise ConfigError("--selector", "is vllm-router's selector of a fleet without a "
+                              "prefill/decode split (--decode-selector here): give it or "
+                              f"{given[0]}, not both")
+        flags["decode_selector"] = selector
+    return flags
+
+
+def _serve(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(flags=flags, config_path=args.config)
+        settings = load_settings(flags=serve_flags(args), config_path=args.config)
         check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
+        check_discovery(settings)  # the same for a missing or refused kubeconfig
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"epd-trio: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
@@ -188,6 +215,18 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        return trio.run(_demo, args)
+    except OSError as exc:
+        print(f"epd-trio: {exc}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``epd-trio`` (the tests parse the docs' manifests with it)."""
     parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -202,14 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "register over ZMQ (default generic)")
     demo.add_argument("--moriio-mode", choices=("READ", "WRITE"), default="READ",
                       help="the MoRIIO transfer mode of the fakes (default READ)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            return _serve(args)
-        return trio.run(_demo, args)
-    except OSError as exc:
-        print(f"epd-trio: {exc}", file=sys.stderr)
-        return 1
+    return parser
 
 
 if __name__ == "__main__":

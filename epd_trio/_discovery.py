@@ -14,8 +14,9 @@ from typing import Any, Protocol
 import trio
 
 from ._core.config import Settings
-from ._discovery_dns import Apply, DnsDiscovery
-from ._discovery_k8s import KubernetesDiscovery, kube_api
+from ._discovery_dns import Apply, DnsDiscovery, check_nameserver
+from ._discovery_k8s import KubernetesDiscovery
+from ._kube_api import kube_api
 
 
 class Source(Protocol):
@@ -40,3 +41,14 @@ def discovery_sources(
             settings.selectors(), apply, api=kube_api(settings),
             port=settings.service_discovery_port))
     return sources
+
+
+def check_discovery(settings: Settings) -> None:
+    """What discovery needs from outside, checked before any worker starts: how Kubernetes
+    discovery reaches the API server (no pod and no kubeconfig, a refused kubeconfig such as an
+    exec plugin, an unreadable CA) and a DNS server given by a name that does not resolve are
+    an ``OSError`` naming it. Each process that discovers checks again when it starts."""
+    if settings.selectors():
+        kube_api(settings).connect()
+    if settings.dns_names() or settings.admin_key:
+        check_nameserver(settings.dns_nameserver)

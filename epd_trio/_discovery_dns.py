@@ -9,21 +9,24 @@ roster store). The rules (a failure keeps the last view; an empty answer empties
 confirmed) are the core's.
 
 Why dnspython: a maintained resolver with an asynchronous API that runs on trio itself (its
-``asyncbackend`` detects trio through sniffio: no thread, no asyncio), with the system's
+trio ``asyncbackend``, named on every query: no thread, no asyncio), with the system's
 ``/etc/resolv.conf`` (search domains and ``ndots``, as ``vllm-decode.ns.svc`` needs inside
 Kubernetes) or a given server and port. No cache: every round asks the server, so a record
 that vanished is seen at the next round, not after its TTL.
 
-Failure: a resolver that cannot be configured (no ``/etc/resolv.conf``) fails start-up with an
-``OSError``; everything after start-up is logged and retried at the next round.
+Failure: a resolver that cannot be configured (no ``/etc/resolv.conf``, an
+``EPD_DNS_NAMESERVER`` name that does not resolve) fails start-up with an ``OSError``;
+everything after start-up is logged and retried at the next round.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections.abc import Callable, Sequence
 
+import dns.asyncbackend
 import dns.asyncresolver
 import dns.exception
 import dns.resolver
@@ -51,8 +54,9 @@ log = logging.getLogger("epd_trio.discovery")
 Apply = Callable[[str, str, Sequence[Discovered]], tuple[list[str], list[str]]]
 
 
-def make_resolver(nameserver: str | None, timeout: float) -> dns.asyncresolver.Resolver:
-    """The system's resolver, or one asking only ``nameserver`` (``host[:port]``)."""
+async def make_resolver(nameserver: str | None, query_timeout: float) -> dns.asyncresolver.Resolver:
+    """The system's resolver, or one asking only ``nameserver`` (``host[:port]``; a host name
+    is resolved here, once, through the system's resolver: ``nameserver_addresses``)."""
     if nameserver is None:
         try:
             resolver = dns.asyncresolver.Resolver()
@@ -62,19 +66,65 @@ def make_resolver(nameserver: str | None, timeout: float) -> dns.asyncresolver.R
     else:
         host, port = split_host_port(nameserver, 53)
         resolver = dns.asyncresolver.Resolver(configure=False)
-        resolver.nameservers = [str(ipaddress.ip_address(host))]
+        resolver.nameservers = await nameserver_addresses(host, port)
         resolver.port = port
-    resolver.timeout = timeout
-    resolver.lifetime = timeout
+    resolver.timeout = query_timeout
+    resolver.lifetime = query_timeout
     resolver.cache = None
     return resolver
 
 
+async def nameserver_addresses(host: str, port: int) -> list[str]:
+    """The addresses of the DNS server ``host``: itself when it is one, else what the system's
+    resolver answers for the name now (every address, in its order; a server that moves is
+    seen at the next start)."""
+    if _is_address(host):
+        return [str(ipaddress.ip_address(host))]
+    try:
+        found = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as exc:
+        raise OSError(_unresolved(host, exc)) from None
+    return list(dict.fromkeys(str(info[4][0]) for info in found))
+
+
+def check_nameserver(nameserver: str | None) -> None:
+    """``nameserver_addresses``' check, blocking, for ``epd-trio serve`` before any worker."""
+    if nameserver is None:
+        return
+    host, port = split_host_port(nameserver, 53)
+    if not _is_address(host):
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except socket.gaierror as exc:
+            raise OSError(_unresolved(host, exc)) from None
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _unresolved(host: str, exc: Exception) -> str:
+    return (f"DNS discovery: EPD_DNS_NAMESERVER {host} does not resolve ({exc}); name the DNS "
+            "server by its address")
+
+
+def trio_backend() -> dns.asyncbackend.Backend:
+    """dnspython's trio backend, given to every query: without it dnspython picks a backend by
+    sniffing the running library, and a wrong guess would only show as failed rounds (which
+    keep the last view: silent). Raises if dnspython cannot run on trio."""
+    return dns.asyncbackend.get_backend("trio")
+
+
 async def ask(resolver: dns.asyncresolver.Resolver, query: Query, *, search: bool) -> Answer:
-    """One query as an ``Answer``; never raises for a DNS outcome."""
+    """One query as an ``Answer``, on trio's backend; never raises for a DNS outcome."""
     qname, rdtype = query
     try:
-        reply = await resolver.resolve(qname if search else qname + ".", rdtype, search=search)
+        reply = await resolver.resolve(qname if search else qname + ".", rdtype, search=search,
+                                       backend=trio_backend())
     except dns.resolver.NXDOMAIN:
         return Empty(f"{qname}: no such name (NXDOMAIN)")
     except dns.resolver.NoAnswer:
@@ -130,16 +180,17 @@ class DnsDiscovery:
         while not predicate():
             await self._round_done.wait()
 
-    def resolver(self) -> dns.asyncresolver.Resolver:
+    async def resolver(self) -> dns.asyncresolver.Resolver:
         """Made at the first name (a proxy that only might get names registered needs no
-        resolver configuration until one is)."""
+        resolver configuration until one is), and kept: a nameserver given by name is
+        resolved once."""
         if self._resolver is None:
-            self._resolver = make_resolver(self._nameserver, self._timeout)
+            self._resolver = await make_resolver(self._nameserver, self._timeout)
         return self._resolver
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         if self._names:
-            self.resolver()  # no resolver configuration: start-up fails, naming the fix
+            await self.resolver()  # no resolver (configuration): start-up fails, naming why
             log.info("DNS discovery of %s through %s, every %g s",
                      ", ".join(name.spec for _role, name in self._names),
                      self._nameserver or "the system resolver", self._interval)
@@ -190,7 +241,7 @@ class DnsDiscovery:
         self._signal()
 
     async def _resolve(self, role: str, name: DnsName, apply: Apply) -> None:
-        resolver = self.resolver()
+        resolver = await self.resolver()
         view = self.views[name.spec]
         answers: dict[Query, Answer] = {}
         srv = None

@@ -9,9 +9,11 @@ One task per role (``EPD_DECODE_SELECTOR``, ...), each doing what client-go's re
   (``_core/discovery.PodView``); a ``BOOKMARK`` only moves the version watched from. The API
   ends a watch after ``timeoutSeconds``: the next one starts from the last version seen;
 - **410 Gone** (as the watch's status, or an ``ERROR`` event: the version is older than the API
-  server keeps) means list again; so does a list whose ``continue`` token expired;
+  server keeps) means list again; so does a list whose ``continue`` token expired. Once at
+  once; a 410 again before a watch ended in time backs off like an error;
 - a **dropped connection**, a timeout, a 5xx or a refusal: reconnect after a backoff (doubling
-  from 0.5 s to 30 s, jittered), watching from the last version seen.
+  from 0.5 s to 30 s, jittered), watching from the last version seen. So does a watch that
+  ended cleanly within a second without an event (client-go's "very short watch").
 
 Until a new answer comes, the roster keeps the last view: an API server that is unreachable
 never empties it. After every list and every event, the role's Ready pods replace its
@@ -26,39 +28,29 @@ watching again from the same expired version instead of listing, and ends with a
 a dropped connection; it also brings a dozen dependencies for the two GETs used here. httpx is
 already a dependency and runs on trio natively.
 
-In-cluster configuration (no kubeconfig): the API at ``KUBERNETES_SERVICE_HOST``/``_PORT``, the
-service account's token (re-read at every connection: the kubelet rotates it) and CA, and its
-namespace. ``EPD_SERVICE_DISCOVERY_API`` names another API base URL, for ``kubectl proxy``
-outside the cluster and for the tests' fake API server; then no token is sent.
+How the API server is reached (in-cluster, a kubeconfig, or a given URL) is ``_kube_api``'s.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
-import ssl
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import orjson
 import trio
 
-from ._core.config import Settings
 from ._core.discovery import (
     Discovered,
     PodView,
     backoff,
     watch_event,
 )
+from ._kube_api import KubeApi, KubeConnection
 
 log = logging.getLogger("epd_trio.discovery")
-
-#: Where Kubernetes mounts a pod's service account.
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 #: Pods per list page.
 LIST_PAGE = 500
 #: Seconds a watch is asked to last (``timeoutSeconds``); the read timeout is longer, so a
@@ -66,6 +58,10 @@ LIST_PAGE = 500
 WATCH_SECONDS = 60
 #: Seconds to connect, and to get a list's answer.
 REQUEST_TIMEOUT = 10.0
+#: Seconds under which a watch that delivered no event is a failure (``ShortWatch``).
+SHORT_WATCH = 1.0
+#: A list's timeouts: connect, send, read, each REQUEST_TIMEOUT.
+LIST_TIMEOUT = httpx.Timeout(REQUEST_TIMEOUT)
 
 Apply = Callable[[str, str, Sequence[Discovered]], tuple[list[str], list[str]]]
 
@@ -82,58 +78,10 @@ class Gone(Exception):
     """410: the version watched or listed from is no longer kept; list again."""
 
 
-@dataclass(frozen=True, slots=True)
-class KubeApi:
-    """How to reach the API server (read when discovery starts, not at import or parse)."""
-
-    #: ``EPD_SERVICE_DISCOVERY_API``, or None for the in-cluster configuration.
-    override: str | None = None
-    namespace: str | None = None
-    account_dir: Path = SERVICE_ACCOUNT_DIR
-    environ: Mapping[str, str] | None = None
-
-    def base_url(self) -> str:
-        if self.override:
-            return self.override
-        env = os.environ if self.environ is None else self.environ
-        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-        if not host or not port:
-            raise OSError("Kubernetes discovery: KUBERNETES_SERVICE_HOST/PORT are not set (not "
-                          "in a pod?); set EPD_SERVICE_DISCOVERY_API (e.g. a kubectl proxy URL)")
-        return f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
-
-    def watched_namespace(self) -> str:
-        if self.namespace:
-            return self.namespace
-        path = self.account_dir / "namespace"
-        try:
-            return path.read_text().strip() or "default"
-        except OSError:
-            return "default"
-
-    def token(self) -> str | None:
-        """The service account's token, read afresh (the kubelet rotates it)."""
-        if self.override:
-            return None
-        try:
-            return (self.account_dir / "token").read_text().strip() or None
-        except OSError as exc:
-            raise OSError(f"Kubernetes discovery: cannot read the service account token "
-                          f"({exc})") from None
-
-    def verify(self) -> ssl.SSLContext | bool:
-        if self.override:
-            return True
-        ca = self.account_dir / "ca.crt"
-        try:
-            return ssl.create_default_context(cafile=str(ca))
-        except OSError as exc:
-            raise OSError(f"Kubernetes discovery: cannot read the cluster CA {ca} "
-                          f"({exc})") from None
-
-
-def kube_api(settings: Settings) -> KubeApi:
-    return KubeApi(settings.service_discovery_api, settings.service_discovery_namespace)
+class ShortWatch(Exception):
+    """A watch that ended cleanly within ``SHORT_WATCH`` having delivered nothing: something
+    between here and the API server cuts it. Handled as an error (backoff), as client-go's
+    reflector does ("very short watch"), or it would be asked again in a busy loop."""
 
 
 class KubernetesDiscovery:
@@ -152,6 +100,7 @@ class KubernetesDiscovery:
         self._api = api
         self._port = port
         self._jitter = jitter
+        self._connection: KubeConnection | None = None
         #: The view of each role (pods and the version watched from).
         self.views: dict[str, PodView | None] = dict.fromkeys((r for r, _ in self._selectors))
         #: Counts per role: lists made, watch events handled, reconnects after errors.
@@ -174,18 +123,19 @@ class KubernetesDiscovery:
         self._changed = trio.Event()
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        base = self._api.base_url()
-        namespace = self._api.watched_namespace()
-        verify = self._api.verify()
+        # Nothing to reach the API server with (no pod, no kubeconfig, a refused one): start-up
+        # fails here with an OSError naming the cause.
+        self._connection = connection = self._api.connect()
         timeout = httpx.Timeout(REQUEST_TIMEOUT, read=WATCH_SECONDS + 30)
-        log.info("Kubernetes discovery in namespace %s at %s: %s", namespace, base,
+        log.info("Kubernetes discovery in namespace %s at %s: %s", connection.namespace,
+                 connection.described,
                  "; ".join(f"{role} {sel}" for role, sel in self._selectors))
         # A connection per call (a watch lasts a minute, lists are rare): no reuse of a
         # connection the API server may be closing, and nothing to go stale between calls.
         limits = httpx.Limits(max_keepalive_connections=0)
-        async with httpx.AsyncClient(base_url=base, verify=verify, timeout=timeout,
-                                     limits=limits) as client:
-            path = f"/api/v1/namespaces/{namespace}/pods"
+        async with httpx.AsyncClient(base_url=connection.base_url, verify=connection.verify,
+                                     timeout=timeout, limits=limits) as client:
+            path = f"/api/v1/namespaces/{connection.namespace}/pods"
             firsts = []
             async with trio.open_nursery() as nursery:
                 for role, selector in self._selectors:
@@ -207,15 +157,25 @@ class KubernetesDiscovery:
                     self.lists[role] += 1
                     self._publish(role, selector, view)
                     first.set()
-                view = await self._watch(client, path, role, selector, view)
-                failures = gone = 0  # the API ended the watch in time: watch on from there
+                view = await self._watch_in_time(client, path, role, selector, view)
+                failures = gone = 0  # the watch ran its course: watch on from there
             except Gone:
-                log.info("Kubernetes %s watch: resource version gone (410); listing again", role)
+                # Once: list again at once (the version just expired). Again before a watch
+                # ended in time: back off, as for an error (an API server answering 410 to
+                # every list would otherwise be asked in a loop).
                 view = None
                 failures, gone = 0, gone + 1
-                if gone > 1:  # Gone again straight after a list: do not hammer the API
-                    self.reconnects[role] += 1
-                    await trio.sleep(backoff(gone - 1, self._jitter()))
+                if gone == 1:
+                    log.info("Kubernetes %s: resource version gone (410); listing again", role)
+                    continue
+                first.set()
+                self.reconnects[role] += 1
+                delay = backoff(gone - 1, self._jitter())
+                log.log(logging.WARNING if gone <= 4 or gone % 10 == 0 else logging.DEBUG,
+                        "Kubernetes %s: 410 Gone %d times in a row; keeping the last view, "
+                        "listing again in %.1f s", role, gone, delay)
+                self._step()
+                await trio.sleep(delay)
             except Exception as exc:
                 # httpx errors, error statuses, malformed lines or objects, the roster full.
                 first.set()
@@ -230,7 +190,8 @@ class KubernetesDiscovery:
                 await trio.sleep(delay)
 
     def _headers(self) -> dict[str, str]:
-        token = self._api.token()
+        assert self._connection is not None
+        token = self._connection.token()
         return {"accept": "application/json",
                 **({"authorization": f"Bearer {token}"} if token else {})}
 
@@ -238,18 +199,29 @@ class KubernetesDiscovery:
         params: dict[str, Any] = {"labelSelector": selector, "limit": LIST_PAGE}
         view: PodView | None = None
         while True:
-            response = await client.get(path, params=params, headers=self._headers())
+            # The client's read timeout is the watch's (minutes); a list answers in seconds.
+            response = await client.get(path, params=params, headers=self._headers(),
+                                        timeout=LIST_TIMEOUT)
             if response.status_code == 410:
-                # The continue token expired between two pages: list again from the start.
-                params.pop("continue", None)
-                view = None
-                continue
+                # The continue token expired between two pages, or the version is gone: list
+                # again from the start (``_follow`` decides when).
+                raise Gone
             page = _json_or_raise(response)
             view = PodView.listed(page) if view is None else view.merged(page)
             token = (page.get("metadata") or {}).get("continue")
             if not token:
                 return view
             params["continue"] = token
+
+    async def _watch_in_time(self, client: httpx.AsyncClient, path: str, role: str,
+                             selector: str, view: PodView) -> PodView:
+        """``_watch``, raising ``ShortWatch`` if it ended at once without an event."""
+        started, events = trio.current_time(), self.events[role]
+        view = await self._watch(client, path, role, selector, view)
+        lasted = trio.current_time() - started
+        if self.events[role] == events and lasted < SHORT_WATCH:
+            raise ShortWatch(f"the watch ended after {lasted:.1f} s without an event")
+        return view
 
     async def _watch(self, client: httpx.AsyncClient, path: str, role: str, selector: str,
                      view: PodView) -> PodView:

@@ -8,11 +8,15 @@ over real HTTP/1.1 (h11) on a loopback port:
 - ``...&watch=true&resourceVersion=RV&allowWatchBookmarks=true&timeoutSeconds=S``: a chunked
   stream of JSON lines, the events after ``RV`` first, then live ones; ended after ``S``.
 
-What the tests steer: pods put and deleted (each a new ``resourceVersion``), bookmarks,
+What the tests steer: pods put and deleted (each a new ``resourceVersion``; a watch sees them as
+the API server's watch cache sends them to a label selector: a pod relabelled out of the
+selector arrives as DELETED, one relabelled into it as ADDED), bookmarks,
 ``compact`` (forget the history: a watch from before it gets 410 Gone, as an HTTP status or as
 an ``ERROR`` event, ``gone_as``), ``expire_watches`` (an ``ERROR`` 410 on the open watches),
 ``drop_watches`` (the connections cut mid-stream, no final chunk), ``stop``/``start`` (the
-server unreachable). Every object is built with the official ``kubernetes`` client's models,
+server unreachable). Over TLS when given an ``ssl_context`` (the client certificates it saw are
+in ``client_certs``), and answering 401 without ``Authorization: Bearer TOKEN`` when given a
+``token``. Every object is built with the official ``kubernetes`` client's models,
 so the JSON is the API's own shape (camelCase, ``podIP``, ``deletionTimestamp``).
 """
 
@@ -21,6 +25,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import ssl
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -61,6 +67,45 @@ def make_pod(
             V1PodCondition(type="Ready", status="True" if ready else "False")])))
 
 
+def _at(pod: dict[str, Any], version: int) -> dict[str, Any]:
+    return {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One change to a pod: the pod after it, and before it (None when it is new)."""
+
+    type: str
+    pod: dict[str, Any]
+    previous: dict[str, Any] | None
+
+    def seen_by(self, selector: str) -> dict[str, Any] | None:
+        """The event a watch with ``selector`` gets, as the API server's watch cache makes it:
+        a pod that stops matching is DELETED (its last matching state, at the new version),
+        one that starts matching is ADDED, one that matches neither before nor after is not
+        sent at all."""
+        if self.type == "DELETED":
+            return _event("DELETED", self.pod) if _labelled(selector, self.pod) else None
+        now = _labelled(selector, self.pod)
+        before = self.previous is not None and _labelled(selector, self.previous)
+        if now and before:
+            return _event("MODIFIED", self.pod)
+        if now:
+            return _event("ADDED", self.pod)
+        if before:
+            assert self.previous is not None
+            return _event("DELETED", self.previous)
+        return None
+
+
+def _labelled(selector: str, pod: dict[str, Any]) -> bool:
+    return matches(selector, (pod.get("metadata") or {}).get("labels") or {})
+
+
+def _event(kind: str, pod: dict[str, Any]) -> dict[str, Any]:
+    return to_json(V1WatchEvent(type=kind, object=pod))
+
+
 def matches(selector: str, labels: dict[str, str]) -> bool:
     for term in filter(None, selector.split(",")):
         if "!=" in term:
@@ -80,14 +125,21 @@ def matches(selector: str, labels: dict[str, str]) -> bool:
 
 
 class FakeKubeApi:
-    def __init__(self, namespace: str = "ns", page_size: int = 500) -> None:
+    def __init__(self, namespace: str = "ns", page_size: int = 500, *,
+                 ssl_context: ssl.SSLContext | None = None, token: str | None = None) -> None:
         self.namespace = namespace
         self.page_size = page_size
+        self.ssl_context = ssl_context
+        self.token = token
+        #: The subject of each client certificate presented (TLS only; None: none presented).
+        self.client_certs: list[Any] = []
         self.pods: dict[str, dict[str, Any]] = {}
         self._versions = itertools.count(100)
         self.resource_version = next(self._versions)
-        #: ``(resourceVersion, event JSON)`` of every change since the last ``compact``.
-        self.history: list[tuple[int, dict[str, Any]]] = []
+        #: Every change since the last ``compact``: ``(resourceVersion, Change)``.
+        self.history: list[tuple[int, Change]] = []
+        #: Every event line a watch sent: ``(labelSelector, type, pod name)``.
+        self.sent: list[tuple[str, str, str]] = []
         self.oldest = 0
         #: How a too-old watch is refused: ``status`` (HTTP 410) or ``event`` (an ERROR line).
         self.gone_as = "status"
@@ -96,6 +148,15 @@ class FakeKubeApi:
         self.authorization: list[str | None] = []
         #: Continue tokens to refuse with 410 (the API's "continue token expired"), then serve.
         self.expire_continues = 0
+        #: Lists get no answer at all while set (an API server that stalls).
+        self.stall_lists = False
+        #: Lists to refuse with 410 Gone (the version listed from is no longer kept), then serve.
+        self.gone_lists = 0
+        #: Watches to end as soon as they have sent the events they owe (a proxy or load
+        #: balancer that cuts them), then serve.
+        self.end_watches = 0
+        #: ``trio.current_time()`` of each request, in the order of ``requests``.
+        self.times: list[float] = []
         self._watchers: list[trio.MemorySendChannel[Any]] = []
         self._changed = trio.Event()
         self._scope: trio.CancelScope | None = None
@@ -103,24 +164,25 @@ class FakeKubeApi:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.ssl_context is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     # -- what the tests steer ----------------------------------------------------------------
     def put(self, pod: dict[str, Any]) -> int:
         """Add or change a pod; returns its new resourceVersion."""
         name = pod["metadata"]["name"]
-        kind = "MODIFIED" if name in self.pods else "ADDED"
+        previous = self.pods.get(name)
         version = self._bump()
-        pod = {**pod, "metadata": {**pod["metadata"], "resourceVersion": str(version)}}
+        pod = _at(pod, version)
         self.pods[name] = pod
-        self._emit(version, kind, pod)
+        self._emit(version, Change("MODIFIED" if previous else "ADDED", pod,
+                                   _at(previous, version) if previous else None))
         return version
 
     def delete(self, name: str) -> int:
         version = self._bump()
-        pod = self.pods.pop(name)
-        self._emit(version, "DELETED", {**pod, "metadata": {**pod["metadata"],
-                                                             "resourceVersion": str(version)}})
+        pod = _at(self.pods.pop(name), version)
+        self._emit(version, Change("DELETED", pod, pod))
         return version
 
     def bookmark(self) -> int:
@@ -163,6 +225,11 @@ class FakeKubeApi:
     def lists(self) -> list[dict[str, str]]:
         return [query for kind, query in self.requests if kind == "list"]
 
+    def times_of(self, wanted: str) -> list[float]:
+        """When each request of a kind (``list`` or ``watch``) came, on trio's clock."""
+        return [t for (kind, _q), t in zip(self.requests, self.times, strict=True)
+                if kind == wanted]
+
     # -- serving ----------------------------------------------------------------------------
     async def serve(self, port: int = 0, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED
                     ) -> None:
@@ -185,10 +252,9 @@ class FakeKubeApi:
         self.resource_version = next(self._versions)
         return self.resource_version
 
-    def _emit(self, version: int, kind: str, pod: dict[str, Any]) -> None:
-        event = to_json(V1WatchEvent(type=kind, object=pod))
-        self.history.append((version, event))
-        self._send_all(("event", event))
+    def _emit(self, version: int, change: Change) -> None:
+        self.history.append((version, change))
+        self._send_all(("event", change))
 
     def _send_all(self, item: Any) -> None:
         for channel in list(self._watchers):
@@ -204,7 +270,17 @@ class FakeKubeApi:
             api_version="v1", kind="Status", status="Failure", reason="Expired", code=410,
             message=f"too old resource version: ({self.oldest})", metadata=V1ListMeta()))))
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, tcp: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = tcp
+        if self.ssl_context is not None:
+            stream = trio.SSLStream(tcp, self.ssl_context, server_side=True)
+            try:
+                await stream.do_handshake()
+            except trio.BrokenResourceError:  # the client refused our certificate, or we its
+                await tcp.aclose()
+                return
+            peer = stream.getpeercert()
+            self.client_certs.append(peer.get("subject") if peer else None)
         conn = h11.Connection(h11.SERVER)
         try:
             while True:
@@ -218,9 +294,10 @@ class FakeKubeApi:
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
             return
         finally:
-            await stream.aclose()
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.aclose()
 
-    async def _next_request(self, conn: h11.Connection, stream: trio.SocketStream
+    async def _next_request(self, conn: h11.Connection, stream: trio.abc.Stream
                             ) -> h11.Request | None:
         request = None
         while True:
@@ -237,10 +314,10 @@ class FakeKubeApi:
             elif isinstance(event, h11.ConnectionClosed):
                 return None
 
-    async def _send(self, conn: h11.Connection, stream: trio.SocketStream, event: Any) -> None:
+    async def _send(self, conn: h11.Connection, stream: trio.abc.Stream, event: Any) -> None:
         await stream.send_all(conn.send(event) or b"")
 
-    async def _json(self, conn: h11.Connection, stream: trio.SocketStream, status: int,
+    async def _json(self, conn: h11.Connection, stream: trio.abc.Stream, status: int,
                     body: Any) -> None:
         raw = orjson.dumps(body)
         await self._send(conn, stream, h11.Response(status_code=status, headers=[
@@ -248,12 +325,17 @@ class FakeKubeApi:
         await self._send(conn, stream, h11.Data(data=raw))
         await self._send(conn, stream, h11.EndOfMessage())
 
-    async def _answer(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _answer(self, conn: h11.Connection, stream: trio.abc.Stream,
                       request: h11.Request) -> bool:
         target = urlsplit(request.target.decode())
         query = {k: v[0] for k, v in parse_qs(target.query).items()}
         headers = {k.decode().lower(): v.decode() for k, v in request.headers}
         self.authorization.append(headers.get("authorization"))
+        if self.token is not None and headers.get("authorization") != f"Bearer {self.token}":
+            await self._json(conn, stream, 401, to_json(V1Status(
+                api_version="v1", kind="Status", status="Failure", code=401,
+                reason="Unauthorized", message="Unauthorized")))
+            return True
         if target.path != f"/api/v1/namespaces/{self.namespace}/pods":
             await self._json(conn, stream, 404, to_json(V1Status(
                 api_version="v1", kind="Status", status="Failure", code=404, reason="NotFound",
@@ -261,14 +343,23 @@ class FakeKubeApi:
             return True
         watching = query.get("watch") in ("true", "1")
         self.requests.append(("watch" if watching else "list", query))
+        self.times.append(trio.current_time())
         self._step()
         if watching:
             return await self._watch(conn, stream, query)
         await self._list(conn, stream, query)
         return True
 
-    async def _list(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _list(self, conn: h11.Connection, stream: trio.abc.Stream,
                     query: dict[str, str]) -> None:
+        if self.stall_lists:
+            await trio.sleep_forever()
+        if self.gone_lists:
+            self.gone_lists -= 1
+            await self._json(conn, stream, 410, to_json(V1Status(
+                api_version="v1", kind="Status", status="Failure", reason="Expired", code=410,
+                message="too old resource version", metadata=V1ListMeta())))
+            return
         selector = query.get("labelSelector", "")
         names = sorted(n for n, p in self.pods.items()
                        if matches(selector, p["metadata"].get("labels") or {}))
@@ -287,7 +378,7 @@ class FakeKubeApi:
             metadata=V1ListMeta(resource_version=str(self.resource_version), _continue=more)))
             | {"items": [self.pods[n] for n in page]})
 
-    async def _watch(self, conn: h11.Connection, stream: trio.SocketStream,
+    async def _watch(self, conn: h11.Connection, stream: trio.abc.Stream,
                      query: dict[str, str]) -> bool:
         since = int(query.get("resourceVersion") or 0)
         if since and since < self.oldest and self.gone_as == "status":
@@ -305,17 +396,23 @@ class FakeKubeApi:
             await self._send(conn, stream, h11.Data(data=raw[: len(raw) // 2]))
             await self._send(conn, stream, h11.Data(data=raw[len(raw) // 2:]))
 
-        def wanted(event: dict[str, Any]) -> bool:
-            labels = (event["object"].get("metadata") or {}).get("labels") or {}
-            return matches(selector, labels)
+        async def change_line(change: Change) -> None:
+            event = change.seen_by(selector)
+            if event is not None:
+                self.sent.append((selector, event["type"], event["object"]["metadata"]["name"]))
+                await line(event)
 
         if since and since < self.oldest:  # gone_as == "event"
             await line(self._gone_event())
             await self._send(conn, stream, h11.EndOfMessage())
             return True
-        for version, event in self.history:
-            if version > since and wanted(event):
-                await line(event)
+        for version, change in self.history:
+            if version > since:
+                await change_line(change)
+        if self.end_watches:
+            self.end_watches -= 1
+            await self._send(conn, stream, h11.EndOfMessage())
+            return True
         self._watchers.append(send)
         self._step()
         try:
@@ -332,8 +429,8 @@ class FakeKubeApi:
                     elif kind == "bookmark":
                         if bookmarks:
                             await line(event)
-                    elif wanted(event):
-                        await line(event)
+                    else:
+                        await change_line(event)
             await self._send(conn, stream, h11.EndOfMessage())
             return True
         finally:

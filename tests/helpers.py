@@ -139,3 +139,19 @@ async def start_fakes(nursery: trio.Nursery, *fakes: Any) -> list[Any]:
     for fake in fakes:
         await nursery.start(fake.serve)
     return list(fakes)
+
+
+#: Loopback addresses that stand for the pods of a headless Service or a label selector.
+POD_ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+
+
+async def serve_on_addresses(
+    nursery: trio.Nursery, fakes: list[Any], addresses: tuple[str, ...] = POD_ADDRESSES
+) -> int:
+    """Serve each fake on its own loopback address, all on one port (the first one's), as
+    discovered pods listen: the discovered URL is the address plus that port."""
+    first = await nursery.start(fakes[0].serve, addresses[0], 0)
+    port = int(first.rsplit(":", 1)[1])
+    for fake, address in zip(fakes[1:], addresses[1:len(fakes)], strict=True):
+        await nursery.start(fake.serve, address, port)
+    return port

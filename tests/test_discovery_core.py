@@ -6,7 +6,8 @@ import orjson
 import pytest
 
 from epd_trio import Instance
-from epd_trio._core.config import ConfigError, settings_from
+from epd_trio.__main__ import build_parser, serve_flags
+from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import (
     EMPTY_CONFIRMATIONS,
     Discovered,
@@ -69,10 +70,22 @@ def test_settings_take_dns_names_in_the_url_lists() -> None:
         ("prefill", "dnssrv+http://_http._tcp.vllm-p"), ("decode", "dns+http://vllm-d:8000#dp=4")]
     # A DNS name alone is a configured decode stage.
     assert settings_from({"EPD_DECODE_URLS": "dns+http://vllm-d:8000"}).layout == "PD"
-    with pytest.raises(ConfigError, match=r"EPD_DNS_NAMESERVER.*IP address"):
-        settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_DNS_NAMESERVER": "kube-dns"})
-    assert settings_from({"EPD_DECODE_URLS": "http://d:1",
-                          "EPD_DNS_NAMESERVER": "[::1]:5353"}).dns_nameserver == "[::1]:5353"
+
+
+@pytest.mark.parametrize("given, accepted", [
+    ("10.96.0.10", True), ("[::1]:5353", True), ("127.0.0.1:5353", True),
+    # A name: resolved once when discovery starts (tests/test_discovery_dns.py).
+    ("kube-dns", True), ("kube-dns.kube-system.svc.cluster.local.:53", True),
+    ("dns_server", False), ("bad name", False), ("-x.example", False), ("x.example:0", False),
+    ("x.example:99999", False), ("x.example:port", False),
+])
+def test_the_dns_nameserver_is_an_address_or_a_host_name(given: str, accepted: bool) -> None:
+    environ = {"EPD_DECODE_URLS": "http://d:1", "EPD_DNS_NAMESERVER": given}
+    if accepted:
+        assert settings_from(environ).dns_nameserver == given
+    else:
+        with pytest.raises(ConfigError, match=r"^EPD_DNS_NAMESERVER: "):
+            settings_from(environ)
 
 
 def test_selectors_take_vllm_routers_spelling() -> None:
@@ -93,6 +106,22 @@ def test_selectors_take_vllm_routers_spelling() -> None:
 
 
 # -- DNS answers ----------------------------------------------------------------------------------
+def serve_settings(*argv: str) -> Settings:
+    """The settings ``epd-trio serve ARGV`` would run with (no environment)."""
+    return settings_from({}, flags=serve_flags(build_parser().parse_args(["serve", *argv])))
+
+
+def test_vllm_routers_plain_selector_is_the_decode_selector() -> None:
+    settings = serve_settings("--service-discovery", "--selector", "app=vllm", "role=pd")
+    assert settings.selectors() == [("decode", "app=vllm,role=pd")]
+    assert settings.layout == "PD"
+    assert serve_settings("--service-discovery", "--decode-selector", "app=vllm").selectors() == [
+        ("decode", "app=vllm")]
+    for split in ("--prefill-selector", "--decode-selector"):
+        with pytest.raises(ConfigError, match=f"^--selector: .*: give it or {split}, not both"):
+            serve_settings("--service-discovery", "--selector", "app=vllm", split, "role=x")
+
+
 NAME = parse_dns_url("dns+http://vllm-d:8000#dp=2")
 SRV = parse_dns_url("dnssrv+http://_http._tcp.vllm-d")
 

@@ -8,6 +8,7 @@ Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's re
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -16,33 +17,34 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import dns._asyncio_backend
+import dns._trio_backend
+import dns.asyncbackend
 import httpx
+import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
-from epd_trio._core.config import Settings
-from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, parse_dns_url
-from epd_trio._discovery_dns import DnsDiscovery
+from epd_trio._core.config import Settings, settings_from
+from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, Empty, parse_dns_url
+from epd_trio._discovery import check_discovery
+from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
 from epd_trio.testing.process import read_url
 
-from helpers import CHAT, chat_body
+from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
 
-ADDRESSES = ("127.0.0.2", "127.0.0.3", "127.0.0.4")
+ADDRESSES = POD_ADDRESSES
 NAME = "vllm-decode.test"
 
 
 async def serve_fakes(
     nursery: trio.Nursery, addresses: tuple[str, ...], dp_size: int = 1
 ) -> tuple[int, list[FakeVLLM]]:
-    """One decode fake per address, all on the same port (the first one's)."""
+    """One decode fake per address, all on the same port."""
     fakes = [FakeVLLM(role="decode", dp_size=dp_size) for _ in addresses]
-    first = await nursery.start(fakes[0].serve, addresses[0], 0)
-    port = int(first.rsplit(":", 1)[1])
-    for fake, address in zip(fakes[1:], addresses[1:], strict=True):
-        await nursery.start(fake.serve, address, port)
-    return port, fakes
+    return await serve_on_addresses(nursery, fakes, addresses), fakes
 
 
 def settings_for(spec: str, server: Dnsmasq, **extra: Any) -> Settings:
@@ -146,6 +148,19 @@ async def test_a_resolver_that_stops_answering_keeps_the_last_view(
         assert decode_urls(proxy) == before
 
 
+async def emptied_once_confirmed(found: DnsDiscovery, spec: str, proxy: Proxy, count: int) -> None:
+    """Wait for the empty answer to empty the roster, checking that every round before the
+    last confirmation kept all ``count`` instances."""
+    await until(found, lambda: found.views[spec].empty_rounds >= 1)
+    seen: list[tuple[int, int]] = []
+    await until(found, lambda: seen.append(
+        (found.views[spec].empty_rounds, len(decode_urls(proxy)))) or
+        found.views[spec].empty_rounds > EMPTY_CONFIRMATIONS)
+    assert {rounds for rounds, _count in seen} >= set(range(1, EMPTY_CONFIRMATIONS + 2))
+    assert all(n == count for rounds, n in seen if rounds <= EMPTY_CONFIRMATIONS), seen
+    assert decode_urls(proxy) == []
+
+
 async def test_an_empty_answer_empties_the_roster_once_confirmed(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
@@ -155,20 +170,36 @@ async def test_an_empty_answer_empties_the_roster_once_confirmed(
         found = discovery_of(proxy)
         spec = f"dns+http://{NAME}:{port}"
         await server.set_hosts([("127.0.0.9", "other.test")])  # the name is now NXDOMAIN
-        await until(found, lambda: found.views[spec].empty_rounds >= 1)
-        seen: list[tuple[int, int]] = []
         # Until confirmed, every round keeps both instances; then they go at once.
-        await until(found, lambda: seen.append(
-            (found.views[spec].empty_rounds, len(decode_urls(proxy)))) or
-            found.views[spec].empty_rounds > EMPTY_CONFIRMATIONS)
-        assert all(count == 2 for rounds, count in seen if rounds <= EMPTY_CONFIRMATIONS)
-        assert decode_urls(proxy) == []
+        await emptied_once_confirmed(found, spec, proxy, 2)
         async with httpx.AsyncClient(base_url=url, timeout=10) as client:
             response = await client.post(CHAT, json=chat_body())
         assert response.status_code == 503
         # The name coming back brings them back.
         await server.set_hosts([(ADDRESSES[0], NAME)])
         await until(found, lambda: decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"])
+
+
+async def test_a_name_left_without_addresses_empties_the_roster_once_confirmed(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """The name still exists (a TXT record) but has no A or AAAA record: NOERROR with no
+    answer (dnspython's NoAnswer), not NXDOMAIN. Empty all the same, after two confirmations."""
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    spec = f"dns+http://{NAME}:{port}"
+    async with dnsmasq(tmp_path, [(a, NAME) for a in ADDRESSES[:2]], txt=[NAME]) as server, \
+            serve_proxy(settings_for(spec, server)) as (_url, proxy):
+        found = discovery_of(proxy)
+        assert len(decode_urls(proxy)) == 2
+        await server.set_hosts([])
+        resolver = await make_resolver(server.nameserver, 1.0)
+        for rdtype in ("A", "AAAA"):
+            assert await ask(resolver, (NAME, rdtype), search=False) == Empty(
+                f"{NAME}: no {rdtype} record")
+        assert len(await resolver.resolve(NAME + ".", "TXT", search=False)) == 1  # it exists
+        await emptied_once_confirmed(found, spec, proxy, 2)
+        await server.set_hosts([(ADDRESSES[1], NAME)])
+        await until(found, lambda: decode_urls(proxy) == [f"http://{ADDRESSES[1]}:{port}"])
 
 
 async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> None:
@@ -188,6 +219,120 @@ async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> N
             await until(found, lambda: decode_urls(proxy) == [urls[0]])
             await served_by(fakes[0], 3)
         assert set(statuses) == {200}
+
+
+async def test_srv_records_join_and_leave_while_traffic_flows(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """SRV records change only with a dnsmasq restart (same port): the rounds asked while it is
+    down fail and keep the view, so the roster changes only when the new records answer."""
+    fakes = [FakeVLLM(role="decode") for _ in range(3)]
+    urls = [await nursery.start(partial(fake.serve)) for fake in fakes]
+    ports = [int(u.rsplit(":", 1)[1]) for u in urls]
+    records = [f"_http._tcp.vllm.test,t{i}.test,{port}" for i, port in enumerate(ports)]
+    hosts = [("127.0.0.1", f"t{i}.test") for i in range(3)]
+    async with dnsmasq(tmp_path, hosts, srv=records[:2]) as server, \
+            serve_proxy(settings_for("dnssrv+http://_http._tcp.vllm.test", server)) as (url, proxy):
+        found = discovery_of(proxy)
+        assert sorted(decode_urls(proxy)) == sorted(urls[:2])
+        async with traffic(url) as statuses:
+            await served_by(fakes[0], 2)
+            await served_by(fakes[1], 2)
+            await server.set_srv(records)  # t2 joins
+            await until(found, lambda: len(decode_urls(proxy)) == 3)
+            await served_by(fakes[2], 3)
+            await server.set_srv(records[1:])  # t0 leaves
+            await until(found, lambda: urls[0] not in decode_urls(proxy))
+            left_at = len(fakes[0].requests())
+            await served_by(fakes[1], 3)
+            await served_by(fakes[2], 3)
+        assert sorted(decode_urls(proxy)) == sorted(urls[1:])
+        assert len(fakes[0].requests()) <= left_at + 1  # at most one in flight when it left
+        assert statuses and set(statuses) == {200}, statuses
+
+
+async def test_the_queries_run_on_dnspythons_trio_backend(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every socket of a round is made by dnspython's trio backend, none by its asyncio one,
+    even if dnspython's own guess (sniffing the running library) said asyncio: a backend
+    picked wrongly cannot hide behind failed rounds that keep the last view."""
+    made: list[str] = []
+    trio_socket = dns._trio_backend.Backend.make_socket
+
+    async def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(self.name())
+        return await trio_socket(self, *args, **kwargs)
+
+    async def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(self.name())
+        raise AssertionError("dnspython's asyncio backend under trio")
+
+    monkeypatch.setattr(dns._trio_backend.Backend, "make_socket", spy)
+    monkeypatch.setattr(dns._asyncio_backend.Backend, "make_socket", refuse)
+    monkeypatch.setattr(dns.asyncbackend, "get_default_backend",
+                        lambda: dns.asyncbackend.get_backend("asyncio"))  # a wrong guess
+    spec = f"dns+http://{NAME}:8000"
+    found_urls: list[list[str]] = []
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server, \
+            trio.open_nursery() as rounds:
+        found = DnsDiscovery([("decode", parse_dns_url(spec))],
+                             lambda source, role, found: found_urls.append(
+                                 [d.instance.url for d in found]) or ([], []),
+                             nameserver=server.nameserver, interval=0.05, timeout=0.3)
+        await rounds.start(found.run)
+        await until(found, lambda: found.rounds >= 2)
+        rounds.cancel_scope.cancel()
+    assert found_urls[0] == [f"http://{ADDRESSES[0]}:8000"]
+    assert len(made) >= 4 and set(made) == {"trio"}  # A and AAAA, two rounds
+
+
+async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
+    spec = f"dns+http://{NAME}:{port}"
+    asked: list[str] = []
+    getaddrinfo = trio.socket.getaddrinfo
+
+    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return await getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
+        settings = Settings(decode_urls=(parse_dns_url(spec),),
+                            dns_nameserver=f"localhost:{server.port}", dns_interval=0.05,
+                            dns_timeout=0.3)
+        async with serve_proxy(settings) as (_url, proxy):
+            found = discovery_of(proxy)
+            assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
+            assert "127.0.0.1" in (await found.resolver()).nameservers
+            rounds = found.rounds
+            await until(found, lambda: found.rounds >= rounds + 3)
+    assert asked.count("localhost") == 1  # once, not per round
+
+
+async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def unknown(*args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    async def unknown_async(*args: Any, **kwargs: Any) -> Any:
+        unknown()
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    monkeypatch.setattr(trio.socket, "getaddrinfo", unknown_async)
+    settings = settings_from({"EPD_DECODE_URLS": "dns+http://vllm-decode.test:8000",
+                              "EPD_DNS_NAMESERVER": "kube-dns.example:53"})
+    message = r"EPD_DNS_NAMESERVER kube-dns.example does not resolve \(.*\); name the DNS server"
+    with pytest.raises(OSError, match=message):
+        check_discovery(settings)  # epd-trio serve, before any worker
+    found = DnsDiscovery(settings.dns_names(), lambda *a: ([], []),
+                         nameserver=settings.dns_nameserver, interval=1, timeout=1)
+    with pytest.raises(OSError, match=message):
+        await found.run()  # in each process that discovers, before it reports started
 
 
 async def test_a_name_failing_from_the_start_serves_nothing_and_keeps_trying(

@@ -3,14 +3,19 @@
 The fake serves list and chunked watch as the API does; these tests drive it through pods
 becoming Ready and going away, bookmarks, 410 Gone (as a status and as an ERROR event), a
 dropped watch connection and an API server that is unreachable for a while. The roster is the
-real one (``_core/roster.replace_source`` in a ``LocalRosterStore``); the last test runs the
-whole proxy with traffic on the real clock.
+real one (``_core/roster.replace_source`` in a ``LocalRosterStore``). The last tests run the
+whole proxy with traffic on the real clock: discovered pods follow the proxy's own rules (its
+probes, a load-aware policy, ``epd-trio serve --workers 2``, replicas sharing a roster in Redis).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -18,16 +23,21 @@ import pytest
 import trio
 from fake_kube_api import FakeKubeApi, make_pod
 
+from epd_trio._core.config import Settings
 from epd_trio._core.counters import CursorCounters
 from epd_trio._core.discovery import Discovered
 from epd_trio._core.roster import Roster, replace_source
-from epd_trio._discovery_k8s import KubeApi, KubernetesDiscovery
+from epd_trio._discovery_k8s import REQUEST_TIMEOUT, KubernetesDiscovery
+from epd_trio._kube_api import KubeApi
+from epd_trio._proxy import Proxy
 from epd_trio._roster_store import LocalRosterStore
-from epd_trio.testing import FakeVLLM, serve_proxy
+from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.process import read_url
 
-from helpers import CHAT, chat_body
+from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
 
 DECODE = {"app": "vllm", "role": "decode"}
+SELECTOR = "app=vllm,role=decode"
 PREFILL = {"app": "vllm", "role": "prefill"}
 
 
@@ -99,6 +109,26 @@ async def test_list_then_watch_ready_pods_only(
     fake.delete("d1")
     await until(found, lambda: roles.urls("decode") == [])
     assert found.lists == {"decode": 1, "prefill": 1} and found.reconnects["decode"] == 0
+
+
+async def test_a_pod_relabelled_out_of_the_selector_leaves(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A Ready pod whose labels stop matching arrives as DELETED (the API server's watch cache
+    turns the change into a deletion for that selector) and leaves; relabelled back, ADDED."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.put(make_pod("d1", "127.0.1.2", DECODE))
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    await fake.wait_until(lambda: fake.watching == 1)
+    fake.put(make_pod("d0", "127.0.1.1", {"app": "vllm", "role": "canary"}))  # Running, Ready
+    await until(found, lambda: roles.urls("decode") == ["http://127.0.1.2:8000"])
+    assert fake.sent[-1] == (SELECTOR, "DELETED", "d0")
+    fake.put(make_pod("d0", "127.0.1.1", {"app": "vllm", "role": "canary", "x": "y"}))
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))  # unseen, then back in
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    assert fake.sent[-2:] == [(SELECTOR, "DELETED", "d0"), (SELECTOR, "ADDED", "d0")]
+    assert found.lists["decode"] == 1 and found.reconnects["decode"] == 0  # the watch said it
 
 
 async def test_an_expired_continue_token_lists_from_the_start(
@@ -173,6 +203,23 @@ async def test_410_gone_lists_again(
     assert len(roles.urls("decode")) == 3
 
 
+async def test_lists_refused_with_410_again_and_again_back_off(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """The first 410 lists again at once (a continue token or version that just expired);
+    the next ones wait, doubling to 30 s: not a loop hammering the API server."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.gone_lists = 10
+    roles = Roles()
+    found = await start(nursery, fake, roles)  # reports started once it backs off
+    with trio.fail_after(200):
+        await found.wait_until(lambda: roles.urls("decode") == ["http://127.0.1.1:8000"])
+    times = fake.times_of("list")
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(times)]
+    assert gaps == [0, 0.5, 1, 2, 4, 8, 16, 30, 30, 30]  # the 11th list is answered
+    assert found.lists["decode"] == 1
+
+
 async def test_the_watch_is_renewed_when_the_api_ends_it(
     nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
 ) -> None:
@@ -181,6 +228,47 @@ async def test_the_watch_is_renewed_when_the_api_ends_it(
     await fake.wait_until(lambda: len(fake.watches()) == 3)  # each ends after timeoutSeconds
     assert found.reconnects["decode"] == 0 and found.lists["decode"] == 1
     assert {q["timeoutSeconds"] for q in fake.watches()} == {"60"}
+
+
+async def test_a_stalled_list_times_out_after_the_request_timeout(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A list gets REQUEST_TIMEOUT (10 s), not the watch's read timeout (90 s)."""
+    fake.stall_lists = True
+    roles = Roles()
+    started = trio.current_time()
+    found = await start(nursery, fake, roles)  # reports started once the first list failed
+    assert trio.current_time() - started == pytest.approx(REQUEST_TIMEOUT, abs=0.1)
+    assert found.reconnects["decode"] == 1 and roles.urls("decode") == []
+    fake.stall_lists = False
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    await until(found, lambda: roles.urls("decode") == ["http://127.0.1.1:8000"])
+
+
+async def test_watches_ending_at_once_without_an_event_back_off(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
+) -> None:
+    """A watch that ends cleanly within a second having delivered nothing is an error (as
+    client-go's reflector has it): reconnect after the backoff, not in a busy loop."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.end_watches = 9
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    await until(found, lambda: found.reconnects["decode"] >= 6)  # the 6th has ended too
+    times = fake.times_of("watch")
+    assert [round(b - a, 3) for a, b in itertools.pairwise(times[:6])] == [0.5, 1, 2, 4, 8]
+    assert found.lists["decode"] == 1 and roles.urls("decode") == ["http://127.0.1.1:8000"]
+    # A watch that delivers an event is progress, however short: the next one comes at once,
+    # and the backoff starts over.
+    fake.put(make_pod("d1", "127.0.1.2", DECODE))  # the 7th watch (after 16 s) delivers it
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    await fake.wait_until(lambda: len(fake.watches()) >= 9)
+    times = fake.times_of("watch")
+    assert [round(b - a, 3) for a, b in itertools.pairwise(times[5:9])] == [16, 0, 0.5]
+    await fake.wait_until(lambda: fake.watching == 1)  # the 10th lasts: no more reconnects
+    reconnects = found.reconnects["decode"]
+    await trio.sleep(30)
+    assert found.reconnects["decode"] == reconnects and fake.watching == 1
 
 
 async def test_an_error_status_backs_off_and_keeps_the_view(
@@ -197,49 +285,201 @@ async def test_an_error_status_backs_off_and_keeps_the_view(
     assert roles.urls("decode") == []
 
 
-def test_in_cluster_configuration(tmp_path: Path) -> None:
-    (tmp_path / "token").write_text("tok-1\n")
-    (tmp_path / "namespace").write_text("serving\n")
-    api = KubeApi(account_dir=tmp_path, environ={"KUBERNETES_SERVICE_HOST": "fd00::1",
-                                                 "KUBERNETES_SERVICE_PORT": "443"})
-    assert api.base_url() == "https://[fd00::1]:443"
-    assert api.watched_namespace() == "serving"
-    assert api.token() == "tok-1"
-    (tmp_path / "token").write_text("tok-2")  # rotated by the kubelet: read afresh
-    assert api.token() == "tok-2"
-    with pytest.raises(OSError, match="cluster CA"):
-        api.verify()
-    with pytest.raises(OSError, match="KUBERNETES_SERVICE_HOST"):
-        KubeApi(account_dir=tmp_path, environ={}).base_url()
-    assert KubeApi(override="http://127.0.0.1:8001", account_dir=tmp_path).token() is None
-    assert KubeApi(namespace="given", account_dir=tmp_path).watched_namespace() == "given"
+def proxy_settings(fake: FakeKubeApi, port: int, **extra: Any) -> Settings:
+    return Settings(service_discovery=True, decode_selector=SELECTOR,
+                    service_discovery_api=fake.url, service_discovery_namespace="ns",
+                    service_discovery_port=port, **extra)
+
+
+def discovery_of(proxy: Proxy) -> KubernetesDiscovery:
+    (found,) = [s for s in proxy.discovery if isinstance(s, KubernetesDiscovery)]
+    return found
+
+
+def decode_urls(proxy: Proxy) -> list[str]:
+    proxy._store.poll()
+    return [inst.url for inst in proxy.roster.of("decode")]
+
+
+async def pods(nursery: trio.Nursery, fake: FakeKubeApi, count: int = 2,
+               **behaviour: Any) -> tuple[int, list[FakeVLLM]]:
+    """``count`` decode fakes on the pod addresses, one pod each in the fake API."""
+    decodes = [FakeVLLM(role="decode", behaviour=Behaviour(**behaviour)) for _ in range(count)]
+    port = await serve_on_addresses(nursery, decodes)
+    for n, address in enumerate(POD_ADDRESSES[:count]):
+        fake.put(make_pod(f"d{n}", address, DECODE))
+    return port, decodes
 
 
 async def test_discovered_pods_serve_traffic_and_leave_without_a_failure(
     nursery: trio.Nursery, fake: FakeKubeApi
 ) -> None:
-    decodes = [FakeVLLM(role="decode"), FakeVLLM(role="decode")]
-    first = await nursery.start(decodes[0].serve, "127.0.0.2", 0)
-    port = int(first.rsplit(":", 1)[1])
-    await nursery.start(decodes[1].serve, "127.0.0.3", port)
-    fake.put(make_pod("d0", "127.0.0.2", DECODE))
-    fake.put(make_pod("d1", "127.0.0.3", DECODE))
-    from epd_trio._core.config import Settings
-    settings = Settings(service_discovery=True, decode_selector="app=vllm,role=decode",
-                        service_discovery_api=fake.url, service_discovery_namespace="ns",
-                        service_discovery_port=port)
-    async with serve_proxy(settings) as (url, proxy), \
+    port, decodes = await pods(nursery, fake)
+    async with serve_proxy(proxy_settings(fake, port)) as (url, proxy), \
             httpx.AsyncClient(base_url=url, timeout=10) as client:
-        (found,) = proxy.discovery
-        assert isinstance(found, KubernetesDiscovery)
+        found = discovery_of(proxy)
         assert len(proxy.roster.of("decode")) == 2
         statuses = [(await client.post(CHAT, json=chat_body())).status_code for _ in range(4)]
         assert all(len(d.requests()) == 2 for d in decodes)
-        fake.put(make_pod("d0", "127.0.0.2", DECODE, ready=False))
+        fake.put(make_pod("d0", POD_ADDRESSES[0], DECODE, ready=False))
         with trio.fail_after(10):
             await found.wait_until(lambda: len(proxy.roster.of("decode")) == 1)
         statuses += [(await client.post(CHAT, json=chat_body())).status_code for _ in range(4)]
         assert len(decodes[0].requests()) == 2 and len(decodes[1].requests()) == 6
         assert set(statuses) == {200}
         listing = proxy.instances()["instances"]["decode"]
-        assert [e["discovered_by"] for e in listing] == ["kubernetes decode app=vllm,role=decode"]
+        assert [e["discovered_by"] for e in listing] == [f"kubernetes decode {SELECTOR}"]
+
+
+async def test_a_discovered_pod_failing_its_probes_leaves_the_rotation_and_comes_back(
+    nursery: trio.Nursery, fake: FakeKubeApi
+) -> None:
+    """The pod stays Ready (the API says nothing): the proxy's own probes take it out."""
+    port, (sick, well) = await pods(nursery, fake)
+    settings = proxy_settings(fake, port, health_interval=0.05, health_threshold=1)
+    async with serve_proxy(settings) as (url, proxy), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        state = proxy.registry.state("decode", sick.url)
+        changed = trio.Event()
+        proxy.registry.on_change.append(lambda s: changed.set())
+        sick.behaviour.healthy = False
+        with trio.fail_after(10):
+            while state.live:
+                await changed.wait()
+                changed = trio.Event()
+        before = len(sick.requests())
+        for _ in range(4):
+            assert (await client.post(CHAT, json=chat_body())).status_code == 200
+        assert len(sick.requests()) == before and len(well.requests()) >= 4
+        assert len(decode_urls(proxy)) == 2  # still discovered, only out of the rotation
+        sick.behaviour.healthy = True
+        with trio.fail_after(10):
+            while not state.live:
+                await changed.wait()
+                changed = trio.Event()
+        for _ in range(4):
+            assert (await client.post(CHAT, json=chat_body())).status_code == 200
+        assert len(sick.requests()) == before + 2
+
+
+@pytest.mark.parametrize("policy", ["least_loaded", "power_of_two"])
+async def test_a_load_aware_policy_routes_over_discovered_pods(
+    nursery: trio.Nursery, fake: FakeKubeApi, policy: str
+) -> None:
+    """One request held at whichever pod gets it first: the next ones go to the other."""
+    release, holding = trio.Event(), trio.Event()
+
+    async def hold_the_first() -> None:
+        if not holding.is_set():
+            holding.set()  # the fake counts the request in flight before its gate
+            await release.wait()
+
+    port, decodes = await pods(nursery, fake, gate=hold_the_first)
+    async with serve_proxy(proxy_settings(fake, port, decode_policy=policy)) as (url, _proxy), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+
+        async def post() -> None:
+            assert (await client.post(CHAT, json=chat_body())).status_code == 200
+
+        async with trio.open_nursery() as senders:
+            senders.start_soon(post)
+            with trio.fail_after(10):
+                await holding.wait()
+            busy, idle = decodes if decodes[0].in_flight else decodes[::-1]
+            for _ in range(4):
+                await post()
+            assert len(idle.requests()) == 4 and len(busy.requests()) == 1
+            release.set()
+
+
+async def test_one_worker_of_several_discovers_and_every_worker_routes_over_the_pods(
+    nursery: trio.Nursery, fake: FakeKubeApi
+) -> None:
+    port, decodes = await pods(nursery, fake, count=3)
+    fake.delete("d2")  # joins later
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+         "--service-discovery", "--decode-selector", "app=vllm", "role=decode",
+         "--service-discovery-api", fake.url, "--service-discovery-namespace", "ns",
+         "--service-discovery-port", str(port)],
+        stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
+    try:
+        assert process.stderr is not None
+        url = await read_url(process.stderr, rb"listening on (http://\S+)")
+        log = bytearray()
+
+        async def drain() -> None:
+            async for chunk in process.stderr:  # type: ignore[union-attr]
+                log.extend(chunk)
+
+        nursery.start_soon(drain)
+
+        async def every_worker_lists(count: int) -> None:
+            seen: set[int] = set()
+            with trio.fail_after(30):
+                while len(seen) < 2:
+                    # A fresh connection per call, so both workers answer some of them.
+                    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                        answer = (await client.get(url + "/instances",
+                                                   headers={"x-api-key": "k"})).json()
+                    if len(answer["instances"]["decode"]) == count:
+                        seen.add(answer["worker_pid"])
+
+        await every_worker_lists(2)
+        fake.put(make_pod("d2", POD_ADDRESSES[2], DECODE))
+        await every_worker_lists(3)
+        workers, statuses = set(), []
+        with trio.fail_after(30):
+            while len(workers) < 2 or len(statuses) < 9:
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    response = await client.post(url + CHAT, json=chat_body())
+                statuses.append(response.status_code)
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                    workers.add((await client.get(url + "/instances",
+                                                  headers={"x-api-key": "k"})).json()["worker_pid"])
+        assert set(statuses) == {200}
+        assert all(d.requests() for d in decodes)
+        # One watch per selector for the whole process tree: one worker discovers.
+        assert log.count(b"Kubernetes discovery in namespace") == 1, log.decode(errors="replace")
+        assert {q["labelSelector"] for q in fake.watches()} == {SELECTOR}
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def test_with_a_shared_roster_each_replica_watches_and_shares_none_of_it(
+    nursery: trio.Nursery, fake: FakeKubeApi, redis_server: Any
+) -> None:
+    port, decodes = await pods(nursery, fake, count=3)
+    fake.delete("d1")
+    fake.delete("d2")
+    prefix = "kdisc:"
+    async with AsyncExitStack() as stack:
+        fleet = []
+        for index in range(2):
+            settings = proxy_settings(fake, port, admin_key="k", state_url=redis_server.url,
+                                      state_prefix=prefix, replica_id=f"r{index}",
+                                      state_resync_interval=0.2, state_timeout=10.0)
+            fleet.append(await stack.enter_async_context(serve_proxy(settings)))
+        for _url, proxy in fleet:
+            assert decode_urls(proxy) == [f"http://{POD_ADDRESSES[0]}:{port}"]
+        # Each replica holds its own watch (two lists, two watches for one selector).
+        await fake.wait_until(lambda: fake.watching == 2)
+        assert len(fake.lists()) == 2
+        fake.put(make_pod("d1", POD_ADDRESSES[1], DECODE))
+        for _url, proxy in fleet:
+            with trio.fail_after(10):
+                await discovery_of(proxy).wait_until(
+                    lambda p=proxy: len(decode_urls(p)) == 2)
+        assert redis_server.command("SCARD", f"{prefix}instances") == "0"  # nothing shared
+        async with httpx.AsyncClient(timeout=10) as client:
+            for url, _proxy in fleet:
+                for _ in range(2):
+                    assert (await client.post(url + CHAT, json=chat_body())).status_code == 200
+        assert [len(d.requests()) for d in decodes[:2]] == [2, 2]
+        fake.delete("d0")  # each replica's own watch takes it out: the store never had it
+        for _url, proxy in fleet:
+            with trio.fail_after(10):
+                await discovery_of(proxy).wait_until(
+                    lambda p=proxy: decode_urls(p) == [f"http://{POD_ADDRESSES[1]}:{port}"])
+        assert redis_server.command("SCARD", f"{prefix}instances") == "0"

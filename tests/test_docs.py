@@ -10,10 +10,15 @@ What is checked, and against what:
 - every fenced ``python`` block of ``README.md`` and ``docs/`` runs in a subprocess and exits 0,
   unless a ``<!-- not-run: reason -->`` line precedes it (those are counted, never skipped
   silently);
+- every Kubernetes manifest (``yaml`` block) of the Kubernetes and Discovery pages is a whole
+  object the official ``kubernetes`` client's models take without losing a field; the RBAC
+  grants the proxy's service account what discovery needs, and the proxy's Deployment's
+  arguments parse with ``epd-trio serve``'s own parser into selectors that match the vLLM pods;
 - every relative link (and its ``#anchor``) resolves;
 - the README's two commands are the ones ``.ci/run`` and ``pyproject.toml`` provide.
 
-The examples import only public names, so this test does not depend on the private layout.
+The examples import only public names; the manifest check parses with the command line's parser
+and the pod rules of ``_core/discovery``.
 """
 
 from __future__ import annotations
@@ -29,13 +34,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes.client
+import orjson
 import pytest
 import trio
 import trio.testing
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
+from epd_trio.__main__ import build_parser, serve_flags
+from epd_trio._core.discovery import Discovered, pod_endpoint
 from epd_trio.testing import run_cluster
 
 from helpers import slug
@@ -174,6 +184,8 @@ def needs(field: str) -> dict[str, str]:
         return {"EPD_STATE_URL": "redis://sample:1/0"}
     if field.endswith("_selector"):
         return {"EPD_SERVICE_DISCOVERY": "true"}
+    if field in ("service_discovery_kubeconfig", "service_discovery_context"):
+        return {"EPD_SERVICE_DISCOVERY": "true", "EPD_DECODE_SELECTOR": "app=sample"}
     return {}
 
 
@@ -397,6 +409,93 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
                             text=True, timeout=60, env=clean_env(), check=False)
     assert result.returncode == 0, (
         f"{rel(block.page)}:{block.line} exited {result.returncode}\n{result.stdout}{result.stderr}")
+
+
+# -- Kubernetes manifests --------------------------------------------------------------------------
+
+KUBERNETES_PAGES = [DOCS / "how-to" / "kubernetes.md", DOCS / "how-to" / "discovery.md"]
+#: Custom resources a page may show, which the ``kubernetes`` client has no model of: only
+#: their metadata is checked.
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PrometheusRule")}
+
+
+def manifests(page: Path) -> list[tuple[Block, dict[str, Any]]]:
+    """Every object of every ``yaml`` block of ``page``."""
+    return [(block, document) for block in fenced_blocks(page) if block.language == "yaml"
+            for document in yaml.safe_load_all(block.code) if document is not None]
+
+
+def as_model(document: dict[str, Any], where: str) -> Any:
+    """The ``kubernetes`` client's model of ``document``; anything the model does not know
+    (a misspelt field) makes the round trip differ, and so fails."""
+    api_version, kind = document.get("apiVersion", ""), document.get("kind", "")
+    if (api_version, kind) in CUSTOM_RESOURCES:
+        client = kubernetes.client.ApiClient()
+        meta = client.deserialize(orjson.dumps(document["metadata"]).decode(), "V1ObjectMeta",
+                                  "application/json")
+        assert client.sanitize_for_serialization(meta) == document["metadata"], where
+        return None
+    version = api_version.rpartition("/")[2]
+    name = version[:1].upper() + version[1:] + kind
+    assert hasattr(kubernetes.client, name), f"{where}: no model {name} for {api_version} {kind}"
+    client = kubernetes.client.ApiClient()
+    model = client.deserialize(orjson.dumps(document).decode(), name, "application/json")
+    assert client.sanitize_for_serialization(model) == document, (
+        f"{where}: fields the {name} model does not have (misspelt?)")
+    return model
+
+
+@pytest.mark.parametrize("page", KUBERNETES_PAGES, ids=rel)
+def test_every_manifest_is_a_kubernetes_object(page: Path) -> None:
+    found = manifests(page)
+    assert found, f"{rel(page)} has no yaml block"
+    for block, document in found:
+        assert {"apiVersion", "kind", "metadata"} <= document.keys(), (
+            f"{rel(page)}:{block.line}: not a whole object (a fragment would escape this test)")
+        as_model(document, f"{rel(page)}:{block.line} {document['kind']}")
+
+
+def test_the_kubernetes_page_grants_what_discovery_needs_and_runs_it() -> None:
+    """The RBAC lets the Deployment's service account watch pods; the proxy's arguments parse
+    with ``epd-trio serve``'s own parser into selectors that match the vLLM pods' labels."""
+    objects = {(doc["kind"], doc["metadata"]["name"]): as_model(doc, doc["kind"])
+               for _block, doc in manifests(DOCS / "how-to" / "kubernetes.md")}
+    role = objects["Role", "epd-trio-pod-reader"]
+    binding = objects["RoleBinding", "epd-trio-pod-reader"]
+    account = objects["ServiceAccount", "epd-trio"]
+    proxy = objects["Deployment", "epd-trio"]
+    decode = objects["Deployment", "vllm-decode"]
+    assert any(rule.api_groups == [""] and "pods" in rule.resources
+               and {"get", "list", "watch"} <= set(rule.verbs) for rule in role.rules)
+    assert (binding.role_ref.kind, binding.role_ref.name) == ("Role", role.metadata.name)
+    assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
+        ("ServiceAccount", account.metadata.name, account.metadata.namespace)]
+    assert proxy.spec.template.spec.service_account_name == account.metadata.name
+    namespaces = {o.metadata.namespace for o in (role, binding, account, proxy, decode)}
+    assert namespaces == {"serving"}
+
+    (container,) = proxy.spec.template.spec.containers
+    assert container.command[:2] == ["epd-trio", "serve"]
+    args = build_parser().parse_args([*container.command[1:], *container.args])
+    settings = settings_from({}, flags=serve_flags(args))
+    assert settings.service_discovery and settings.layout == "P+D"
+    assert dict(settings.selectors()) == {"prefill": "app=vllm,role=prefill",
+                                          "decode": "app=vllm,role=decode"}
+    assert args.port == container.ports[0].container_port == settings.service_discovery_port
+    assert container.readiness_probe.http_get.path == "/ready"
+    assert container.liveness_probe.http_get.path == "/health"
+
+    labels = decode.spec.template.metadata.labels
+    selector = dict(settings.selectors())["decode"]
+    assert all(labels.get(k) == v for k, v in (term.split("=") for term in selector.split(",")))
+    assert pod_endpoint({"metadata": decode.spec.template.metadata.to_dict() | {"name": "d"},
+                         "status": {"phase": "Running", "podIP": "10.0.0.1",
+                                    "conditions": [{"type": "Ready", "status": "True"}]}},
+                        settings.service_discovery_port, "decode") == Discovered(
+        Instance("http://10.0.0.1:8000", 1))
+    (vllm,) = decode.spec.template.spec.containers
+    assert vllm.args[vllm.args.index("--port") + 1] == str(settings.service_discovery_port)
+    assert vllm.readiness_probe.http_get.path == "/health"
 
 
 # -- links and commands --------------------------------------------------------------------------

@@ -162,8 +162,9 @@ class Settings:
     #: ``*_embeds`` reference on the consumer legs (the instance then neither receives the pixels
     #: nor re-runs the media processor); off: the raw media is sent (upstream's ``--no-rewrite``).
     ec_rewrite: bool = True
-    #: ``host[:port]`` of the DNS server that expands ``dns+``/``dnssrv+`` URLs (None: the
-    #: system's resolver, ``/etc/resolv.conf``, search domains included).
+    #: ``host[:port]`` of the DNS server that expands ``dns+``/``dnssrv+`` URLs: an address, or
+    #: a name resolved once when discovery starts (None: the system's resolver,
+    #: ``/etc/resolv.conf``, search domains included).
     dns_nameserver: str | None = None
     #: Seconds between two resolutions of each DNS name.
     dns_interval: float = 5.0
@@ -184,10 +185,15 @@ class Settings:
     service_discovery_port: int = 8000
     #: The namespace watched (None: the service account's own namespace).
     service_discovery_namespace: str | None = None
-    #: The API server's base URL (None: in-cluster, from ``KUBERNETES_SERVICE_HOST``/``_PORT``
-    #: with the service account's token and CA). Set it to a ``kubectl proxy`` URL to run
-    #: outside the cluster.
+    #: The API server's base URL, reached without credentials (a ``kubectl proxy`` URL). None:
+    #: in-cluster (the service account), else a kubeconfig.
     service_discovery_api: str | None = None
+    #: A kubeconfig file to reach the API server with (None: in a pod, the service account;
+    #: outside one, the first file of ``KUBECONFIG``, else ``~/.kube/config``).
+    service_discovery_kubeconfig: str | None = None
+    #: The kubeconfig context to use (None: its ``current-context``); set, a kubeconfig is
+    #: read also in a pod.
+    service_discovery_context: str | None = None
 
     #: Where several proxy replicas share their roster, loads and cursors: a Redis server,
     #: ``redis://[:password@]host:port[/db]``, ``rediss://...`` (TLS) or ``unix:///path``
@@ -228,6 +234,13 @@ class Settings:
             given = next(role for role, sel in selectors.items() if sel)
             raise ConfigError(env_name(f"{given}_selector"), "is used only with "
                               f"{env_name('service_discovery')}=true")
+        for name in ("service_discovery_kubeconfig", "service_discovery_context"):
+            if getattr(self, name) is not None and not self.service_discovery:
+                raise ConfigError(env_name(name), "is used only with "
+                                  f"{env_name('service_discovery')}=true")
+            if getattr(self, name) is not None and self.service_discovery_api is not None:
+                raise ConfigError(env_name(name), f"and {env_name('service_discovery_api')} "
+                                  "both say how to reach the API server: set one")
         if (not self.decode_urls and not self.admin_key and self.kv_connector != "moriio"
                 and self.state_url is None and not self.decode_selector):
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
@@ -414,17 +427,23 @@ def _factor(raw: Any) -> float:
 
 
 def _nameserver(raw: Any) -> str:
-    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``: a DNS server's address."""
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port``: a DNS server's address, or a host
+    name (resolved once when discovery starts)."""
     value = str(raw).strip()
     host, port = split_host_port(value, 53)
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"expected an IP address[:port] (a DNS server is named by its "
-                         f"address), got {raw!r}") from None
+        if not _HOST_NAME.fullmatch(host):
+            raise ValueError(f"expected an IP address or a host name, with an optional :port, "
+                             f"got {raw!r}") from None
     if not 0 < port < 65536:
         raise ValueError(f"expected a port in 1..65535, got {raw!r}")
     return value
+
+
+_HOST_NAME = re.compile(r"(?=.{1,253}\.?$)([A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?\.)*"
+                        r"[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?\.?")
 
 
 def split_host_port(value: str, default_port: int) -> tuple[str, int]:
@@ -457,6 +476,13 @@ def _name(raw: Any) -> str:
     value = str(raw).strip()
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > 63:
         raise ValueError(f"expected a Kubernetes namespace name, got {raw!r}")
+    return value
+
+
+def _text(raw: Any) -> str:
+    value = str(raw).strip()
+    if not value:
+        raise ValueError("expected a non-empty value")
     return value
 
 
@@ -523,6 +549,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "service_discovery_port": _port,
     "service_discovery_namespace": _name,
     "service_discovery_api": _api_url,
+    "service_discovery_kubeconfig": _text,
+    "service_discovery_context": _text,
     "state_url": _state_url,
     "state_prefix": _key_prefix,
     "replica_id": _key_prefix,
