@@ -415,8 +415,10 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 KUBERNETES_PAGES = [DOCS / "how-to" / "kubernetes.md", DOCS / "how-to" / "discovery.md"]
 #: Custom resources a page may show, which the ``kubernetes`` client has no model of: only
-#: their metadata is checked.
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PrometheusRule")}
+#: their metadata is checked (tests/test_promtool.py checks the prometheus-operator objects
+#: against the generator's output).
+CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PrometheusRule"),
+                    ("monitoring.coreos.com/v1", "ServiceMonitor")}
 
 
 def manifests(page: Path) -> list[tuple[Block, dict[str, Any]]]:
