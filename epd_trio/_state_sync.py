@@ -31,10 +31,8 @@ capped, jittered exponential backoff. Malformed entries are skipped and counted.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import secrets
-import socket
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -97,12 +95,16 @@ return removed
 
 #: One round trip per load interval: publish this replica's counts (an expiring hash, and its
 #: name in the sorted set of live replicas), drop replicas gone for long, and return every
-#: other live replica's counts. KEYS: this replica's hash, the replicas' set. ARGV: replica id,
-#: now (ms), expiry (ms), the load-hash prefix, then field, value, field, value...
+#: other live replica's counts, after a flag: 1 when another process wrote this replica's
+#: owner key since the last round (two processes under one replica id). KEYS: this replica's
+#: hash, the replicas' set, this replica's owner key. ARGV: replica id, now (ms), expiry (ms),
+#: the load-hash prefix, this process's token, then field, value, field, value...
 _LOAD_EXCHANGE = """
+local owner = redis.call('get', KEYS[3])
+redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[3])
 redis.call('del', KEYS[1])
-if #ARGV > 4 then
-  redis.call('hset', KEYS[1], unpack(ARGV, 5))
+if #ARGV > 5 then
+  redis.call('hset', KEYS[1], unpack(ARGV, 6))
   redis.call('pexpire', KEYS[1], ARGV[3])
 end
 local now, expiry = tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -114,7 +116,9 @@ for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf'
     out[#out + 1] = redis.call('hgetall', ARGV[4] .. other)
   end
 end
-return out
+local clash = 0
+if owner and owner ~= ARGV[5] then clash = 1 end
+return {clash, out}
 """
 
 
@@ -146,6 +150,11 @@ class StateLink:
         self._live = live
         self._wall = wall
         self.replica_id = replica_id
+        #: This process's mark on its replica id's owner key: another mark there means another
+        #: live process uses the same id (``duplicate_id``).
+        self._token = secrets.token_hex(8)
+        #: Whether another live process uses this replica id (logged at ERROR when found).
+        self.duplicate_id = False
         self.keys = StateKeys(settings.state_prefix)
         self._redis: coredis.Redis[bytes] | None = None
         self._cursor: CursorLink | None = None
@@ -172,7 +181,8 @@ class StateLink:
         """What ``GET /instances`` says about the link (never the password)."""
         return {"backend": self._url.redacted(), "prefix": self.keys.prefix, "up": self.up,
                 "roster_loaded": self._store.loaded, "problem": self.problem,
-                "global_cursor": self._settings.global_cursor}
+                "global_cursor": self._settings.global_cursor,
+                "duplicate_id": self.duplicate_id}
 
     async def next_change(self) -> None:
         """Until the link next goes up or down (tests and benchmarks)."""
@@ -397,14 +407,27 @@ class StateLink:
     async def _load_loop(self, redis: coredis.Redis[bytes]) -> None:
         interval = self._settings.state_load_interval
         expiry_ms = max(1, int(interval * LOAD_EXPIRY_INTERVALS * 1000))
-        keys = [self.keys.load(self.replica_id), self.keys.replicas]
-        head = [self.replica_id, 0, expiry_ms, self.keys.load("")]
+        keys = [self.keys.load(self.replica_id), self.keys.replicas,
+                self.keys.owner(self.replica_id)]
+        head = [self.replica_id, 0, expiry_ms, self.keys.load(""), self._token]
+        clashes = 0
         while True:
             head[1] = int(self._wall() * 1000)
             fields = load_fields(self._loads.table.snapshot())
             args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):
-                replies = await redis.eval(_LOAD_EXCHANGE, keys, args)
+                clash, replies = await redis.eval(_LOAD_EXCHANGE, keys, args)
+            # Twice in a row: once may be this replica's previous process, whose key has not
+            # expired yet (a restart under a fixed id).
+            clashes = clashes + 1 if clash else 0
+            if clashes == 2:
+                self.duplicate_id = True
+                log.error("shared state: replica id %r is in use by another live process too; "
+                          "they hide each other's loads and ignore each other's announcements. "
+                          "Give each replica its own EPD_REPLICA_ID (or leave it unset)",
+                          self.replica_id)
+            elif not clash:
+                self.duplicate_id = False
             total, bad = sum_loads(_as_mapping(reply) for reply in replies or ())
             for _ in range(bad):
                 self._metrics.state_malformed()
@@ -420,11 +443,6 @@ def _as_mapping(reply: Any) -> Mapping[Any, Any]:
         return reply
     items = list(reply)
     return dict(zip(items[::2], items[1::2], strict=False))
-
-
-def default_replica_id() -> str:
-    """The host name and the process id: unique per worker process, readable in listings."""
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def live_member(registry: Any) -> Callable[[Member], bool]:

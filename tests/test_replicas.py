@@ -429,3 +429,32 @@ async def test_a_password_protected_redis_over_tcp_and_a_unix_socket_and_no_pass
         assert "hunter2" not in caplog.text and "shared state" in caplog.text
     finally:
         redis.kill()
+
+
+async def test_two_processes_under_one_replica_id_are_found_out(
+    redis_server: RedisServer, caplog: Any,
+) -> None:
+    """Two live processes given one ``EPD_REPLICA_ID`` (plain ``hypercorn --workers 2``, or a
+    pod template with a fixed id): each finds the other's mark on the id's owner key, says
+    so in ``GET /instances`` and logs an error naming the setting. A replica of its own does
+    not."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    config: dict[str, Any] = {"state_url": redis_server.url, "state_prefix": prefix,
+                              "state_load_interval": 0.05, "state_timeout": 10.0,
+                              "decode_urls": (Instance("http://127.0.0.1:9"),)}
+    async with serve_proxy(Settings(**config, replica_id="same")) as (_, a), \
+            serve_proxy(Settings(**config, replica_id="same")) as (_, b), \
+            serve_proxy(Settings(**config, replica_id="alone")) as (_, alone):
+        for proxy in (a, b):
+            assert proxy.state is not None
+            with trio.fail_after(CONVERGE):
+                while not proxy.state.describe()["duplicate_id"]:
+                    await proxy.state.next_load_read()
+        assert alone.state is not None
+        for _ in range(5):  # rounds enough for a clash to show
+            await alone.state.next_load_read()
+        assert alone.state.describe()["duplicate_id"] is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("'same' is in use by another live process" in e and "EPD_REPLICA_ID" in e
+               for e in errors), errors
+    assert not any("'alone'" in e for e in errors)

@@ -23,6 +23,7 @@ from epd_trio._core.shared_state import (
     reseeded,
     sum_loads,
     to_local_time,
+    worker_replica_id,
 )
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
@@ -161,3 +162,9 @@ def test_load_fields_round_trip_and_sum_over_replicas() -> None:
 def test_wall_times_map_onto_the_local_clock_never_into_its_future() -> None:
     assert to_local_time(wall=95.0, now_wall=100.0, now_local=1000.0) == 995.0
     assert to_local_time(wall=105.0, now_wall=100.0, now_local=1000.0) == 1000.0
+
+
+def test_each_worker_of_a_named_replica_gets_an_id_of_its_own() -> None:
+    ids = [worker_replica_id("fleet-a", k) for k in range(3)]
+    assert ids == ["fleet-a-w0", "fleet-a-w1", "fleet-a-w2"]
+    assert worker_replica_id("host-123", 0) != "host-123"  # never the base itself

@@ -197,7 +197,8 @@ class Settings:
     #: Prefix of every Redis key and channel, so that several fleets can share one Redis.
     state_prefix: str = "epd:"
     #: This replica's name in the shared state and in ``GET /instances`` (unset: the host name
-    #: and the process id, unique per worker process).
+    #: and the process id). Worker k of ``epd-trio serve --workers N`` is ``<id>-w<k>``: every
+    #: worker is a replica, and two processes under one id would hide each other's loads.
     replica_id: str | None = None
     #: Exact round-robin across replicas: one Redis increment per routing decision (needs
     #: ``state_url``). Off: each replica keeps its own cursors, seeded at a random offset.
