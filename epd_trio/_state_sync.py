@@ -25,7 +25,10 @@ unregistered meanwhile: its tombstone says so). A store that restarted empty the
 fleet's roster back from the replicas, and nobody drops an instance it was routing to.
 
 Errors (a refused connection, a timeout, a dropped link) end the session; it reconnects with
-capped, jittered exponential backoff. Malformed entries are skipped and counted.
+capped, jittered exponential backoff. Malformed entries are skipped and counted, and so are
+keys of the wrong type (written by hand: an index that is not a set, a sorted set of replicas
+that is a string...): every command that may meet one reads its error as that key's, never as
+the link's, so one bad key cannot keep a replica reconnecting forever.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from typing import Any
 
 import coredis
 import trio
+from coredis.exceptions import WrongTypeError
 from coredis.retry import NoRetryPolicy
 
 from ._core.config import Settings
@@ -56,7 +60,7 @@ from ._core.shared_state import (
     sum_loads,
 )
 from ._core.state_url import StateURL
-from ._cursor_link import CursorLink, LinkBroken
+from ._cursor_link import CommandRefused, CursorLink, LinkBroken
 from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._replicated_roster import Pending, ReplicatedRoster
@@ -69,38 +73,51 @@ BACKOFF_FIRST, BACKOFF_CAP = 0.1, 5.0
 LOAD_EXPIRY_INTERVALS = 12
 #: Malformed entries remembered (each is counted once, not at every read).
 MALFORMED_MEMORY = 1024
+#: What a malformed entry is remembered by when it is a key of the wrong type.
+WRONG_TYPE = b"wrong type"
 
 #: Write an instance's record back unless the store has it (then index it anyway: an index entry
-#: pruned in a race comes back), or it unregistered (its tombstone).
-#: KEYS: instance, tombstone, index. ARGV: record, TTL in ms, URL.
+#: pruned in a race comes back), or it unregistered (its tombstone). Returns -1 when the index
+#: is not a set (the record is written all the same). KEYS: instance, tombstone, index.
+#: ARGV: record, TTL in ms, URL.
 _WRITE_BACK = """
 if redis.call('exists', KEYS[2]) == 1 then return 0 end
-redis.call('sadd', KEYS[3], ARGV[3])
-if redis.call('exists', KEYS[1]) == 1 then return 0 end
-redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return 1
+local indexed = redis.pcall('sadd', KEYS[3], ARGV[3])
+local written = 0
+if redis.call('exists', KEYS[1]) == 0 then
+  redis.call('set', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  written = 1
+end
+if type(indexed) == 'table' and indexed.err then return -1 end
+return written
 """
 #: Drop index entries whose instance key expired, unless it came back meanwhile (a registration
-#: between the read and this call). KEYS: the index. ARGV: the key prefix, then URLs.
+#: between the read and this call); returns the URLs whose key holds another type than a string
+#: (written by hand: left alone, and counted). KEYS: the index. ARGV: the key prefix, then URLs.
 _PRUNE_INDEX = """
-local removed = 0
+local wrong = {}
 for i = 2, #ARGV do
-  if redis.call('exists', ARGV[1] .. ARGV[i]) == 0 then
-    removed = removed + redis.call('srem', KEYS[1], ARGV[i])
+  local kind = redis.call('type', ARGV[1] .. ARGV[i])['ok']
+  if kind == 'none' then
+    redis.call('srem', KEYS[1], ARGV[i])
+  elseif kind ~= 'string' then
+    wrong[#wrong + 1] = ARGV[i]
   end
 end
-return removed
+return wrong
 """
 
 
 #: One round trip per load interval: publish this replica's counts (an expiring hash, and its
 #: name in the sorted set of live replicas), drop replicas gone for long, and return every
 #: other live replica's counts, after a flag: 1 when another process wrote this replica's
-#: owner key since the last round (two processes under one replica id). KEYS: this replica's
-#: hash, the replicas' set, this replica's owner key. ARGV: replica id, now (ms), expiry (ms),
-#: the load-hash prefix, this process's token, then field, value, field, value...
+#: owner key since the last round (two processes under one replica id); then the keys skipped
+#: because they hold another type (the replicas' set, another replica's hash: written by
+#: hand). KEYS: this replica's hash, the replicas' set, this replica's owner key. ARGV: replica
+#: id, now (ms), expiry (ms), the load-hash prefix, this process's token, then field, value...
 _LOAD_EXCHANGE = """
-local owner = redis.call('get', KEYS[3])
+local owner = redis.pcall('get', KEYS[3])
+if type(owner) == 'table' then owner = false end
 redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[3])
 redis.call('del', KEYS[1])
 if #ARGV > 5 then
@@ -108,17 +125,26 @@ if #ARGV > 5 then
   redis.call('pexpire', KEYS[1], ARGV[3])
 end
 local now, expiry = tonumber(ARGV[2]), tonumber(ARGV[3])
-redis.call('zadd', KEYS[2], now, ARGV[1])
-redis.call('zremrangebyscore', KEYS[2], '-inf', now - 10 * expiry)
-local out = {}
-for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf')) do
-  if other ~= ARGV[1] then
-    out[#out + 1] = redis.call('hgetall', ARGV[4] .. other)
+local out, wrong = {}, {}
+local listed = redis.pcall('zadd', KEYS[2], now, ARGV[1])
+if type(listed) == 'table' and listed.err then
+  wrong[1] = KEYS[2]
+else
+  redis.call('zremrangebyscore', KEYS[2], '-inf', now - 10 * expiry)
+  for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf')) do
+    if other ~= ARGV[1] then
+      local fields = redis.pcall('hgetall', ARGV[4] .. other)
+      if fields.err then
+        wrong[#wrong + 1] = ARGV[4] .. other
+      else
+        out[#out + 1] = fields
+      end
+    end
   end
 end
 local clash = 0
 if owner and owner ~= ARGV[5] then clash = 1 end
-return {clash, out}
+return {clash, out, wrong}
 """
 
 
@@ -204,10 +230,13 @@ class StateLink:
         cursor = self._cursor
         if cursor is not None:
             with trio.move_on_after(self._settings.global_cursor_timeout):
+                key = self._cursor_keys[stage]
                 try:
-                    return await cursor.incrby(self._cursor_keys[stage], n) - n
+                    return await cursor.incrby(key, n) - n
                 except LinkBroken:  # the session reconnects; this request goes on
                     pass
+                except CommandRefused as exc:  # the counter's key holds something else
+                    self._count_malformed(key.decode(), WRONG_TYPE, exc)
         self._metrics.global_cursor_fallback(stage)
         return None
 
@@ -304,21 +333,33 @@ class StateLink:
     async def _write(self, redis: coredis.Redis[bytes], writes: Mapping[str, Pending]) -> None:
         keys, me = self.keys, self.replica_id
         tomb_ms = max(1, int(self._settings.instance_ttl * 1000))
-        async with redis.pipeline(transaction=False) as pipe:
+        # Errors are awaited per command: an index of the wrong type (written by hand) costs
+        # the index entry, not the record, the tombstone or the announcement.
+        others, indexing = [], []
+        async with redis.pipeline(transaction=False, raise_on_error=False) as pipe:
             for url, write in writes.items():
                 if write is None:
-                    pipe.delete([keys.instance(url)])
-                    pipe.srem(keys.index, [url])
-                    pipe.set(keys.tombstone(url), b"1", px=tomb_ms)
-                    pipe.publish(keys.channel, encode_announcement("delete", url, me))
+                    others.append(pipe.delete([keys.instance(url)]))
+                    indexing.append(pipe.srem(keys.index, [url]))
+                    others.append(pipe.set(keys.tombstone(url), b"1", px=tomb_ms))
+                    others.append(pipe.publish(keys.channel,
+                                               encode_announcement("delete", url, me)))
                     continue
                 record, quiet = write
                 raw = encode_record(record)
-                pipe.set(keys.instance(url), raw, px=self._ttl_ms(record))
-                pipe.sadd(keys.index, [url])
-                pipe.delete([keys.tombstone(url)])
+                others.append(pipe.set(keys.instance(url), raw, px=self._ttl_ms(record)))
+                indexing.append(pipe.sadd(keys.index, [url]))
+                others.append(pipe.delete([keys.tombstone(url)]))
                 if not quiet:
-                    pipe.publish(keys.channel, encode_announcement("put", url, me, raw))
+                    others.append(pipe.publish(keys.channel,
+                                               encode_announcement("put", url, me, raw)))
+        for request in others:
+            await request  # any error here is the link's
+        for request in indexing:
+            try:
+                await request
+            except WrongTypeError as exc:
+                self._count_malformed(keys.index, WRONG_TYPE, exc)
 
     async def _write_back(self, redis: coredis.Redis[bytes], records: Iterable[Record]) -> None:
         """Write the ``records`` the store lacks (not those that unregistered meanwhile)."""
@@ -328,10 +369,13 @@ class StateLink:
         keys = self.keys
         with trio.fail_after(self._settings.state_timeout):
             async with redis.pipeline(transaction=False) as pipe:
-                for record in records:
-                    url = record.member.url
-                    pipe.eval(_WRITE_BACK, [keys.instance(url), keys.tombstone(url), keys.index],
-                              [encode_record(record), self._ttl_ms(record), url])
+                written = [pipe.eval(_WRITE_BACK,
+                                     [keys.instance(url), keys.tombstone(url), keys.index],
+                                     [encode_record(record), self._ttl_ms(record), url])
+                           for record in records for url in (record.member.url,)]
+        for request in written:
+            if await request == -1:
+                self._count_malformed(keys.index, WRONG_TYPE, MalformedEntry("not a set"))
 
     async def _listen(self, pubsub: Any) -> None:
         async for message in pubsub:
@@ -360,16 +404,32 @@ class StateLink:
         keys = self.keys
         mark = self._store.write_mark()
         with trio.fail_after(self._settings.state_timeout):
-            if await redis.get(keys.fleet) is None:
+            try:
+                marker = await redis.get(keys.fleet)
+            except WrongTypeError as exc:  # written by hand: there, if unreadable
+                self._count_malformed(keys.fleet, WRONG_TYPE, exc)
+                marker = WRONG_TYPE
+            if marker is None:
                 # A store that never held this fleet, or that restarted empty / was flushed.
                 await self._write_back(redis, self._store.known_records())
                 await redis.set(keys.fleet, secrets.token_hex(8).encode(),
                                 condition=coredis.PureToken.NX)
-            urls = sorted(member.decode() for member in await redis.smembers(keys.index))
+            try:
+                members = await redis.smembers(keys.index)
+            except WrongTypeError as exc:
+                # No index to read: keep this view (announcements still come), and be ready.
+                self._count_malformed(keys.index, WRONG_TYPE, exc)
+                self._store.keep_view()
+                return
+            urls = sorted(self._urls(members))
             values = await redis.mget([keys.instance(url) for url in urls]) if urls else ()
             expired = [url for url, raw in zip(urls, values, strict=True) if raw is None]
             if expired:
-                await redis.eval(_PRUNE_INDEX, [keys.index], [keys.instance(""), *expired])
+                wrong = await redis.eval(_PRUNE_INDEX, [keys.index],
+                                         [keys.instance(""), *expired])
+                for url in wrong or ():
+                    self._count_malformed(keys.instance(url.decode()), WRONG_TYPE,
+                                          MalformedEntry("not a string"))
         records = []
         for url, raw in zip(urls, values, strict=True):
             if raw is None:
@@ -381,6 +441,14 @@ class StateLink:
                 continue
             records.append(record)
         self._store.apply_snapshot(records, mark)
+
+    def _urls(self, members: Iterable[bytes]) -> Iterable[str]:
+        """The index's members as URLs; one that is not UTF-8 is skipped and counted."""
+        for member in members:
+            try:
+                yield member.decode()
+            except UnicodeDecodeError as exc:
+                self._count_malformed(self.keys.index, member, exc)
 
     async def _keep_alive(self, redis: coredis.Redis[bytes]) -> None:
         """Refresh the entries of the HTTP-registered instances this replica routes to."""
@@ -394,6 +462,8 @@ class StateLink:
                     pipe.pexpire(self.keys.instance(url), ttl_ms)
 
     def _count_malformed(self, where: str, raw: bytes, exc: Exception) -> None:
+        """Count and log an entry this version cannot read, once (``raw`` is what it is
+        remembered by at ``where``: its bytes, or ``WRONG_TYPE``)."""
         mark = (where, bytes(raw)[:256])
         if mark in self._malformed:
             return
@@ -416,7 +486,10 @@ class StateLink:
             fields = load_fields(self._loads.table.snapshot())
             args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):
-                clash, replies = await redis.eval(_LOAD_EXCHANGE, keys, args)
+                clash, replies, wrong = await redis.eval(_LOAD_EXCHANGE, keys, args)
+            for key in wrong or ():
+                self._count_malformed(key.decode(errors="replace"), WRONG_TYPE,
+                                      MalformedEntry("not the type expected"))
             # Twice in a row: once may be this replica's previous process, whose key has not
             # expired yet (a restart under a fixed id).
             clashes = clashes + 1 if clash else 0

@@ -10,12 +10,14 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
+import coredis
 import httpx
+import pytest
 import trio
 
 from epd_trio import Instance, Settings
@@ -458,3 +460,57 @@ async def test_two_processes_under_one_replica_id_are_found_out(
     assert any("'same' is in use by another live process" in e and "EPD_REPLICA_ID" in e
                for e in errors), errors
     assert not any("'alone'" in e for e in errors)
+
+
+#: Structural keys of the wrong type, or unreadable, written by hand with a raw client (bytes
+#: and all): each is skipped and counted once per replica, and the fleet works on what it can
+#: read. Each writes under the key prefix ``p``.
+MALFORMED_KEYS: dict[str, Callable[[Any, bytes], Awaitable[Any]]] = {
+    "index not a set": lambda r, p: r.set(p + b"instances", b"oops"),
+    "fleet marker not a string": lambda r, p: r.hset(p + b"fleet", {b"a": b"b"}),
+    "index member not UTF-8": lambda r, p: r.sadd(p + b"instances", [b"http://\xff\xfe:1"]),
+    "instance entry not a string": lambda r, p: r.eval(
+        "redis.call('sadd', KEYS[1], ARGV[1]); redis.call('hset', KEYS[2], 'a', 'b')",
+        [p + b"instances", p + b"instance:http://h:1"], [b"http://h:1"]),
+    "replicas set not a sorted set": lambda r, p: r.set(p + b"replicas", b"oops"),
+    "another replica's load not a hash": lambda r, p: r.eval(
+        "redis.call('zadd', KEYS[1], ARGV[1], 'ghost'); redis.call('set', KEYS[2], 'x')",
+        [p + b"replicas", p + b"load:ghost"], [b"99999999999999"]),
+    "cursor not a number": lambda r, p: r.set(p + b"cursor:decode", b"oops"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED_KEYS))
+async def test_a_malformed_structural_key_is_skipped_and_counted(
+    redis_server: RedisServer, client: httpx.AsyncClient, caplog: Any, kind: str,
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    async with coredis.Redis(host="127.0.0.1", port=redis_server.port) as raw:
+        await MALFORMED_KEYS[kind](raw, prefix.encode())
+    async with trio.open_nursery() as nursery:
+        static, registered = await start_fakes(nursery, FakeVLLM(role="decode"),
+                                               FakeVLLM(role="decode"))
+        # Ready, each on what it can read (before: every session failed, forever).
+        async with replicas(redis_server, 2, prefix=prefix, global_cursor=True,
+                            global_cursor_timeout=5.0,
+                            decode_urls=(Instance(static.url),)) as fleet:
+            (url0, _), (_, proxy1) = fleet
+            r = await client.post(url0 + "/instances", headers=ADMIN,
+                                  json={"role": "decode", "url": registered.url})
+            assert r.status_code == 200, r.text
+            await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
+            for url, proxy in fleet:
+                await wait_for(proxy, lambda _, p=proxy: p.ready())
+                for _ in range(2):
+                    r = await client.post(url + CHAT, json=chat_body(text="hi"))
+                    assert r.status_code == 200, r.text
+                assert proxy.state is not None
+                with trio.fail_after(CONVERGE):
+                    for _ in range(3):  # the load exchange goes on
+                        await proxy.state.next_load_read()
+            for _, proxy in fleet:
+                assert proxy.state is not None and proxy.state.up
+                assert metric(proxy, "epd_trio_state_malformed_entries_total") == 1
+        nursery.cancel_scope.cancel()
+    # Never a reconnect: one session per replica.
+    assert sum("connected as replica" in r.getMessage() for r in caplog.records) == 2
