@@ -24,6 +24,7 @@ from epd_trio import Instance, Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 from epd_trio.testing.registrar import run_registrar
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
@@ -514,3 +515,187 @@ async def test_a_malformed_structural_key_is_skipped_and_counted(
         nursery.cancel_scope.cancel()
     # Never a reconnect: one session per replica.
     assert sum("connected as replica" in r.getMessage() for r in caplog.records) == 2
+
+
+#: Seconds a replica may take to get its link back once Redis answers again (its reconnect
+#: backoff is capped at 5 s, jittered by +-25 %).
+RECONNECT = 15.0
+
+
+async def link_state(fleet: list[tuple[str, Proxy]], up: bool) -> None:
+    """Until every replica's link is ``up`` (or down)."""
+    for _, proxy in fleet:
+        assert proxy.state is not None
+        with trio.fail_after(RECONNECT):
+            while proxy.state.up != up:
+                await proxy.state.next_change()
+
+
+def live(proxy: Proxy, url: str) -> bool:
+    return proxy.registry.state_for("decode", Instance(url)).live
+
+
+async def test_no_http_instance_expires_while_the_store_is_unreachable_for_longer_than_its_ttl(
+    client: httpx.AsyncClient,
+) -> None:
+    """Redis frozen for three TTLs: both replicas go on listing and routing what they knew,
+    an instance that stopped answering meanwhile included (without a store it would be
+    forgotten after one TTL). Once Redis is back, the TTL rules resume: the silent one goes,
+    the live one stays."""
+    redis = RedisServer().start()
+    ttl = 1.0
+    try:
+        async with trio.open_nursery() as nursery:
+            steady, doomed = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                               FakeVLLM(role="prefill_decode"))
+            async with replicas(redis, 2, decode_urls=(), instance_ttl=ttl, health_threshold=1,
+                                state_timeout=0.5) as fleet:
+                for fake in (steady, doomed):
+                    r = await client.post(fleet[0][0] + "/instances", headers=ADMIN,
+                                          json={"role": "prefill_decode", "url": fake.url})
+                    assert r.status_code == 200, r.text
+                both = sorted([steady.url, doomed.url])
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: sorted(decode_urls(roster)) == both)
+                    await wait_for(proxy, lambda _, p=proxy: live(p, steady.url) and
+                                   live(p, doomed.url))
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    doomed.behaviour.healthy = False  # out of rotation, and silent
+                    for _, proxy in fleet:
+                        await wait_for(proxy, lambda _, p=proxy: not live(p, doomed.url))
+                    await trio.sleep(3 * ttl)  # what is tested is the passage of time
+                    for url, proxy in fleet:
+                        assert sorted(decode_urls(proxy.roster)) == both
+                        listing = (await client.get(url + "/instances", headers=ADMIN)).json()
+                        assert sorted(e["url"] for e in
+                                      listing["instances"]["prefill_decode"]) == both
+                        before = len(steady.requests(CHAT))
+                        for _ in range(3):
+                            r = await client.post(url + CHAT, json=chat_body(text="outage"))
+                            assert r.status_code == 200, r.text
+                        assert len(steady.requests(CHAT)) == before + 3
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                # Back: the entries the store lost during the outage are written back, and the
+                # TTL rules apply again. Nobody routes to the silent one: it goes.
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: decode_urls(roster) == [steady.url],
+                                   within=3 * ttl + CONVERGE)
+                keys = fleet[0][1].state.keys
+                assert redis.command("EXISTS", keys.instance(steady.url)) == "1"
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_no_moriio_instance_expires_while_the_store_is_unreachable_for_longer_than_its_ttl(
+    client: httpx.AsyncClient,
+) -> None:
+    """The same for MoRIIO heartbeats: the decode instance stops beating during an outage of
+    three TTLs, and both replicas still list and route it; once Redis is back it goes after
+    one TTL, while the prefill instance, which kept beating, stays."""
+    redis = RedisServer().start()
+    ttl = 1.0
+    try:
+        fabric = TransferFabric()
+        prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
+        for n, fake in enumerate((prefill, decode)):
+            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6700 + n, 63300 + n), "READ",
+                                     fabric=fabric)
+        async with trio.open_nursery() as nursery:
+            await start_fakes(nursery, prefill, decode)
+            async with replicas(redis, 2, decode_urls=(), kv_connector="moriio",
+                                moriio_registration="127.0.0.1:0", moriio_ttl=ttl,
+                                state_timeout=0.5) as fleet, \
+                    trio.open_nursery() as beating:
+                heard = fleet[0][1].moriio_endpoint
+                assert heard is not None
+                beats = {}
+                for role, fake in (("P", prefill), ("D", decode)):
+                    assert fake.moriio is not None
+                    beats[role] = MoriioStandIn(heard, role,  # type: ignore[arg-type]
+                                                fake.url.removeprefix("http://"),
+                                                fake.moriio.zmq_address, interval=0.2)
+                decode_beats = trio.CancelScope()
+
+                async def beat_decode(task_status: trio.TaskStatus[None]) -> None:
+                    with decode_beats:
+                        await beats["D"].run(task_status=task_status)
+
+                await beating.start(beats["P"].run)
+                await beating.start(beat_decode)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: roster.find(decode.url) is not None
+                                   and roster.find(prefill.url) is not None)
+                    await wait_for(proxy, lambda _, p=proxy: p.ready())
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    decode_beats.cancel()  # it never beats again
+                    await trio.sleep(3 * ttl)  # what is tested is the passage of time
+                    for url, proxy in fleet:
+                        assert proxy.roster.find(decode.url) is not None
+                        listing = (await client.get(url + "/instances", headers=ADMIN)).json()
+                        assert [e["url"] for e in listing["instances"]["decode"]] == [decode.url]
+                        r = await client.post(url + CHAT, json=chat_body(text="moriio outage"))
+                        assert r.status_code == 200, r.text
+                    assert len(decode.requests(CHAT)) == 2
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: roster.find(decode.url) is None,
+                                   within=3 * ttl + CONVERGE)
+                    assert proxy.roster.find(prefill.url) is not None
+                beating.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_a_registration_taken_after_the_link_was_lost_is_written_on_reconnect(
+    client: httpx.AsyncClient,
+) -> None:
+    """Lost while serving (not at start): a registration at one replica meanwhile is kept and
+    routed there at once, and reaches the other replica through Redis once the link is back."""
+    redis = RedisServer().start()
+    try:
+        async with trio.open_nursery() as nursery:
+            first, late = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                            FakeVLLM(role="prefill_decode"))
+            async with replicas(redis, 2, decode_urls=(), state_timeout=0.5) as fleet:
+                (url0, proxy0), (url1, proxy1) = fleet
+                r = await client.post(url0 + "/instances", headers=ADMIN,
+                                      json={"role": "prefill_decode", "url": first.url})
+                assert r.status_code == 200
+                await wait_for(proxy1, lambda roster: decode_urls(roster) == [first.url])
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    r = await client.post(url0 + "/instances", headers=ADMIN,
+                                          json={"role": "prefill_decode", "url": late.url})
+                    assert r.status_code == 200, r.text
+                    await wait_for(proxy0, lambda _: live(proxy0, late.url))
+                    for _ in range(4):  # routed at once by the replica that took it
+                        r = await client.post(url0 + CHAT, json=chat_body(text="late"))
+                        assert r.status_code == 200, r.text
+                    assert len(late.requests(CHAT)) == 2
+                    assert decode_urls(proxy1.roster) == [first.url]  # cut off: not yet
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                expected = sorted([first.url, late.url])
+                await wait_for(proxy1, lambda roster: sorted(decode_urls(roster)) == expected)
+                keys = proxy0.state.keys
+                assert sorted(redis.command("SMEMBERS", keys.index).split()) == expected
+                await wait_for(proxy1, lambda _: live(proxy1, late.url))
+                for _ in range(4):
+                    r = await client.post(url1 + CHAT, json=chat_body(text="late"))
+                    assert r.status_code == 200, r.text
+                assert len(late.requests(CHAT)) == 4
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()

@@ -7,6 +7,7 @@ too. No persistence, so a restart comes back empty, as a Redis without persisten
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -26,7 +27,8 @@ class RedisServer:
 
     ``start`` returns once the server logs that it accepts connections (no polling), ``kill``
     stops it at once (SIGKILL: what a crash looks like), and ``start`` again brings it back
-    empty on the same port, as a restarted Redis without persistence comes back.
+    empty on the same port, as a restarted Redis without persistence comes back. ``pause``
+    and ``resume`` freeze and thaw it (SIGSTOP, SIGCONT): unreachable, its data kept.
     """
 
     def __init__(self, port: int | None = None, *, binary: str | None = None,
@@ -91,6 +93,17 @@ class RedisServer:
             if self.process.stdout is not None:
                 self.process.stdout.close()
             self.process = None
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and every command waits, as
+        with a server that hangs or a network that drops packets. ``resume`` thaws it with
+        its data."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
 
     def command(self, *args: str) -> str:
         """One command through ``redis-cli`` (it comes with the server's package)."""
