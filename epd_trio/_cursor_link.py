@@ -97,8 +97,10 @@ class CursorLink:
         self._broken: BaseException | None = None
 
     @classmethod
-    async def open(cls, url: StateURL) -> CursorLink:
-        """Connect, authenticate and select the database (the caller bounds the time)."""
+    async def open(cls, url: StateURL, tls: ssl.SSLContext | None = None) -> CursorLink:
+        """Connect, authenticate and select the database (the caller bounds the time).
+        ``tls``: the context of a ``rediss://`` URL (``_state_tls``; Python's default
+        context when not given)."""
         if url.scheme == "unix":
             assert url.path is not None
             stream: trio.abc.Stream = await trio.open_unix_socket(url.path)
@@ -106,10 +108,12 @@ class CursorLink:
             assert url.host is not None and url.port is not None
             stream = await trio.open_tcp_stream(url.host, url.port)
             if url.tls:
-                stream = trio.SSLStream(stream, ssl.create_default_context(),
+                stream = trio.SSLStream(stream, tls or ssl.create_default_context(),
                                         server_hostname=url.host)
         link = cls(stream)
         try:
+            if isinstance(stream, trio.SSLStream):
+                await stream.do_handshake()  # a certificate refused fails the connect, not a take
             hello = []
             if url.password is not None:
                 user = [url.username.encode()] if url.username else []

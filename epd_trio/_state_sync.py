@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import secrets
+import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -64,6 +65,7 @@ from ._cursor_link import CommandRefused, CursorLink, LinkBroken
 from ._loads import Loads
 from ._metrics import ProxyMetrics
 from ._replicated_roster import Pending, ReplicatedRoster
+from ._state_tls import tls_context
 
 log = logging.getLogger("epd_trio")
 
@@ -148,14 +150,18 @@ return {clash, out, wrong}
 """
 
 
-def redis_client(url: StateURL, timeout: float, name: str) -> coredis.Redis[bytes]:
+def redis_client(url: StateURL, timeout: float, name: str,
+                 tls: ssl.SSLContext | None = None) -> coredis.Redis[bytes]:
     """A client for ``url``; no retries of its own (the link reconnects, the cursor falls
-    back), every call bounded by ``timeout``."""
+    back), every call bounded by ``timeout``. ``tls``: the context of a ``rediss://`` URL
+    (``_state_tls``; built here when not given)."""
     common: dict[str, Any] = {"db": url.db, "username": url.username, "password": url.password,
                               "stream_timeout": timeout, "connect_timeout": timeout,
                               "retry_policy": NoRetryPolicy(), "client_name": name}
     if url.scheme == "unix":
         return coredis.Redis(host=None, port=None, unix_socket_path=url.path, **common)
+    if url.tls:
+        common["ssl_context"] = tls or tls_context(url)
     return coredis.Redis(host=url.host, port=url.port, ssl=url.tls, **common)
 
 
@@ -169,6 +175,8 @@ class StateLink:
     ) -> None:
         assert settings.state_url is not None
         self._url = settings.state_url
+        #: One TLS context for both connections (``rediss://``; a bad file is a ConfigError).
+        self._tls = tls_context(settings.state_url)
         self._settings = settings
         self._store = store
         self._loads = loads
@@ -249,7 +257,7 @@ class StateLink:
             sessions = self._sessions
             try:
                 async with redis_client(self._url, self._settings.state_timeout,
-                                        f"epd-trio:{self.replica_id}") as redis:
+                                        f"epd-trio:{self.replica_id}", self._tls) as redis:
                     await self._session(redis)
             except BaseException as exc:  # any failure of the link ends the session
                 self._lost(_unless_cancelled(exc))
@@ -272,7 +280,7 @@ class StateLink:
                 # A connection of its own, and a lean one (``_cursor_link``): a burst of
                 # requests must not queue behind the link's own calls, nor the reverse.
                 with trio.fail_after(self._settings.state_timeout):
-                    cursor = await CursorLink.open(self._url)
+                    cursor = await CursorLink.open(self._url, self._tls)
                 await nursery.start(cursor.run)
             self.roster_loaded.set()
             self._redis, self._cursor, self.problem = redis, cursor, None
@@ -296,7 +304,7 @@ class StateLink:
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
         self._changed()
-        self.problem = f"{type(_leaf(exc)).__name__}: {_leaf(exc)}"
+        self.problem = _described(exc)
         if was_up or self.problem != self._last_logged:
             log.warning("shared state %s unreachable (%s); routing on the last view and "
                         "retrying", self._url.redacted(), self.problem)
@@ -537,6 +545,17 @@ def _unless_cancelled(exc: BaseException) -> Exception:
     if not isinstance(exc, Exception):
         raise exc
     return exc
+
+
+def _described(exc: BaseException) -> str:
+    """What failed, in one line: the first leaf, and what it was raised from (coredis wraps a
+    refused certificate or a refused connection in its own ``ConnectionError``)."""
+    leaf = _leaf(exc)
+    text = f"{type(leaf).__name__}: {leaf}"
+    if leaf.__cause__ is not None:
+        cause = _leaf(leaf.__cause__)
+        text += f" ({type(cause).__name__}: {cause})"
+    return text
 
 
 def _leaf(exc: BaseException) -> BaseException:

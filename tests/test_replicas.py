@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import coredis
@@ -28,7 +29,7 @@ from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, m
 from epd_trio.testing.registrar import run_registrar
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
-from real_servers import RedisServer
+from real_servers import RedisServer, tls_redis_server
 
 ADMIN = {"x-api-key": "admin-secret"}
 #: Seconds a change may take to reach every replica (the issue's p99 target is 1 s).
@@ -697,5 +698,54 @@ async def test_a_registration_taken_after_the_link_was_lost_is_written_on_reconn
                     assert r.status_code == 200, r.text
                 assert len(late.requests(CHAT)) == 4
             nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_cursor(
+    client: httpx.AsyncClient, tmp_path: Path,
+) -> None:
+    """``rediss://...?ssl_ca_certs=`` to a redis-server that speaks TLS only, its certificate
+    signed by a CA made for the test: the coredis link (roster, announcements, loads) and the
+    global cursor's own lean link both verify it and work; without the CA the system's
+    authorities refuse the server, and the link says why."""
+    redis = tls_redis_server(tmp_path)
+    try:
+        assert redis.url.startswith("rediss://")
+        async with trio.open_nursery() as nursery:
+            static, registered = await start_fakes(nursery, FakeVLLM(role="decode"),
+                                                   FakeVLLM(role="decode"))
+            async with replicas(redis, 2, global_cursor=True, global_cursor_timeout=5.0,
+                                decode_urls=(Instance(static.url),)) as fleet:
+                (url0, proxy0), (_, proxy1) = fleet
+                r = await client.post(url0 + "/instances", headers=ADMIN,
+                                      json={"role": "decode", "url": registered.url})
+                assert r.status_code == 200, r.text
+                await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
+                for url, proxy in fleet:
+                    await wait_for(proxy, lambda _, p=proxy: live(p, registered.url))
+                    for _ in range(3):
+                        r = await client.post(url + CHAT, json=chat_body(text="tls"))
+                        assert r.status_code == 200, r.text
+                    assert proxy.state is not None
+                    assert proxy.state.describe()["backend"].startswith("rediss://")
+                    assert metric(proxy, "epd_trio_global_cursor_fallbacks_total",
+                                  stage="decode") == 0
+                    with trio.fail_after(CONVERGE):  # the load exchange runs over TLS too
+                        await proxy.state.next_load_read()
+                # Six decisions, each one increment of the shared cursor: an exact split.
+                keys = proxy0.state.keys
+                assert redis.command("GET", keys.cursor("decode")) == "6"
+                assert [len(f.requests(CHAT)) for f in (static, registered)] == [3, 3]
+            nursery.cancel_scope.cancel()
+        # The same server without the private CA: refused by the system's authorities.
+        untrusted = Settings(state_url=f"rediss://127.0.0.1:{redis.port}/0", state_prefix="tls:",
+                             decode_urls=(Instance("http://127.0.0.1:9"),))
+        async with serve_proxy(untrusted) as (_, proxy):
+            assert proxy.state is not None
+            with trio.fail_after(CONVERGE):
+                while proxy.state.problem in (None, "not connected yet"):
+                    await proxy.state.next_change()
+            assert not proxy.state.up and "CERTIFICATE_VERIFY_FAILED" in proxy.state.problem
     finally:
         redis.kill()

@@ -12,7 +12,17 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files of a TLS server: its certificate, its key, and the CA that signed it."""
+
+    cert: str
+    key: str
+    ca: str
 
 
 def free_port() -> int:
@@ -32,11 +42,14 @@ class RedisServer:
     """
 
     def __init__(self, port: int | None = None, *, binary: str | None = None,
-                 password: str | None = None, unix_socket: str | None = None) -> None:
+                 password: str | None = None, unix_socket: str | None = None,
+                 tls: TLSFiles | None = None) -> None:
         """``password``: clients must authenticate (``--requirepass``); ``unix_socket``: it
-        also listens on that socket path (``unix_url``)."""
+        also listens on that socket path (``unix_url``); ``tls``: it speaks TLS only, on
+        ``port`` (``url`` is then ``rediss://``, trusting ``tls.ca``)."""
         self.password = password
         self.unix_socket = unix_socket
+        self.tls = tls
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
@@ -47,6 +60,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -57,8 +72,13 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         assert self.process is None
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                     self.tls.cert, "--tls-key-file", self.tls.key, "--tls-ca-cert-file",
+                     self.tls.ca, "--tls-auth-clients", "no"]
         process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, *ports, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--logfile", "",
              "--loglevel", "notice",
              *(["--requirepass", self.password] if self.password else []),
@@ -110,6 +130,8 @@ class RedisServer:
         cli = shutil.which("redis-cli")
         assert cli is not None, "redis-cli comes with redis-server"
         auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        if self.tls is not None:
+            auth += ["--tls", "--cacert", self.tls.ca]
         result = subprocess.run([cli, "-p", str(self.port), *auth, *args], capture_output=True,
                                 text=True, check=True, timeout=10)
         return result.stdout.strip()
