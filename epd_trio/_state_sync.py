@@ -37,7 +37,6 @@ import logging
 import random
 import secrets
 import ssl
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -57,6 +56,7 @@ from ._core.shared_state import (
     decode_record,
     encode_announcement,
     encode_record,
+    load_expiry,
     load_fields,
     sum_loads,
 )
@@ -71,8 +71,6 @@ log = logging.getLogger("epd_trio")
 
 #: Reconnect backoff: first wait, cap (seconds); each wait is jittered by up to +-25 %.
 BACKOFF_FIRST, BACKOFF_CAP = 0.1, 5.0
-#: A replica's counts expire this many load intervals after its last publication.
-LOAD_EXPIRY_INTERVALS = 12
 #: Malformed entries remembered (each is counted once, not at every read).
 MALFORMED_MEMORY = 1024
 #: What a malformed entry is remembered by when it is a key of the wrong type.
@@ -115,18 +113,22 @@ return wrong
 #: other live replica's counts, after a flag: 1 when another process wrote this replica's
 #: owner key since the last round (two processes under one replica id); then the keys skipped
 #: because they hold another type (the replicas' set, another replica's hash: written by
-#: hand). KEYS: this replica's hash, the replicas' set, this replica's owner key. ARGV: replica
-#: id, now (ms), expiry (ms), the load-hash prefix, this process's token, then field, value...
+#: hand). The sorted set is scored on Redis's own clock (TIME), so replicas whose clocks
+#: disagree still agree on who is live. KEYS: this replica's hash, the replicas' set, this
+#: replica's owner key. ARGV: replica id, expiry (ms), the load-hash prefix, this process's
+#: token, then field, value...
 _LOAD_EXCHANGE = """
+local time = redis.call('time')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local expiry = tonumber(ARGV[2])
 local owner = redis.pcall('get', KEYS[3])
 if type(owner) == 'table' then owner = false end
-redis.call('set', KEYS[3], ARGV[5], 'PX', ARGV[3])
+redis.call('set', KEYS[3], ARGV[4], 'PX', expiry)
 redis.call('del', KEYS[1])
-if #ARGV > 5 then
-  redis.call('hset', KEYS[1], unpack(ARGV, 6))
-  redis.call('pexpire', KEYS[1], ARGV[3])
+if #ARGV > 4 then
+  redis.call('hset', KEYS[1], unpack(ARGV, 5))
+  redis.call('pexpire', KEYS[1], expiry)
 end
-local now, expiry = tonumber(ARGV[2]), tonumber(ARGV[3])
 local out, wrong = {}, {}
 local listed = redis.pcall('zadd', KEYS[2], now, ARGV[1])
 if type(listed) == 'table' and listed.err then
@@ -135,9 +137,9 @@ else
   redis.call('zremrangebyscore', KEYS[2], '-inf', now - 10 * expiry)
   for _, other in ipairs(redis.call('zrangebyscore', KEYS[2], now - expiry, '+inf')) do
     if other ~= ARGV[1] then
-      local fields = redis.pcall('hgetall', ARGV[4] .. other)
+      local fields = redis.pcall('hgetall', ARGV[3] .. other)
       if fields.err then
-        wrong[#wrong + 1] = ARGV[4] .. other
+        wrong[#wrong + 1] = ARGV[3] .. other
       else
         out[#out + 1] = fields
       end
@@ -145,7 +147,7 @@ else
   end
 end
 local clash = 0
-if owner and owner ~= ARGV[5] then clash = 1 end
+if owner and owner ~= ARGV[4] then clash = 1 end
 return {clash, out, wrong}
 """
 
@@ -171,7 +173,6 @@ class StateLink:
     def __init__(
         self, settings: Settings, store: ReplicatedRoster, loads: Loads, metrics: ProxyMetrics,
         *, replica_id: str, live: Callable[[Member], bool],
-        wall: Callable[[], float] = time.time,
     ) -> None:
         assert settings.state_url is not None
         self._url = settings.state_url
@@ -182,7 +183,6 @@ class StateLink:
         self._loads = loads
         self._metrics = metrics
         self._live = live
-        self._wall = wall
         self.replica_id = replica_id
         #: This process's mark on its replica id's owner key: another mark there means another
         #: live process uses the same id (``duplicate_id``).
@@ -484,13 +484,12 @@ class StateLink:
     # -- the load signal --------------------------------------------------------------------------
     async def _load_loop(self, redis: coredis.Redis[bytes]) -> None:
         interval = self._settings.state_load_interval
-        expiry_ms = max(1, int(interval * LOAD_EXPIRY_INTERVALS * 1000))
+        expiry_ms = max(1, int(load_expiry(interval) * 1000))
         keys = [self.keys.load(self.replica_id), self.keys.replicas,
                 self.keys.owner(self.replica_id)]
-        head = [self.replica_id, 0, expiry_ms, self.keys.load(""), self._token]
+        head = [self.replica_id, expiry_ms, self.keys.load(""), self._token]
         clashes = 0
         while True:
-            head[1] = int(self._wall() * 1000)
             fields = load_fields(self._loads.table.snapshot())
             args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):

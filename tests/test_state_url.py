@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from epd_trio import ConfigError, settings_from
-from epd_trio._environment import load_settings
 from epd_trio._core.state_url import StateURL, parse_state_url
+from epd_trio._environment import load_settings
 
 GOOD = [
     ("redis://localhost", StateURL("redis", host="localhost", port=6379)),

@@ -270,6 +270,23 @@ def to_local_time(wall: float, now_wall: float, now_local: float) -> float:
 
 
 # -- loads ------------------------------------------------------------------------------------------
+#: A dead replica's counts stop counting within this many seconds (issue 19's promise).
+DEAD_REPLICA_LIMIT = 5.0
+#: A replica's counts expire this many load intervals after its last publication, or at
+#: ``DEAD_REPLICA_LIMIT``, whichever comes first.
+LOAD_EXPIRY_INTERVALS = 12
+#: The longest load interval (``EPD_STATE_LOAD_INTERVAL``): at it, the capped expiry still
+#: outlives five publications, so one late or lost publication never blanks a live replica.
+MAX_LOAD_INTERVAL = 1.0
+
+
+def load_expiry(interval: float) -> float:
+    """Seconds a replica's published counts live after its last publication every
+    ``interval`` seconds: many intervals (a replica whose loop lags a little keeps counting),
+    never more than ``DEAD_REPLICA_LIMIT`` (a dead one stops counting by then)."""
+    return min(LOAD_EXPIRY_INTERVALS * interval, DEAD_REPLICA_LIMIT)
+
+
 def load_field(stage: str, key: SlotKey) -> str:
     url, rank = key
     return f"{stage}{_SEP}{url}{_SEP}{'' if rank is None else rank}"
