@@ -29,9 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import kubernetes.client
 import pytest
 import trio
 import trio.testing
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 import epd_trio
@@ -406,6 +408,64 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 
 # -- links and commands --------------------------------------------------------------------------
+
+# -- Kubernetes objects in the docs -------------------------------------------------------------------
+
+#: The API groups (version v1) whose objects the client's models describe.
+BUILT_IN_API_VERSIONS = {"v1", "apps/v1", "batch/v1", "policy/v1", "networking.k8s.io/v1",
+                         "rbac.authorization.k8s.io/v1"}
+
+
+def kubernetes_objects() -> list[tuple[str, dict[str, Any]]]:
+    """Every object (a YAML document with ``apiVersion`` and ``kind``) of every ``yaml`` block,
+    with where it is; every YAML block must parse."""
+    found = []
+    for page in PAGES:
+        for block in fenced_blocks(page):
+            if block.language != "yaml":
+                continue
+            where = f"{rel(page)}:{block.line}"
+            try:
+                documents = list(yaml.safe_load_all(block.code))
+            except yaml.YAMLError as exc:
+                pytest.fail(f"{where}: not YAML: {exc}")
+            found += [(where, doc) for doc in documents
+                      if isinstance(doc, dict) and "apiVersion" in doc and "kind" in doc]
+    return found
+
+
+def test_every_kubernetes_object_in_the_docs_is_what_the_api_accepts() -> None:
+    """Read with the official client's models, and written back the same: a misspelt or
+    misplaced field (which the models drop) or a missing required one (which they refuse)
+    fails, naming the page and the line of its block."""
+    api = kubernetes.client.ApiClient()
+    # Custom resources (the Prometheus operator's PrometheusRule) have no model here.
+    objects = [(where, obj) for where, obj in kubernetes_objects()
+               if obj["apiVersion"] in BUILT_IN_API_VERSIONS]
+    assert len(objects) >= 10, [where for where, _ in objects]
+    for where, obj in objects:
+        model = "V1" + obj["kind"]
+        assert hasattr(kubernetes.client, model), f"{where}: no model {model}"
+        try:
+            parsed = api._ApiClient__deserialize(obj, model)  # the models' own reader
+        except ValueError as exc:
+            pytest.fail(f"{where}: {obj['kind']} {obj['metadata']['name']}: {exc}")
+        assert api.sanitize_for_serialization(parsed) == obj, (
+            f"{where}: {obj['kind']} {obj['metadata']['name']} has fields the API does not know")
+
+
+def test_the_replicas_example_registers_through_a_service_that_publishes_pods_not_ready() -> None:
+    """The cold start: no pod is Ready before an instance registers, so registrations go
+    through a Service that lists every pod, and the clients through one that does not."""
+    services = {obj["metadata"]["name"]: obj["spec"] for where, obj in kubernetes_objects()
+                if where.startswith("docs/how-to/replicas.md") and obj["kind"] == "Service"}
+    assert services["epd-proxy-register"].get("publishNotReadyAddresses") is True
+    assert not services["epd-proxy"].get("publishNotReadyAddresses")
+    sidecar = next(c for where, obj in kubernetes_objects()
+                   if where.startswith("docs/how-to/replicas.md") and obj["kind"] == "Deployment"
+                   for c in obj["spec"]["template"]["spec"]["containers"] if c["name"] == "register")
+    assert "epd-proxy-register" in sidecar["args"][0] and "X-API-Key" in sidecar["args"][0]
+
 
 def test_every_relative_link_resolves() -> None:
     broken = []
