@@ -11,10 +11,12 @@ How: callers append their command to an output buffer and their reply slot to a 
 one synchronous step, then wait for the slot. One writer task sends whatever has accumulated
 in one ``send_all`` (so a burst of requests is pipelined into few writes), one reader task
 parses replies in order and fills the slots. A caller that gives up (its timeout, or its
-request cancelled) leaves its slot behind; the reply still comes and is dropped. Any protocol
-surprise, error reply or end of stream breaks the link: the reader raises, the owner (``
-_state_sync.StateLink``) reconnects, and the callers waiting get ``LinkBroken`` (the cursor
-then falls back, counted).
+request cancelled) leaves its slot behind; the reply still comes and is dropped. An error
+reply is that command's answer (the stream stays aligned): its caller gets ``CommandRefused``
+(a counter key holding something else than a number, written by hand: the owner counts it
+and the cursor falls back), and the link goes on. Any protocol surprise or end of stream
+breaks the link: the reader raises, the owner (``_state_sync.StateLink``) reconnects, and
+the callers waiting get ``LinkBroken`` (the cursor then falls back, counted).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class LinkBroken(Exception):
     """The connection is gone or spoke something other than integer replies."""
 
 
+class CommandRefused(Exception):
+    """Redis answered one command with an error (``WRONGTYPE``, ``ERR value is not an
+    integer``): that command failed, the link did not."""
+
+
 def command(*parts: bytes) -> bytes:
     """One RESP command (an array of bulk strings)."""
     out = [b"*%d\r\n" % len(parts)]
@@ -42,10 +49,14 @@ def command(*parts: bytes) -> bytes:
     return b"".join(out)
 
 
-def parse_replies(buffer: bytearray) -> list[int | bytes]:
-    """Take every complete simple reply off the front of ``buffer``: integers (``:n``) and
-    status lines (``+OK``, as bytes). An error reply or any other type is ``LinkBroken``."""
-    replies: list[int | bytes] = []
+Reply = int | bytes | CommandRefused
+
+
+def parse_replies(buffer: bytearray) -> list[Reply]:
+    """Take every complete simple reply off the front of ``buffer``: integers (``:n``), status
+    lines (``+OK``, as bytes) and error lines (``-ERR ...``, as ``CommandRefused``). Any other
+    type is ``LinkBroken``."""
+    replies: list[Reply] = []
     while True:
         end = buffer.find(b"\r\n")
         if end < 0:
@@ -61,7 +72,7 @@ def parse_replies(buffer: bytearray) -> list[int | bytes]:
         elif kind == b"+":
             replies.append(rest)
         elif kind == b"-":
-            raise LinkBroken(f"Redis answered {rest[:200].decode(errors='replace')}")
+            replies.append(CommandRefused(f"Redis answered {rest[:200].decode(errors='replace')}"))
         else:
             raise LinkBroken(f"unexpected reply {line[:64]!r}")
 
@@ -71,7 +82,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.done = trio.Event()
-        self.value: int | bytes | None = None
+        self.value: Reply | None = None
         self.error: BaseException | None = None
 
 
@@ -86,8 +97,10 @@ class CursorLink:
         self._broken: BaseException | None = None
 
     @classmethod
-    async def open(cls, url: StateURL) -> CursorLink:
-        """Connect, authenticate and select the database (the caller bounds the time)."""
+    async def open(cls, url: StateURL, tls: ssl.SSLContext | None = None) -> CursorLink:
+        """Connect, authenticate and select the database (the caller bounds the time).
+        ``tls``: the context of a ``rediss://`` URL (``_state_tls``; Python's default
+        context when not given)."""
         if url.scheme == "unix":
             assert url.path is not None
             stream: trio.abc.Stream = await trio.open_unix_socket(url.path)
@@ -95,10 +108,12 @@ class CursorLink:
             assert url.host is not None and url.port is not None
             stream = await trio.open_tcp_stream(url.host, url.port)
             if url.tls:
-                stream = trio.SSLStream(stream, ssl.create_default_context(),
+                stream = trio.SSLStream(stream, tls or ssl.create_default_context(),
                                         server_hostname=url.host)
         link = cls(stream)
         try:
+            if isinstance(stream, trio.SSLStream):
+                await stream.do_handshake()  # a certificate refused fails the connect, not a take
             hello = []
             if url.password is not None:
                 user = [url.username.encode()] if url.username else []
@@ -113,19 +128,24 @@ class CursorLink:
             raise
         return link
 
-    async def _read_exactly(self, count: int) -> list[int | bytes]:
+    async def _read_exactly(self, count: int) -> list[Reply]:
+        """The replies to the greeting (``AUTH``, ``SELECT``): any error breaks the link."""
         buffer = bytearray()
-        replies: list[int | bytes] = []
+        replies: list[Reply] = []
         while len(replies) < count:
             data = await self._stream.receive_some(READ_SIZE)
             if not data:
                 raise LinkBroken("Redis closed the connection")
             buffer += data
             replies += parse_replies(buffer)
+        for reply in replies:
+            if isinstance(reply, CommandRefused):
+                raise LinkBroken(str(reply))
         return replies
 
     async def incrby(self, key: bytes, n: int) -> int:
-        """``INCRBY key n``: the new value. ``LinkBroken`` when the link is gone."""
+        """``INCRBY key n``: the new value. ``LinkBroken`` when the link is gone,
+        ``CommandRefused`` when Redis refused this increment (the key is not a number)."""
         if self._broken is not None:
             raise LinkBroken(str(self._broken))
         slot = _Slot()
@@ -135,6 +155,8 @@ class CursorLink:
         await slot.done.wait()
         if slot.error is not None:
             raise LinkBroken(str(slot.error))
+        if isinstance(slot.value, CommandRefused):
+            raise CommandRefused(str(slot.value))
         if not isinstance(slot.value, int):
             raise LinkBroken(f"INCRBY answered {slot.value!r}")
         return slot.value

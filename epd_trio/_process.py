@@ -8,10 +8,20 @@ so a service embedding the app keeps its own logging and collector settings.
 from __future__ import annotations
 
 import gc
+import os
 import resource
+import socket
 
 from ._core.config import Settings
 from ._logs import configure_logging
+
+
+def default_replica_id() -> str:
+    """This process's name in a shared state store when ``EPD_REPLICA_ID`` is unset: the host
+    name and the process id, unique per process and readable in ``GET /instances``. (The
+    workers of ``epd-trio serve --workers N`` get this name of their parent, each with its
+    worker suffix: ``_core.shared_state.worker_replica_id``.)"""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def tune_gc(threshold: int) -> None:

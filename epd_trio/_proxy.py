@@ -56,6 +56,7 @@ from ._metrics import ProxyMetrics
 from ._moriio_listener import RegistrationListener
 from ._pipeline import Pipeline, Reply, Routes
 from ._prober import health_check, run_prober
+from ._process import default_replica_id
 from ._profile import ProfileReport, run_profile
 from ._replicated_roster import ReplicatedRoster
 from ._roster_store import RosterStore, SharedRoutingState, routing_state
@@ -124,7 +125,7 @@ class Proxy:
         self.state: StateLink | None = None
         if replicated:
             # Imported only here: without a state store, no Redis client is even loaded.
-            from ._state_sync import StateLink, default_replica_id, live_member
+            from ._state_sync import StateLink, live_member
             self.state = StateLink(settings, self._replicated, self.loads, self.metrics,
                                    replica_id=settings.replica_id or default_replica_id(),
                                    live=live_member(self.registry))

@@ -188,6 +188,12 @@ class ReplicatedRoster:
         self.loaded = True
         self._install(self._values())
 
+    def keep_view(self) -> None:
+        """The store's roster could not be read whole (its index is not a set: written by
+        hand): keep the view as it is, changes announced by the others still apply, and count
+        it as loaded, so that the replica is ready on what it can read."""
+        self.loaded = True
+
     def _joined(self, record: Record) -> Record:
         """``record`` with what another registration path told this replica about the same
         instance: an HTTP registration carries no MoRIIO peer, a MoRIIO heartbeat no encoder-

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -39,8 +39,9 @@ from prometheus_client.multiprocess import mark_process_dead
 
 from ._app import create_app
 from ._core.config import Settings
+from ._core.shared_state import worker_replica_id
 from ._metrics import MULTIPROC_ENV
-from ._process import setup_serving_process
+from ._process import default_replica_id, setup_serving_process
 from ._roster_store import SharedRoutingState
 from ._server import worker_serve  # Hypercorn's worker, our connection class (see _server)
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
@@ -233,8 +234,10 @@ def _run_workers(
             mark_process_dead(process.pid, metrics_dir)
 
     # With a shared state store each worker is a replica of its own there, and the store, not
-    # this memory, carries the roster, the loads and (opt-in) the cursor.
+    # this memory, carries the roster, the loads and (opt-in) the cursor. Each replica needs
+    # its own id: worker k of "base" is "base-w<k>" (``worker_replica_id``).
     shared = None if settings.state_url is not None else SharedRoutingState(ctx)
+    base_id = settings.replica_id or default_replica_id()
     signalled: list[int] = []
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -245,9 +248,11 @@ def _run_workers(
     processes, lifelines = [], []
     for index in range(options.workers):
         read_end, write_end = ctx.Pipe(duplex=False)
+        own = settings if shared is not None else replace(
+            settings, replica_id=worker_replica_id(base_id, index))
         process = ctx.Process(
             target=_worker_main,
-            kwargs={"settings": settings, "shared": shared, "config": config,
+            kwargs={"settings": own, "shared": shared, "config": config,
                     "sockets": sockets, "lifeline": read_end, "index": index},
             name=f"epd-trio-worker-{index}",
         )

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import pytest
+import trustme
 
 from epd_trio.testing import redis_server as testing_redis
 
@@ -24,16 +26,20 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+def missing(message: str) -> NoReturn:
+    """Skip the calling test locally, fail it in CI (see the module docstring)."""
+    if in_ci():
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def require_binary(name: str) -> str:
     """The path of ``name``; skips the calling test locally when it is missing, fails in CI."""
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if path is not None:
         return path
-    message = (f"{name} is not installed (apt-get install {PACKAGE_OF.get(name, name)}); "
-               ".ci/run installs it")
-    if in_ci():
-        pytest.fail(message)
-    pytest.skip(message)
+    missing(f"{name} is not installed (apt-get install {PACKAGE_OF.get(name, name)}); "
+            ".ci/run installs it")
 
 
 class RedisServer(testing_redis.RedisServer):
@@ -41,3 +47,26 @@ class RedisServer(testing_redis.RedisServer):
 
     def __init__(self, port: int | None = None, **options: Any) -> None:
         super().__init__(port, binary=require_binary("redis-server"), **options)
+
+
+def tls_redis_server(directory: Path, binary: str | None = None,
+                     **options: Any) -> testing_redis.RedisServer:
+    """A started ``redis-server`` that speaks TLS only, with a certificate for 127.0.0.1 and
+    localhost signed by a private CA made here (``trustme``); its ``url`` is ``rediss://``
+    with ``ssl_ca_certs`` naming that CA. A build of redis-server without TLS is a missing
+    server (skipped locally, a failure in CI)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    files = testing_redis.TLSFiles(cert=str(directory / "redis.crt"),
+                                   key=str(directory / "redis.key"), ca=str(directory / "ca.crt"))
+    cert.cert_chain_pems[0].write_to_path(files.cert)
+    cert.private_key_pem.write_to_path(files.key)
+    ca.cert_pem.write_to_path(files.ca)
+    server = testing_redis.RedisServer(binary=binary or require_binary("redis-server"),
+                                       tls=files, **options)
+    try:
+        return server.start()
+    except RuntimeError as exc:
+        if "tls-port" in str(exc) and "Bad directive" in str(exc):
+            missing("redis-server was built without TLS (--tls-port); Debian's package has it")
+        raise

@@ -171,3 +171,16 @@ def test_the_admission_timeout_may_be_zero(raw: object, expected: float) -> None
 def test_a_bad_admission_timeout_is_refused(raw: object) -> None:
     with pytest.raises(ConfigError):
         settings_from({"EPD_DECODE_URLS": "http://d:1"}, {"admission_timeout": raw})
+
+
+@pytest.mark.parametrize(("raw", "accepted"), [("0.05", True), ("0.25", True), ("1", True),
+                                               ("1.5", False), ("60", False)])
+def test_a_load_interval_that_would_break_the_5_s_promise_is_refused_naming_it(
+    raw: str, accepted: bool,
+) -> None:
+    env = {"EPD_STATE_URL": "redis://r", "EPD_STATE_LOAD_INTERVAL": raw}
+    if accepted:
+        assert settings_from(env).state_load_interval == float(raw)
+        return
+    with pytest.raises(ConfigError, match=r"^EPD_STATE_LOAD_INTERVAL: at most 1 s: .*within 5 s"):
+        settings_from(env)

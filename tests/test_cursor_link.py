@@ -6,7 +6,7 @@ import pytest
 import trio
 
 from epd_trio._core.state_url import parse_state_url
-from epd_trio._cursor_link import CursorLink, LinkBroken, command, parse_replies
+from epd_trio._cursor_link import CommandRefused, CursorLink, LinkBroken, command, parse_replies
 
 from real_servers import RedisServer
 
@@ -26,9 +26,14 @@ def test_replies_are_taken_whole_and_in_order_from_any_pieces() -> None:
         assert got == [1, b"OK", -42, 1234567890123] and not buffer
 
 
-@pytest.mark.parametrize("reply", [b"-WRONGTYPE Operation against a key\r\n", b"$3\r\nabc\r\n",
-                                   b":12x\r\n", b"*1\r\n"])
-def test_anything_but_an_integer_or_status_breaks_the_link(reply: bytes) -> None:
+def test_an_error_reply_is_that_commands_answer() -> None:
+    buffer = bytearray(b"-WRONGTYPE Operation against a key\r\n:5\r\n")
+    refused, five = parse_replies(buffer)
+    assert isinstance(refused, CommandRefused) and "WRONGTYPE" in str(refused) and five == 5
+
+
+@pytest.mark.parametrize("reply", [b"$3\r\nabc\r\n", b":12x\r\n", b"*1\r\n"])
+def test_anything_but_an_integer_a_status_or_an_error_breaks_the_link(reply: bytes) -> None:
     with pytest.raises(LinkBroken):
         parse_replies(bytearray(reply))
 
@@ -51,19 +56,36 @@ async def test_a_thousand_concurrent_increments_are_pipelined_and_exact(
         nursery.cancel_scope.cancel()
 
 
-async def test_an_error_reply_breaks_the_link_and_releases_the_callers(
+async def test_an_error_reply_fails_its_call_and_the_link_goes_on(
     redis_server: RedisServer,
 ) -> None:
     redis_server.command("HSET", "cl:test:hash", "a", "1")
-    link = await CursorLink.open(parse_state_url(redis_server.url))
-    with pytest.raises(ExceptionGroup) as info:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(link.run)
-            with pytest.raises(LinkBroken):
-                await link.incrby(b"cl:test:hash", 1)
-    assert info.group_contains(LinkBroken, match="WRONGTYPE")
-    with pytest.raises(LinkBroken):
-        await link.incrby(b"cl:test:other", 1)  # broken for good: the owner reconnects
+    redis_server.command("SET", "cl:test:text", "not a number")
+    async with trio.open_nursery() as nursery:
+        link = await CursorLink.open(parse_state_url(redis_server.url))
+        await nursery.start(link.run)
+        got: dict[bytes, object] = {}
+
+        async def one(key: bytes) -> None:
+            try:
+                got[key] = await link.incrby(key, 1)
+            except CommandRefused as exc:
+                got[key] = str(exc)
+
+        async with trio.open_nursery() as callers:  # pipelined together: replies stay aligned
+            for key in (b"cl:test:hash", b"cl:test:fine", b"cl:test:text", b"cl:test:fine2"):
+                callers.start_soon(one, key)
+        assert "WRONGTYPE" in str(got[b"cl:test:hash"])
+        assert "not an integer" in str(got[b"cl:test:text"])
+        assert got[b"cl:test:fine"] == 1 and got[b"cl:test:fine2"] == 1
+        assert await link.incrby(b"cl:test:fine", 1) == 2
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_greeting_breaks_the_link(redis_server: RedisServer) -> None:
+    url = parse_state_url(f"redis://:wrong@127.0.0.1:{redis_server.port}/0")
+    with pytest.raises(LinkBroken, match="AUTH"):
+        await CursorLink.open(url)
 
 
 async def test_a_caller_that_gives_up_leaves_the_replies_aligned(redis_server: RedisServer) -> None:

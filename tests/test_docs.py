@@ -10,8 +10,9 @@ What is checked, and against what:
 - every fenced ``python`` block of ``README.md`` and ``docs/`` runs in a subprocess and exits 0,
   unless a ``<!-- not-run: reason -->`` line precedes it (those are counted, never skipped
   silently);
-- every Kubernetes manifest (``yaml`` block) of the Kubernetes and Discovery pages is a whole
-  object the official ``kubernetes`` client's models take without losing a field; the RBAC
+- every Kubernetes manifest (``yaml`` block; only the Kubernetes, Discovery and Replicas pages
+  have them) is a whole object the official ``kubernetes`` client's models take without
+  losing a field; the replicas example registers through a Service that lists unready pods; the RBAC
   grants the proxy's service account what discovery needs, and the proxy's Deployment's
   arguments parse with ``epd-trio serve``'s own parser into selectors that match the vLLM pods;
 - every relative link (and its ``#anchor``) resolves;
@@ -413,7 +414,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 # -- Kubernetes manifests --------------------------------------------------------------------------
 
-KUBERNETES_PAGES = [DOCS / "how-to" / "kubernetes.md", DOCS / "how-to" / "discovery.md"]
+KUBERNETES_PAGES = [DOCS / "how-to" / page for page in ("kubernetes.md", "discovery.md", "replicas.md")]
 #: Custom resources a page may show, which the ``kubernetes`` client has no model of: only
 #: their metadata is checked (tests/test_promtool.py checks the prometheus-operator objects
 #: against the generator's output).
@@ -445,6 +446,12 @@ def as_model(document: dict[str, Any], where: str) -> Any:
     assert client.sanitize_for_serialization(model) == document, (
         f"{where}: fields the {name} model does not have (misspelt?)")
     return model
+
+
+def test_the_manifest_check_covers_every_page_with_yaml() -> None:
+    with_yaml = [page for page in PAGES
+                 if any(block.language == "yaml" for block in fenced_blocks(page))]
+    assert sorted(map(rel, with_yaml)) == sorted(map(rel, KUBERNETES_PAGES))
 
 
 @pytest.mark.parametrize("page", KUBERNETES_PAGES, ids=rel)
@@ -501,6 +508,18 @@ def test_the_kubernetes_page_grants_what_discovery_needs_and_runs_it() -> None:
 
 
 # -- links and commands --------------------------------------------------------------------------
+
+def test_the_replicas_example_registers_through_a_service_that_publishes_pods_not_ready() -> None:
+    """The cold start: no pod is Ready before an instance registers, so registrations go
+    through a Service that lists every pod, and the clients through one that does not."""
+    objects = [doc for _block, doc in manifests(DOCS / "how-to" / "replicas.md")]
+    services = {doc["metadata"]["name"]: doc["spec"] for doc in objects if doc["kind"] == "Service"}
+    assert services["epd-proxy-register"].get("publishNotReadyAddresses") is True
+    assert not services["epd-proxy"].get("publishNotReadyAddresses")
+    sidecar = next(c for doc in objects if doc["kind"] == "Deployment"
+                   for c in doc["spec"]["template"]["spec"]["containers"] if c["name"] == "register")
+    assert "epd-proxy-register" in sidecar["args"][0] and "X-API-Key" in sidecar["args"][0]
+
 
 def test_every_relative_link_resolves() -> None:
     broken = []

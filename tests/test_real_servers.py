@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from real_servers import require_binary
+from real_servers import require_binary, tls_redis_server
 
 
 def test_a_present_binary_is_found() -> None:
@@ -21,3 +23,19 @@ def test_a_missing_binary_fails_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="apt-get install"):
         require_binary("no-such-server-x")
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("", pytest.skip.Exception),
+                                             ("true", pytest.fail.Exception)])
+def test_a_redis_server_without_tls_skips_locally_and_fails_in_ci(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ci: str, outcome: type[BaseException],
+) -> None:
+    """A build without TLS refuses ``--tls-port`` as redis-server 7 does (its own words)."""
+    built_without = tmp_path / "redis-server"
+    built_without.write_text("#!/bin/sh\necho '*** FATAL CONFIG FILE ERROR (Redis 7.0.15) ***'\n"
+                             "echo \">>> 'tls-port \\\"1234\\\"'\"\n"
+                             "echo 'Bad directive or wrong number of arguments'\nexit 1\n")
+    built_without.chmod(0o755)
+    monkeypatch.setenv("CI", ci)
+    with pytest.raises(outcome, match="built without TLS"):
+        tls_redis_server(tmp_path, binary=str(built_without))

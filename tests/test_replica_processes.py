@@ -17,6 +17,7 @@ import httpx
 import trio
 
 from epd_trio import Instance, Settings
+from epd_trio._core.shared_state import load_field
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
 from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 from epd_trio.testing.process import read_url, stop_process
@@ -191,4 +192,82 @@ async def test_a_dead_replicas_requests_stop_counting_within_5_s(nursery: trio.N
             await stop_process(process, grace=0)
             held.set()
     finally:
+        redis.kill()
+
+
+async def test_workers_of_one_named_replica_are_replicas_of_their_own(
+    nursery: trio.Nursery,
+) -> None:
+    """``EPD_REPLICA_ID`` with ``--workers 2``: each worker is ``<id>-w<k>``. Under one id the
+    siblings took each other's announcements for their own (and ignored them) and overwrote
+    one load hash, hiding each other's requests."""
+    redis = RedisServer().start()
+    held = trio.Event()
+    try:
+        (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode",
+                                                        behaviour=Behaviour(gate=held.wait)))
+        prefix = f"w{uuid.uuid4().hex[:8]}:"
+        ids = {"fleet-a-w0", "fleet-a-w1"}
+        # No periodic resync during the test: a sibling learns of the registration from its
+        # announcement, the path the shared id broke.
+        env = fleet_env(redis, prefix, EPD_REPLICA_ID="fleet-a",
+                        EPD_STATE_RESYNC_INTERVAL="600")
+        async with replica(nursery, [*SERVE, "--workers", "2"], env,
+                           rb"listening on (http://\S+)") as url:
+            with trio.fail_after(CONVERGE):  # both connected: each publishes its loads
+                zset = prefix + "replicas"
+                while set(redis.command("ZRANGE", zset, "0", "-1").split()) != ids:  # noqa: ASYNC110
+                    await trio.sleep(0.02)  # no event crosses processes
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                r = await client.post(url + "/instances", headers=ADMIN,
+                                      json={"role": "prefill_decode", "url": decode.url})
+                assert r.status_code == 200, r.text
+            routing: set[str] = set()  # the workers that list it, probed and healthy
+            with trio.fail_after(CONVERGE):
+                while routing != ids:
+                    report = await listing(url)  # a fresh connection: either worker
+                    entries = report["instances"]["prefill_decode"]
+                    if [(e["url"], e["probed"], e["state"]) for e in entries] == [
+                            (decode.url, True, "healthy")]:
+                        routing.add(report["replica"])
+
+            async def hold() -> None:
+                async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
+                    with contextlib.suppress(httpx.TransportError):
+                        r = await client.post(url + CHAT, json=chat_body(text="hold"))
+                        assert r.status_code == 200, r.text
+
+            field = load_field("decode", (decode.url, None))
+
+            def published() -> list[int]:  # each worker's count, in its own load hash
+                return [int(redis.command("HGET", prefix + "load:" + i, field) or 0)
+                        for i in sorted(ids)]
+
+            # Requests held at the instance, each on a fresh connection, until both workers
+            # have routed some there and published them.
+            sent = 0
+            with trio.fail_after(CONVERGE):
+                while min(published()) == 0:
+                    nursery.start_soon(hold)
+                    sent += 1
+                    await decode.wait_until(lambda n=sent: len(decode.requests(CHAT)) == n)
+                    while sum(published()) != sent:  # noqa: ASYNC110 - no event crosses processes
+                        await trio.sleep(0.02)
+            settings = Settings(state_url=redis.url, state_prefix=prefix, replica_id="watcher",
+                                decode_urls=(Instance(decode.url),), state_timeout=10.0)
+            async with serve_proxy(settings) as (_, watcher):
+                link = watcher.state
+                assert link is not None
+                with trio.fail_after(CONVERGE):  # the sum of both workers' counts
+                    while watcher.loads.read("decode", [(decode.url, None)]) != [sent]:
+                        await link.next_load_read()
+            clean: set[str] = set()  # neither finds another process under its id
+            with trio.fail_after(CONVERGE):
+                while clean != ids:
+                    report = await listing(url)
+                    assert report["state"]["duplicate_id"] is False
+                    clean.add(report["replica"])
+            held.set()
+    finally:
+        held.set()
         redis.kill()

@@ -10,22 +10,26 @@ from __future__ import annotations
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import coredis
 import httpx
+import pytest
 import trio
 
 from epd_trio import Instance, Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 from epd_trio.testing.registrar import run_registrar
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
-from real_servers import RedisServer
+from real_servers import RedisServer, tls_redis_server
 
 ADMIN = {"x-api-key": "admin-secret"}
 #: Seconds a change may take to reach every replica (the issue's p99 target is 1 s).
@@ -427,5 +431,321 @@ async def test_a_password_protected_redis_over_tcp_and_a_unix_socket_and_no_pass
                     await proxy.state.next_change()
             assert not proxy.state.up and not proxy.ready()
         assert "hunter2" not in caplog.text and "shared state" in caplog.text
+    finally:
+        redis.kill()
+
+
+async def test_two_processes_under_one_replica_id_are_found_out(
+    redis_server: RedisServer, caplog: Any,
+) -> None:
+    """Two live processes given one ``EPD_REPLICA_ID`` (plain ``hypercorn --workers 2``, or a
+    pod template with a fixed id): each finds the other's mark on the id's owner key, says
+    so in ``GET /instances`` and logs an error naming the setting. A replica of its own does
+    not."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    config: dict[str, Any] = {"state_url": redis_server.url, "state_prefix": prefix,
+                              "state_load_interval": 0.05, "state_timeout": 10.0,
+                              "decode_urls": (Instance("http://127.0.0.1:9"),)}
+    async with serve_proxy(Settings(**config, replica_id="same")) as (_, a), \
+            serve_proxy(Settings(**config, replica_id="same")) as (_, b), \
+            serve_proxy(Settings(**config, replica_id="alone")) as (_, alone):
+        for proxy in (a, b):
+            assert proxy.state is not None
+            with trio.fail_after(CONVERGE):
+                while not proxy.state.describe()["duplicate_id"]:
+                    await proxy.state.next_load_read()
+        assert alone.state is not None
+        for _ in range(5):  # rounds enough for a clash to show
+            await alone.state.next_load_read()
+        assert alone.state.describe()["duplicate_id"] is False
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("'same' is in use by another live process" in e and "EPD_REPLICA_ID" in e
+               for e in errors), errors
+    assert not any("'alone'" in e for e in errors)
+
+
+#: Structural keys of the wrong type, or unreadable, written by hand with a raw client (bytes
+#: and all): each is skipped and counted once per replica, and the fleet works on what it can
+#: read. Each writes under the key prefix ``p``.
+MALFORMED_KEYS: dict[str, Callable[[Any, bytes], Awaitable[Any]]] = {
+    "index not a set": lambda r, p: r.set(p + b"instances", b"oops"),
+    "fleet marker not a string": lambda r, p: r.hset(p + b"fleet", {b"a": b"b"}),
+    "index member not UTF-8": lambda r, p: r.sadd(p + b"instances", [b"http://\xff\xfe:1"]),
+    "instance entry not a string": lambda r, p: r.eval(
+        "redis.call('sadd', KEYS[1], ARGV[1]); redis.call('hset', KEYS[2], 'a', 'b')",
+        [p + b"instances", p + b"instance:http://h:1"], [b"http://h:1"]),
+    "replicas set not a sorted set": lambda r, p: r.set(p + b"replicas", b"oops"),
+    "another replica's load not a hash": lambda r, p: r.eval(
+        "redis.call('zadd', KEYS[1], ARGV[1], 'ghost'); redis.call('set', KEYS[2], 'x')",
+        [p + b"replicas", p + b"load:ghost"], [b"99999999999999"]),
+    "cursor not a number": lambda r, p: r.set(p + b"cursor:decode", b"oops"),
+}
+
+
+@pytest.mark.parametrize("kind", list(MALFORMED_KEYS))
+async def test_a_malformed_structural_key_is_skipped_and_counted(
+    redis_server: RedisServer, client: httpx.AsyncClient, caplog: Any, kind: str,
+) -> None:
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    async with coredis.Redis(host="127.0.0.1", port=redis_server.port) as raw:
+        await MALFORMED_KEYS[kind](raw, prefix.encode())
+    async with trio.open_nursery() as nursery:
+        static, registered = await start_fakes(nursery, FakeVLLM(role="decode"),
+                                               FakeVLLM(role="decode"))
+        # Ready, each on what it can read (before: every session failed, forever).
+        async with replicas(redis_server, 2, prefix=prefix, global_cursor=True,
+                            global_cursor_timeout=5.0,
+                            decode_urls=(Instance(static.url),)) as fleet:
+            (url0, _), (_, proxy1) = fleet
+            r = await client.post(url0 + "/instances", headers=ADMIN,
+                                  json={"role": "decode", "url": registered.url})
+            assert r.status_code == 200, r.text
+            await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
+            for url, proxy in fleet:
+                await wait_for(proxy, lambda _, p=proxy: p.ready())
+                for _ in range(2):
+                    r = await client.post(url + CHAT, json=chat_body(text="hi"))
+                    assert r.status_code == 200, r.text
+                assert proxy.state is not None
+                with trio.fail_after(CONVERGE):
+                    for _ in range(3):  # the load exchange goes on
+                        await proxy.state.next_load_read()
+            for _, proxy in fleet:
+                assert proxy.state is not None and proxy.state.up
+                assert metric(proxy, "epd_trio_state_malformed_entries_total") == 1
+        nursery.cancel_scope.cancel()
+    # Never a reconnect: one session per replica.
+    assert sum("connected as replica" in r.getMessage() for r in caplog.records) == 2
+
+
+#: Seconds a replica may take to get its link back once Redis answers again (its reconnect
+#: backoff is capped at 5 s, jittered by +-25 %).
+RECONNECT = 15.0
+
+
+async def link_state(fleet: list[tuple[str, Proxy]], up: bool) -> None:
+    """Until every replica's link is ``up`` (or down)."""
+    for _, proxy in fleet:
+        assert proxy.state is not None
+        with trio.fail_after(RECONNECT):
+            while proxy.state.up != up:
+                await proxy.state.next_change()
+
+
+def live(proxy: Proxy, url: str) -> bool:
+    return proxy.registry.state_for("decode", Instance(url)).live
+
+
+async def test_no_http_instance_expires_while_the_store_is_unreachable_for_longer_than_its_ttl(
+    client: httpx.AsyncClient,
+) -> None:
+    """Redis frozen for three TTLs: both replicas go on listing and routing what they knew,
+    an instance that stopped answering meanwhile included (without a store it would be
+    forgotten after one TTL). Once Redis is back, the TTL rules resume: the silent one goes,
+    the live one stays."""
+    redis = RedisServer().start()
+    ttl = 1.0
+    try:
+        async with trio.open_nursery() as nursery:
+            steady, doomed = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                               FakeVLLM(role="prefill_decode"))
+            async with replicas(redis, 2, decode_urls=(), instance_ttl=ttl, health_threshold=1,
+                                state_timeout=0.5) as fleet:
+                for fake in (steady, doomed):
+                    r = await client.post(fleet[0][0] + "/instances", headers=ADMIN,
+                                          json={"role": "prefill_decode", "url": fake.url})
+                    assert r.status_code == 200, r.text
+                both = sorted([steady.url, doomed.url])
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: sorted(decode_urls(roster)) == both)
+                    await wait_for(proxy, lambda _, p=proxy: live(p, steady.url) and
+                                   live(p, doomed.url))
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    doomed.behaviour.healthy = False  # out of rotation, and silent
+                    for _, proxy in fleet:
+                        await wait_for(proxy, lambda _, p=proxy: not live(p, doomed.url))
+                    await trio.sleep(3 * ttl)  # what is tested is the passage of time
+                    for url, proxy in fleet:
+                        assert sorted(decode_urls(proxy.roster)) == both
+                        listing = (await client.get(url + "/instances", headers=ADMIN)).json()
+                        assert sorted(e["url"] for e in
+                                      listing["instances"]["prefill_decode"]) == both
+                        before = len(steady.requests(CHAT))
+                        for _ in range(3):
+                            r = await client.post(url + CHAT, json=chat_body(text="outage"))
+                            assert r.status_code == 200, r.text
+                        assert len(steady.requests(CHAT)) == before + 3
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                # Back: the entries the store lost during the outage are written back, and the
+                # TTL rules apply again. Nobody routes to the silent one: it goes.
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: decode_urls(roster) == [steady.url],
+                                   within=3 * ttl + CONVERGE)
+                keys = fleet[0][1].state.keys
+                assert redis.command("EXISTS", keys.instance(steady.url)) == "1"
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_no_moriio_instance_expires_while_the_store_is_unreachable_for_longer_than_its_ttl(
+    client: httpx.AsyncClient,
+) -> None:
+    """The same for MoRIIO heartbeats: the decode instance stops beating during an outage of
+    three TTLs, and both replicas still list and route it; once Redis is back it goes after
+    one TTL, while the prefill instance, which kept beating, stays."""
+    redis = RedisServer().start()
+    ttl = 1.0
+    try:
+        fabric = TransferFabric()
+        prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
+        for n, fake in enumerate((prefill, decode)):
+            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6700 + n, 63300 + n), "READ",
+                                     fabric=fabric)
+        async with trio.open_nursery() as nursery:
+            await start_fakes(nursery, prefill, decode)
+            async with replicas(redis, 2, decode_urls=(), kv_connector="moriio",
+                                moriio_registration="127.0.0.1:0", moriio_ttl=ttl,
+                                state_timeout=0.5) as fleet, \
+                    trio.open_nursery() as beating:
+                heard = fleet[0][1].moriio_endpoint
+                assert heard is not None
+                beats = {}
+                for role, fake in (("P", prefill), ("D", decode)):
+                    assert fake.moriio is not None
+                    beats[role] = MoriioStandIn(heard, role,  # type: ignore[arg-type]
+                                                fake.url.removeprefix("http://"),
+                                                fake.moriio.zmq_address, interval=0.2)
+                decode_beats = trio.CancelScope()
+
+                async def beat_decode(task_status: trio.TaskStatus[None]) -> None:
+                    with decode_beats:
+                        await beats["D"].run(task_status=task_status)
+
+                await beating.start(beats["P"].run)
+                await beating.start(beat_decode)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: roster.find(decode.url) is not None
+                                   and roster.find(prefill.url) is not None)
+                    await wait_for(proxy, lambda _, p=proxy: p.ready())
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    decode_beats.cancel()  # it never beats again
+                    await trio.sleep(3 * ttl)  # what is tested is the passage of time
+                    for url, proxy in fleet:
+                        assert proxy.roster.find(decode.url) is not None
+                        listing = (await client.get(url + "/instances", headers=ADMIN)).json()
+                        assert [e["url"] for e in listing["instances"]["decode"]] == [decode.url]
+                        r = await client.post(url + CHAT, json=chat_body(text="moriio outage"))
+                        assert r.status_code == 200, r.text
+                    assert len(decode.requests(CHAT)) == 2
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                for _, proxy in fleet:
+                    await wait_for(proxy, lambda roster: roster.find(decode.url) is None,
+                                   within=3 * ttl + CONVERGE)
+                    assert proxy.roster.find(prefill.url) is not None
+                beating.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_a_registration_taken_after_the_link_was_lost_is_written_on_reconnect(
+    client: httpx.AsyncClient,
+) -> None:
+    """Lost while serving (not at start): a registration at one replica meanwhile is kept and
+    routed there at once, and reaches the other replica through Redis once the link is back."""
+    redis = RedisServer().start()
+    try:
+        async with trio.open_nursery() as nursery:
+            first, late = await start_fakes(nursery, FakeVLLM(role="prefill_decode"),
+                                            FakeVLLM(role="prefill_decode"))
+            async with replicas(redis, 2, decode_urls=(), state_timeout=0.5) as fleet:
+                (url0, proxy0), (url1, proxy1) = fleet
+                r = await client.post(url0 + "/instances", headers=ADMIN,
+                                      json={"role": "prefill_decode", "url": first.url})
+                assert r.status_code == 200
+                await wait_for(proxy1, lambda roster: decode_urls(roster) == [first.url])
+                redis.pause()
+                try:
+                    await link_state(fleet, up=False)
+                    r = await client.post(url0 + "/instances", headers=ADMIN,
+                                          json={"role": "prefill_decode", "url": late.url})
+                    assert r.status_code == 200, r.text
+                    await wait_for(proxy0, lambda _: live(proxy0, late.url))
+                    for _ in range(4):  # routed at once by the replica that took it
+                        r = await client.post(url0 + CHAT, json=chat_body(text="late"))
+                        assert r.status_code == 200, r.text
+                    assert len(late.requests(CHAT)) == 2
+                    assert decode_urls(proxy1.roster) == [first.url]  # cut off: not yet
+                finally:
+                    redis.resume()
+                await link_state(fleet, up=True)
+                expected = sorted([first.url, late.url])
+                await wait_for(proxy1, lambda roster: sorted(decode_urls(roster)) == expected)
+                keys = proxy0.state.keys
+                assert sorted(redis.command("SMEMBERS", keys.index).split()) == expected
+                await wait_for(proxy1, lambda _: live(proxy1, late.url))
+                for _ in range(4):
+                    r = await client.post(url1 + CHAT, json=chat_body(text="late"))
+                    assert r.status_code == 200, r.text
+                assert len(late.requests(CHAT)) == 4
+            nursery.cancel_scope.cancel()
+    finally:
+        redis.kill()
+
+
+async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_cursor(
+    client: httpx.AsyncClient, tmp_path: Path,
+) -> None:
+    """``rediss://...?ssl_ca_certs=`` to a redis-server that speaks TLS only, its certificate
+    signed by a CA made for the test: the coredis link (roster, announcements, loads) and the
+    global cursor's own lean link both verify it and work; without the CA the system's
+    authorities refuse the server, and the link says why."""
+    redis = tls_redis_server(tmp_path)
+    try:
+        assert redis.url.startswith("rediss://")
+        async with trio.open_nursery() as nursery:
+            static, registered = await start_fakes(nursery, FakeVLLM(role="decode"),
+                                                   FakeVLLM(role="decode"))
+            async with replicas(redis, 2, global_cursor=True, global_cursor_timeout=5.0,
+                                decode_urls=(Instance(static.url),)) as fleet:
+                (url0, proxy0), (_, proxy1) = fleet
+                r = await client.post(url0 + "/instances", headers=ADMIN,
+                                      json={"role": "decode", "url": registered.url})
+                assert r.status_code == 200, r.text
+                await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
+                for url, proxy in fleet:
+                    await wait_for(proxy, lambda _, p=proxy: live(p, registered.url))
+                    for _ in range(3):
+                        r = await client.post(url + CHAT, json=chat_body(text="tls"))
+                        assert r.status_code == 200, r.text
+                    assert proxy.state is not None
+                    assert proxy.state.describe()["backend"].startswith("rediss://")
+                    assert metric(proxy, "epd_trio_global_cursor_fallbacks_total",
+                                  stage="decode") == 0
+                    with trio.fail_after(CONVERGE):  # the load exchange runs over TLS too
+                        await proxy.state.next_load_read()
+                # Six decisions, each one increment of the shared cursor: an exact split.
+                keys = proxy0.state.keys
+                assert redis.command("GET", keys.cursor("decode")) == "6"
+                assert [len(f.requests(CHAT)) for f in (static, registered)] == [3, 3]
+            nursery.cancel_scope.cancel()
+        # The same server without the private CA: refused by the system's authorities.
+        untrusted = Settings(state_url=f"rediss://127.0.0.1:{redis.port}/0", state_prefix="tls:",
+                             decode_urls=(Instance("http://127.0.0.1:9"),))
+        async with serve_proxy(untrusted) as (_, proxy):
+            assert proxy.state is not None
+            with trio.fail_after(CONVERGE):
+                while proxy.state.problem in (None, "not connected yet"):
+                    await proxy.state.next_change()
+            assert not proxy.state.up and "CERTIFICATE_VERIFY_FAILED" in proxy.state.problem
     finally:
         redis.kill()

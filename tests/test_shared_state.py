@@ -11,18 +11,22 @@ from epd_trio._core.moriio import MoriioPeer
 from epd_trio._core.roster import Member, Roster, static_roster
 from epd_trio._core.routing import Instance
 from epd_trio._core.shared_state import (
+    DEAD_REPLICA_LIMIT,
+    MAX_LOAD_INTERVAL,
     MalformedEntry,
     Record,
     decode_announcement,
     decode_record,
     encode_announcement,
     encode_record,
+    load_expiry,
     load_fields,
     merge,
     parse_load_field,
     reseeded,
     sum_loads,
     to_local_time,
+    worker_replica_id,
 )
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
@@ -161,3 +165,24 @@ def test_load_fields_round_trip_and_sum_over_replicas() -> None:
 def test_wall_times_map_onto_the_local_clock_never_into_its_future() -> None:
     assert to_local_time(wall=95.0, now_wall=100.0, now_local=1000.0) == 995.0
     assert to_local_time(wall=105.0, now_wall=100.0, now_local=1000.0) == 1000.0
+
+
+def test_each_worker_of_a_named_replica_gets_an_id_of_its_own() -> None:
+    ids = [worker_replica_id("fleet-a", k) for k in range(3)]
+    assert ids == ["fleet-a-w0", "fleet-a-w1", "fleet-a-w2"]
+    assert worker_replica_id("host-123", 0) != "host-123"  # never the base itself
+
+
+@pytest.mark.parametrize(("interval", "expiry"), [
+    (0.05, 0.6), (0.25, 3.0), (0.4, 4.8), (0.5, 5.0), (1.0, 5.0)])
+def test_a_replicas_counts_expire_after_many_intervals_but_within_5_s(
+    interval: float, expiry: float,
+) -> None:
+    assert load_expiry(interval) == pytest.approx(expiry)
+
+
+def test_every_accepted_load_interval_keeps_the_5_s_promise_and_several_publications() -> None:
+    for step in range(1, 1001):
+        interval = MAX_LOAD_INTERVAL * step / 1000
+        assert load_expiry(interval) <= DEAD_REPLICA_LIMIT == 5.0
+        assert load_expiry(interval) >= 5 * interval  # five publications, at the longest

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from epd_trio import ConfigError, settings_from
 from epd_trio._core.state_url import StateURL, parse_state_url
+from epd_trio._environment import load_settings
 
 GOOD = [
     ("redis://localhost", StateURL("redis", host="localhost", port=6379)),
@@ -17,6 +20,11 @@ GOOD = [
     ("redis://[::1]:6379", StateURL("redis", host="::1", port=6379)),
     ("unix:///run/redis/redis.sock", StateURL("unix", path="/run/redis/redis.sock")),
     ("unix://:pw@/run/r.sock?db=2", StateURL("unix", path="/run/r.sock", db=2, password="pw")),
+    ("rediss://r:6380/1?ssl_ca_certs=/etc/ca.pem",
+     StateURL("rediss", host="r", port=6380, db=1, ca_certs="/etc/ca.pem")),
+    ("rediss://r?ssl_certfile=c.pem&ssl_keyfile=k.pem&ssl_ca_certs=/etc/ca",
+     StateURL("rediss", host="r", port=6379, ca_certs="/etc/ca", certfile="c.pem",
+              keyfile="k.pem")),
 ]
 
 
@@ -36,6 +44,11 @@ BAD = [
     ("unix://", "absolute socket path"),
     ("unix:///r.sock?timeout=1", "unknown query parameter"),
     ("redis://r#x", "fragment"),
+    ("redis://r?ssl_ca_certs=/ca.pem", "TLS parameters need rediss://"),
+    ("rediss://r?ssl_ca=/ca.pem", "unknown query parameter.*ssl_ca "),
+    ("rediss://r?ssl_ca_certs=", "ssl_ca_certs needs one path"),
+    ("rediss://r?ssl_ca_certs=/a&ssl_ca_certs=/b", "ssl_ca_certs needs one path"),
+    ("rediss://r?ssl_certfile=/c.pem", "needs both ssl_certfile and ssl_keyfile"),
 ]
 
 
@@ -60,6 +73,8 @@ def test_the_password_never_shows() -> None:
     assert settings.state_url.redacted() == "redis://app:***@r:6379/1"
     assert parse_state_url("unix://:x@/s.sock?db=4").redacted() == "unix://:***@/s.sock?db=4"
     assert parse_state_url("redis://[::1]").redacted() == "redis://[::1]:6379/0"
+    assert parse_state_url("rediss://:pw@r?ssl_ca_certs=/ca.pem").redacted() == (
+        "rediss://:***@r:6379/0?ssl_ca_certs=/ca.pem")
 
 
 def test_the_global_cursor_needs_a_state_store() -> None:
@@ -70,3 +85,20 @@ def test_the_global_cursor_needs_a_state_store() -> None:
 def test_a_shared_roster_lets_a_replica_start_without_instances() -> None:
     settings = settings_from({"EPD_STATE_URL": "redis://r"})
     assert settings.decode_urls == () and settings.state_prefix == "epd:"
+
+
+def test_tls_files_that_cannot_be_used_are_refused_at_start_naming_the_setting(
+    tmp_path: Path,
+) -> None:
+    not_pem = tmp_path / "ca.pem"
+    not_pem.write_text("not a certificate\n")
+    for query, message in (
+        (f"ssl_ca_certs={tmp_path}/missing.pem", "ssl_ca_certs: cannot use .*missing.pem: No such"),
+        (f"ssl_ca_certs={not_pem}", "ssl_ca_certs: cannot use .*ca.pem"),
+        (f"ssl_certfile={not_pem}&ssl_keyfile={not_pem}", "ssl_certfile: cannot use"),
+    ):
+        with pytest.raises(ConfigError, match=f"^EPD_STATE_URL: {message}"):
+            load_settings({"EPD_STATE_URL": f"rediss://:hunter2@r:6380/0?{query}"})
+    with pytest.raises(ConfigError) as info:
+        load_settings({"EPD_STATE_URL": "redis://:hunter2@r?ssl_ca_certs=/ca.pem"})
+    assert str(info.value) == ("EPD_STATE_URL: ssl_ca_certs: TLS parameters need rediss://")

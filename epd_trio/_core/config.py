@@ -19,6 +19,7 @@ from typing import Any
 from .discovery import DnsName, is_dns_url, parse_dns_url, parse_selector
 from .policies import DEFAULT_POLICY, POLICIES
 from .routing import Instance, parse_instance
+from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
 
 ENV_PREFIX = "EPD_"
@@ -203,7 +204,8 @@ class Settings:
     #: Prefix of every Redis key and channel, so that several fleets can share one Redis.
     state_prefix: str = "epd:"
     #: This replica's name in the shared state and in ``GET /instances`` (unset: the host name
-    #: and the process id, unique per worker process).
+    #: and the process id). Worker k of ``epd-trio serve --workers N`` is ``<id>-w<k>``: every
+    #: worker is a replica, and two processes under one id would hide each other's loads.
     replica_id: str | None = None
     #: Exact round-robin across replicas: one Redis increment per routing decision (needs
     #: ``state_url``). Off: each replica keeps its own cursors, seeded at a random offset.
@@ -215,7 +217,8 @@ class Settings:
     #: catches what a disconnect lost, and TTL expiries).
     state_resync_interval: float = 2.0
     #: Seconds between two publications of this replica's in-flight counts (and reads of the
-    #: others'); a replica's counts expire 12 intervals after its last one (3 s at 0.25).
+    #: others'); a replica's counts expire 12 intervals after its last one (3 s at 0.25), 5 s
+    #: at most, so a dead replica stops counting within 5 s. At most 1 s.
     state_load_interval: float = 0.25
     #: Seconds any one call to the state store may take (none of them is on a request's path,
     #: except the opt-in global cursor, which has its own timeout).
@@ -248,6 +251,11 @@ class Settings:
                               f"{env_name('kv_connector')}=moriio, or a shared roster in "
                               f"{env_name('state_url')}) or are discovered "
                               f"({env_name('decode_selector')})")
+        if self.state_load_interval > MAX_LOAD_INTERVAL:
+            raise ConfigError(env_name("state_load_interval"), f"at most {MAX_LOAD_INTERVAL:g} s: "
+                              f"a dead replica's counts stop counting within "
+                              f"{DEAD_REPLICA_LIMIT:g} s, and a live one's must outlive several "
+                              f"publications; got {self.state_load_interval:g}")
         if self.global_cursor and self.state_url is None:
             raise ConfigError(env_name("global_cursor"), f"needs {env_name('state_url')}: the "
                               "global cursor lives in the shared state store")

@@ -11,7 +11,9 @@ The store (Redis, ``_state_sync.py``) holds, under one key prefix per fleet:
 - a **fleet marker** (``fleet``): a random token set once; when it is gone, the store lost its
   data (restarted empty), and every replica writes back what it knows;
 - per replica, an expiring **hash of in-flight counts** (``load:<replica>``) and its name in a
-  sorted set of live replicas (``replicas``, scored by the time of its last publication);
+  sorted set of live replicas (``replicas``, scored by the time of its last publication), and
+  an expiring **owner** key (``owner:<replica>``) holding a random token of the process that
+  uses that replica id: another token there means two live processes share one id;
 - one **counter** per routing stage (``cursor:<stage>``) for the opt-in global cursor.
 
 This module turns members into records and back, and a set of records into a roster: static
@@ -78,8 +80,23 @@ class StateKeys:
     def load(self, replica: str) -> str:
         return self.prefix + "load:" + replica
 
+    def owner(self, replica: str) -> str:
+        return self.prefix + "owner:" + replica
+
     def cursor(self, stage: str) -> str:
         return self.prefix + "cursor:" + stage
+
+
+def worker_replica_id(base: str, worker: int) -> str:
+    """The replica id of worker ``worker`` of a multi-worker ``epd-trio serve`` whose id is
+    ``base`` (``EPD_REPLICA_ID``, or the parent's host name and process id).
+
+    Why every worker needs its own: with a state store each worker is a replica of the fleet.
+    Two workers under one id would each take the other's announcements for its own (and ignore
+    them), and overwrite one load hash, hiding each other's requests from the load-aware
+    policies. The suffix keeps the operator's name readable and the siblings recognisable.
+    """
+    return f"{base}-w{worker}"
 
 
 # -- instance records -----------------------------------------------------------------------------
@@ -253,6 +270,23 @@ def to_local_time(wall: float, now_wall: float, now_local: float) -> float:
 
 
 # -- loads ------------------------------------------------------------------------------------------
+#: A dead replica's counts stop counting within this many seconds (issue 19's promise).
+DEAD_REPLICA_LIMIT = 5.0
+#: A replica's counts expire this many load intervals after its last publication, or at
+#: ``DEAD_REPLICA_LIMIT``, whichever comes first.
+LOAD_EXPIRY_INTERVALS = 12
+#: The longest load interval (``EPD_STATE_LOAD_INTERVAL``): at it, the capped expiry still
+#: outlives five publications, so one late or lost publication never blanks a live replica.
+MAX_LOAD_INTERVAL = 1.0
+
+
+def load_expiry(interval: float) -> float:
+    """Seconds a replica's published counts live after its last publication every
+    ``interval`` seconds: many intervals (a replica whose loop lags a little keeps counting),
+    never more than ``DEAD_REPLICA_LIMIT`` (a dead one stops counting by then)."""
+    return min(LOAD_EXPIRY_INTERVALS * interval, DEAD_REPLICA_LIMIT)
+
+
 def load_field(stage: str, key: SlotKey) -> str:
     url, rank = key
     return f"{stage}{_SEP}{url}{_SEP}{'' if rank is None else rank}"

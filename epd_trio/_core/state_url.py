@@ -8,6 +8,13 @@ uses ``redacted()``. Pure: no I/O, no client library.
 Accepted (as redis-py and coredis spell them):
 ``redis://[[username]:password@]host[:port][/db]``, ``rediss://...`` (TLS), and
 ``unix://[[username]:password@]/path/to/socket[?db=N]``.
+
+TLS (``rediss://``) verifies the server's certificate and host name against the system's
+certificate authorities, or against a private one given as ``?ssl_ca_certs=/path/ca.pem`` (a
+file, or a directory of them); ``ssl_certfile`` and ``ssl_keyfile`` (both or neither) give a
+client certificate for servers that ask for one (``tls-auth-clients yes``). The names are
+redis-py's and coredis's own URL parameters. Whether the files can be read is checked at
+start-up too (``_state_tls``): this module does no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix")
+#: The query parameters of ``rediss://`` (paths of PEM files).
+TLS_PARAMETERS = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +40,11 @@ class StateURL:
     db: int = 0
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    #: ``rediss://`` only: the certificate authorities that sign the server's certificate (a
+    #: PEM file or a directory; None: the system's), and a client certificate and its key.
+    ca_certs: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
 
     @property
     def tls(self) -> bool:
@@ -45,7 +59,10 @@ class StateURL:
             query = f"?db={self.db}" if self.db else ""
             return f"unix://{auth}{self.path}{query}"
         host = f"[{self.host}]" if self.host and ":" in self.host else self.host
-        return f"{self.scheme}://{auth}{host}:{self.port}/{self.db}"
+        files = [(name, value) for name, value in zip(
+            TLS_PARAMETERS, (self.ca_certs, self.certfile, self.keyfile), strict=True) if value]
+        query = "?" + "&".join(f"{name}={value}" for name, value in files) if files else ""
+        return f"{self.scheme}://{auth}{host}:{self.port}/{self.db}{query}"
 
 
 def parse_state_url(raw: str) -> StateURL:
@@ -79,12 +96,27 @@ def parse_state_url(raw: str) -> StateURL:
                         password=password)
     if not parts.hostname:
         raise ValueError(f"{scheme}:// needs a host ({scheme}://host:port[/db])")
-    if parts.query:
+    if "db" in query:
         raise ValueError(f"{scheme}:// takes the database as a path (/db), not a query")
+    unknown = set(query) - set(TLS_PARAMETERS)
+    if unknown:
+        raise ValueError(f"unknown query parameter(s): {', '.join(sorted(unknown))} (rediss:// "
+                         f"takes {', '.join(TLS_PARAMETERS)})")
+    if query and scheme != "rediss":
+        raise ValueError(f"{', '.join(sorted(query))}: TLS parameters need rediss://")
+    files = {}
+    for name, values in query.items():
+        if len(values) != 1 or not values[0].strip():
+            raise ValueError(f"{name} needs one path")
+        files[name] = values[0].strip()
+    if ("ssl_certfile" in files) != ("ssl_keyfile" in files):
+        raise ValueError("a client certificate needs both ssl_certfile and ssl_keyfile")
     path = parts.path.strip("/")
     db = _db(path) if path else 0
     return StateURL(scheme, host=parts.hostname, port=DEFAULT_PORT if port is None else port,
-                    db=db, username=username, password=password)
+                    db=db, username=username, password=password,
+                    ca_certs=files.get("ssl_ca_certs"), certfile=files.get("ssl_certfile"),
+                    keyfile=files.get("ssl_keyfile"))
 
 
 def _db(raw: str) -> int:

@@ -7,11 +7,22 @@ too. No persistence, so a restart comes back empty, as a Redis without persisten
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """PEM files of a TLS server: its certificate, its key, and the CA that signed it."""
+
+    cert: str
+    key: str
+    ca: str
 
 
 def free_port() -> int:
@@ -26,15 +37,19 @@ class RedisServer:
 
     ``start`` returns once the server logs that it accepts connections (no polling), ``kill``
     stops it at once (SIGKILL: what a crash looks like), and ``start`` again brings it back
-    empty on the same port, as a restarted Redis without persistence comes back.
+    empty on the same port, as a restarted Redis without persistence comes back. ``pause``
+    and ``resume`` freeze and thaw it (SIGSTOP, SIGCONT): unreachable, its data kept.
     """
 
     def __init__(self, port: int | None = None, *, binary: str | None = None,
-                 password: str | None = None, unix_socket: str | None = None) -> None:
+                 password: str | None = None, unix_socket: str | None = None,
+                 tls: TLSFiles | None = None) -> None:
         """``password``: clients must authenticate (``--requirepass``); ``unix_socket``: it
-        also listens on that socket path (``unix_url``)."""
+        also listens on that socket path (``unix_url``); ``tls``: it speaks TLS only, on
+        ``port`` (``url`` is then ``rediss://``, trusting ``tls.ca``)."""
         self.password = password
         self.unix_socket = unix_socket
+        self.tls = tls
         found = binary or shutil.which("redis-server")
         if found is None:
             raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
@@ -45,6 +60,8 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls is not None:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.tls.ca}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     @property
@@ -55,8 +72,13 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         assert self.process is None
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                     self.tls.cert, "--tls-key-file", self.tls.key, "--tls-ca-cert-file",
+                     self.tls.ca, "--tls-auth-clients", "no"]
         process = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            [self.binary, *ports, "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--protected-mode", "no", "--logfile", "",
              "--loglevel", "notice",
              *(["--requirepass", self.password] if self.password else []),
@@ -92,11 +114,24 @@ class RedisServer:
                 self.process.stdout.close()
             self.process = None
 
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections stay open and every command waits, as
+        with a server that hangs or a network that drops packets. ``resume`` thaws it with
+        its data."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGCONT)
+
     def command(self, *args: str) -> str:
         """One command through ``redis-cli`` (it comes with the server's package)."""
         cli = shutil.which("redis-cli")
         assert cli is not None, "redis-cli comes with redis-server"
         auth = ["--no-auth-warning", "-a", self.password] if self.password else []
+        if self.tls is not None:
+            auth += ["--tls", "--cacert", self.tls.ca]
         result = subprocess.run([cli, "-p", str(self.port), *auth, *args], capture_output=True,
                                 text=True, check=True, timeout=10)
         return result.stdout.strip()
