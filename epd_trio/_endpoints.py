@@ -9,7 +9,9 @@ route, where convenience matters more than microseconds.
 
 The contract is Quart's for the client: an OpenAI-style JSON error for every failure (413 over
 the body limit, 405 for another method), and a client that disconnects cancels the request:
-like quart-trio, a task waits for ``http.disconnect`` and cancels the request's nursery.
+under ``epd-trio serve`` the HTTP/1.x connection cancels it when its client closes it
+(``_client_gone``); otherwise, like quart-trio, a task waits for ``http.disconnect`` and
+cancels the request's nursery.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
 from ._admission import Admission
+from ._client_gone import client_gone
 from ._core.auth import ClientKeys
 from ._core.errors import (
     INTERNAL_ERROR,
@@ -88,10 +91,15 @@ class CompletionEndpoints:
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))
+        kind = KIND_OF_PATH[scope["path"]]
+        gone = client_gone(scope)
+        if gone is not None:  # the connection cancels the request if its client leaves
+            with trio.CancelScope() as request, gone.cancelling(request):
+                await self._respond(kind, raw, request_id, send, resources, trace_context)
+            return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(KIND_OF_PATH[scope["path"]], raw, request_id, send, resources,
-                                trace_context)
+            await self._respond(kind, raw, request_id, send, resources, trace_context)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],

@@ -42,6 +42,10 @@ stream, the worker's lifespan and shutdown) and changes three things:
    a shielded cancel scope and trio's ``send_all``, whose successful ``send`` always yields to
    the scheduler: such a write yields once every ``_YIELD_EVERY`` chunks instead, so a relay
    whose upstream always has bytes ready still lets the other tasks run.
+7. The connection tells its HTTP/1.x requests that their client left (``_client_gone``): it
+   offers a ``ClientGone`` in the connection's ASGI state and cancels the requests registered
+   there when the client closes the connection or a write to it fails, so a request needs no
+   task of its own waiting for ``http.disconnect``.
 
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
@@ -74,6 +78,8 @@ from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
+
+from ._client_gone import CLIENT_GONE, ClientGone
 
 __all__ = ["ProxyTCPServer", "ProxyWorkerContext", "worker_serve"]
 
@@ -124,6 +130,8 @@ class ProxyTCPServer(TCPServer):
         self._plain: Any = None
         #: Chunks written directly since the last yield to the scheduler.
         self._unyielded = 0
+        #: The news, for this connection's HTTP/1.x requests, that their client left (change 7).
+        self._client_gone = ClientGone()
 
     async def run(self) -> None:
         """Hypercorn's ``TCPServer.run`` with the idle timer armed instead of started."""
@@ -150,7 +158,8 @@ class ProxyTCPServer(TCPServer):
                 self._task_group = task_group
                 self.protocol = ProtocolWrapper(
                     self.app, self.config, self.context, task_group,
-                    ConnectionState(self.state), ssl, client, server, self.protocol_send,
+                    ConnectionState({**self.state, CLIENT_GONE: self._client_gone}), ssl,
+                    client, server, self.protocol_send,
                     alpn_protocol,
                 )
                 await self.protocol.initiate()
@@ -237,11 +246,13 @@ class ProxyTCPServer(TCPServer):
                 with trio.CancelScope(shield=True):
                     await self.stream.send_all(event.data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._client_gone.left()
                 await self.protocol.handle(Closed())
             finally:
                 lock.release()
         elif isinstance(event, Closed):
             self._corked = None  # the client is gone: nothing held is wanted any more
+            self._client_gone.left()
             await self._close()
             await self.protocol.handle(Closed())
         elif isinstance(event, Updated):
@@ -269,6 +280,7 @@ class ProxyTCPServer(TCPServer):
                         break
             finally:
                 self._read_scope = None
+        self._client_gone.left()
         await self.protocol.handle(Closed())
 
     async def _close(self) -> None:

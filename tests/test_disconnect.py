@@ -16,11 +16,15 @@ def _stage_target(c: Cluster, stage: str) -> FakeVLLM:
     return {"encode": c.encoders[0], "prefill": c.prefills[0]}.get(stage, c.decodes[0])
 
 
+@pytest.mark.parametrize("server", ["epd-trio serve", "plain hypercorn"])
 @pytest.mark.parametrize("stage", ["encode", "prefill", "decode", "decode-stream"])
 async def test_client_disconnect_cancels_the_upstream_leg(
-    client: httpx.AsyncClient, stage: str
+    client: httpx.AsyncClient, stage: str, server: str
 ) -> None:
-    async with run_cluster(encoders=1, prefills=1, decodes=1) as c:
+    """Under ``epd-trio serve`` the connection tells the request its client left; under plain
+    Hypercorn the request's own watcher hears ``http.disconnect``: either way, at every stage."""
+    plain = server == "plain hypercorn"
+    async with run_cluster(encoders=1, prefills=1, decodes=1, plain_hypercorn=plain) as c:
         target = _stage_target(c, stage)
         stream = stage == "decode-stream"
         if stream:

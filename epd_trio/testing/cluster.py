@@ -63,19 +63,22 @@ async def serve_proxy(
     keep_alive: float = DEFAULT_KEEP_ALIVE,
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
+    plain_hypercorn: bool = False,
 ) -> AsyncIterator[tuple[str, Proxy]]:
     """Serve the real proxy app for ``settings`` in-process (Hypercorn trio worker, port 0 = any).
 
     Yields the proxy's base URL and the ``Proxy`` behind the app (its registry and counters).
     Leaving the block shuts the server down gracefully, which closes its upstream client.
-    ``clock`` times MoRIIO registrations, ``tracing`` replaces the environment's (``create_app``).
+    ``clock`` times MoRIIO registrations, ``tracing`` replaces the environment's (``create_app``);
+    ``plain_hypercorn`` serves with Hypercorn's own connection class, as plain ``hypercorn``
+    does, instead of ``epd-trio serve``'s.
     """
     app = create_app(settings, clock=clock, tracing=tracing)
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(partial(
             serve_app, app, quiet_config(host, port, keep_alive=keep_alive), stop,
-            client_write_timeout=settings.client_write_timeout))
+            client_write_timeout=settings.client_write_timeout, plain_hypercorn=plain_hypercorn))
         try:
             yield url, app.extensions["epd_trio.proxy"]
         finally:
@@ -95,6 +98,7 @@ async def run_cluster(
     proxy_port: int = 0,
     keep_alive: float = DEFAULT_KEEP_ALIVE,
     tracing: Tracing | None = None,
+    plain_hypercorn: bool = False,
     **settings: Any,
 ) -> AsyncIterator[Cluster]:
     """Start the fakes and the proxy (Hypercorn trio worker, in-process); stop all on exit.
@@ -117,7 +121,7 @@ async def run_cluster(
         # The proxy shuts down gracefully (its upstream client is closed by the app's shutdown
         # hook) before the fakes are cancelled.
         async with serve_proxy(config, host=host, port=proxy_port, keep_alive=keep_alive,
-                               tracing=tracing) as (url, proxy):
+                               tracing=tracing, plain_hypercorn=plain_hypercorn) as (url, proxy):
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
 
