@@ -58,16 +58,27 @@ async def make_resolver(nameserver: str | None, query_timeout: float) -> dns.asy
     """The system's resolver, or one asking only ``nameserver`` (``host[:port]``; a host name
     is resolved here, once, through the system's resolver: ``nameserver_addresses``)."""
     if nameserver is None:
-        try:
-            resolver = dns.asyncresolver.Resolver()
-        except dns.resolver.NoResolverConfiguration as exc:
-            raise OSError(f"DNS discovery: no system resolver configured ({exc}); set "
-                          "EPD_DNS_NAMESERVER") from None
-    else:
-        host, port = split_host_port(nameserver, 53)
-        resolver = dns.asyncresolver.Resolver(configure=False)
-        resolver.nameservers = await nameserver_addresses(host, port)
-        resolver.port = port
+        return system_resolver(query_timeout)
+    host, port = split_host_port(nameserver, 53)
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    resolver.nameservers = await nameserver_addresses(host, port)
+    resolver.port = port
+    return _tuned(resolver, query_timeout)
+
+
+def system_resolver(query_timeout: float) -> dns.asyncresolver.Resolver:
+    """The resolver of ``/etc/resolv.conf``; ``OSError`` when there is none. Synchronous: it
+    reads a local file and asks no server."""
+    try:
+        resolver = dns.asyncresolver.Resolver()
+    except dns.resolver.NoResolverConfiguration as exc:
+        raise OSError(f"DNS discovery: no system resolver configured ({exc}); set "
+                      "EPD_DNS_NAMESERVER") from None
+    return _tuned(resolver, query_timeout)
+
+
+def _tuned(resolver: dns.asyncresolver.Resolver,
+           query_timeout: float) -> dns.asyncresolver.Resolver:
     resolver.timeout = query_timeout
     resolver.lifetime = query_timeout
     resolver.cache = None
@@ -180,17 +191,23 @@ class DnsDiscovery:
         while not predicate():
             await self._round_done.wait()
 
-    async def resolver(self) -> dns.asyncresolver.Resolver:
-        """Made at the first name (a proxy that only might get names registered needs no
-        resolver configuration until one is), and kept: a nameserver given by name is
-        resolved once."""
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        """The one resolver of every name, kept. One asking ``EPD_DNS_NAMESERVER`` is made by
+        ``run`` before it reports started (a server given by name is resolved there, once, and
+        no name's task can race to resolve it too). The system's is made at the first name (a
+        proxy that only might get names registered needs no ``/etc/resolv.conf`` until one
+        is), synchronously: no checkpoint between the test and the set, so two names arriving
+        at once share it."""
         if self._resolver is None:
-            self._resolver = await make_resolver(self._nameserver, self._timeout)
+            assert self._nameserver is None, "run() makes the resolver of a named server"
+            self._resolver = system_resolver(self._timeout)
         return self._resolver
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._names or self._nameserver is not None:
+            # No resolver (configuration): start-up fails, naming why.
+            self._resolver = await make_resolver(self._nameserver, self._timeout)
         if self._names:
-            await self.resolver()  # no resolver (configuration): start-up fails, naming why
             log.info("DNS discovery of %s through %s, every %g s",
                      ", ".join(name.spec for _role, name in self._names),
                      self._nameserver or "the system resolver", self._interval)
@@ -241,7 +258,7 @@ class DnsDiscovery:
         self._signal()
 
     async def _resolve(self, role: str, name: DnsName, apply: Apply) -> None:
-        resolver = await self.resolver()
+        resolver = self.resolver()
         view = self.views[name.spec]
         answers: dict[Query, Answer] = {}
         srv = None

@@ -307,10 +307,41 @@ async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
         async with serve_proxy(settings) as (_url, proxy):
             found = discovery_of(proxy)
             assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
-            assert "127.0.0.1" in (await found.resolver()).nameservers
+            assert "127.0.0.1" in found.resolver().nameservers
             rounds = found.rounds
             await until(found, lambda: found.rounds >= rounds + 3)
     assert asked.count("localhost") == 1  # once, not per round
+
+
+async def test_two_names_registered_at_once_share_one_resolver(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No name configured, two registered in one round, the DNS server given by name: its
+    name is resolved once, before either name's task starts (not by both at once)."""
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    alias = "vllm-extra.test"
+    asked: list[str] = []
+    getaddrinfo = trio.socket.getaddrinfo
+
+    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return await getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    specs = [f"dns+http://{NAME}:{port}", f"dns+http://{alias}:{port}"]
+    applied: dict[str, int] = {}
+
+    def apply(source: str, role: str, instances: Any) -> tuple[list[str], list[str]]:
+        applied[source] = len(instances)
+        return [], []
+
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[1], alias)]) as server:
+        found = DnsDiscovery((), apply, nameserver=f"localhost:{server.port}", interval=0.05,
+                             timeout=0.3, registered=lambda: [("decode", s) for s in specs])
+        await nursery.start(found.run)
+        await until(found, lambda: applied == {spec: 1 for spec in specs})
+        assert "127.0.0.1" in found.resolver().nameservers
+    assert asked.count("localhost") == 1
 
 
 async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
