@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -31,9 +30,15 @@ from epd_trio._discovery import check_discovery
 from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
-from epd_trio.testing.process import read_url
 
-from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
+from helpers import (
+    CHAT,
+    POD_ADDRESSES,
+    chat_body,
+    every_worker_lists,
+    serve_on_addresses,
+    server_process,
+)
 
 ADDRESSES = POD_ADDRESSES
 NAME = "vllm-decode.test"
@@ -388,54 +393,28 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
     port, fakes = await serve_fakes(nursery, ADDRESSES)
     alias = "vllm-extra.test"
     async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[2], alias)]) as server:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
-             "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
-             "--dns-interval", "0.05", "--dns-timeout", "0.3"],
-            stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
-        try:
-            assert process.stderr is not None
-            url = await read_url(process.stderr, rb"listening on (http://\S+)")
-            log = bytearray()
-
-            async def drain() -> None:
-                async for chunk in process.stderr:  # type: ignore[union-attr]
-                    log.extend(chunk)
-
-            nursery.start_soon(drain)
-
-            async def listing() -> dict[str, Any]:
-                # A fresh connection per call, so both workers answer some of them.
-                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-                    return (await client.get(url + "/instances", headers={"x-api-key": "k"})).json()
-
-            async def every_worker_lists(count: int) -> None:
-                seen: set[int] = set()
-                with trio.fail_after(30):
-                    while len(seen) < 2:
-                        answer = await listing()
-                        if len(answer["instances"]["decode"]) == count:
-                            seen.add(answer["worker_pid"])
-
-            await every_worker_lists(1)
+        command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+                   "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
+                   "--dns-interval", "0.05", "--dns-timeout", "0.3"]
+        env = {**os.environ, "EPD_ADMIN_KEY": "k"}
+        async with server_process(nursery, command, env) as served:
+            url = served.url
+            await every_worker_lists(url, 1, "k")
             await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]] + [(ADDRESSES[2], alias)])
-            await every_worker_lists(2)
+            await every_worker_lists(url, 2, "k")
             # A name registered with whichever worker takes the call reaches the one resolving.
             async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                 r = await client.post(url + "/instances", headers={"x-api-key": "k"},
                                       json={"role": "decode", "url": f"dns+http://{alias}:{port}"})
             assert r.json() == {"registered": True}
-            await every_worker_lists(3)
+            await every_worker_lists(url, 3, "k")
             statuses = []
             for _ in range(9):
                 async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                     statuses.append((await client.post(url + CHAT, json=chat_body())).status_code)
             assert set(statuses) == {200}
             assert all(fake.requests() for fake in fakes)
-            assert log.count(b"DNS discovery of") == 1, log.decode(errors="replace")
-        finally:
-            process.kill()
-            await process.wait()
+            assert served.log.count(b"DNS discovery of") == 1, served.log.decode(errors="replace")
 
 
 async def test_a_registered_dns_name_is_resolved_until_unregistered(
