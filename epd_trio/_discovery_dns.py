@@ -21,7 +21,6 @@ everything after start-up is logged and retried at the next round.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -44,6 +43,7 @@ from ._core.discovery import (
     Query,
     address_queries,
     dns_instances,
+    ip_address_of,
     next_view,
     parse_dns_url,
 )
@@ -61,7 +61,8 @@ async def make_resolver(nameserver: str | None, query_timeout: float) -> dns.asy
         return system_resolver(query_timeout)
     host, port = split_host_port(nameserver, 53)
     resolver = dns.asyncresolver.Resolver(configure=False)
-    resolver.nameservers = await nameserver_addresses(host, port)
+    resolver.nameservers = await trio.to_thread.run_sync(
+        nameserver_addresses, host, port, abandon_on_cancel=True)
     resolver.port = port
     return _tuned(resolver, query_timeout)
 
@@ -85,37 +86,26 @@ def _tuned(resolver: dns.asyncresolver.Resolver,
     return resolver
 
 
-async def nameserver_addresses(host: str, port: int) -> list[str]:
+def nameserver_addresses(host: str, port: int) -> list[str]:
     """The addresses of the DNS server ``host``: itself when it is one, else what the system's
     resolver answers for the name now (every address, in its order; a server that moves is
-    seen at the next start)."""
-    if _is_address(host):
-        return [str(ipaddress.ip_address(host))]
+    seen at the next start); ``OSError`` when it does not resolve. Blocking: ``epd-trio
+    serve`` checks it before any worker (``check_nameserver``), ``make_resolver`` runs it in
+    a thread."""
+    address = ip_address_of(host)
+    if address is not None:
+        return [address]
     try:
-        found = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
         raise OSError(_unresolved(host, exc)) from None
     return list(dict.fromkeys(str(info[4][0]) for info in found))
 
 
 def check_nameserver(nameserver: str | None) -> None:
-    """``nameserver_addresses``' check, blocking, for ``epd-trio serve`` before any worker."""
-    if nameserver is None:
-        return
-    host, port = split_host_port(nameserver, 53)
-    if not _is_address(host):
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        except socket.gaierror as exc:
-            raise OSError(_unresolved(host, exc)) from None
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+    """``nameserver_addresses``, for ``epd-trio serve`` before any worker starts."""
+    if nameserver is not None:
+        nameserver_addresses(*split_host_port(nameserver, 53))
 
 
 def _unresolved(host: str, exc: Exception) -> str:

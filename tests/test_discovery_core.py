@@ -21,6 +21,7 @@ from epd_trio._core.discovery import (
     address_queries,
     backoff,
     dns_instances,
+    ip_address_of,
     next_view,
     parse_dns_url,
     parse_selector,
@@ -51,6 +52,7 @@ def test_dns_urls(spec: str, expected: DnsName) -> None:
 
 @pytest.mark.parametrize("spec, problem", [
     ("dns+http://10.0.0.1:8000", "names an address"),
+    ("dns+http://[fd00::1]:8000", "names an address"),
     ("dnssrv+http://_http._tcp.x:8000", "gives its own ports"),
     ("dns+http://x:8000?a=1", "no query"),
     ("dns+http://x:8000#dp=0", "positive integer"),
@@ -60,6 +62,15 @@ def test_dns_urls(spec: str, expected: DnsName) -> None:
 def test_bad_dns_urls(spec: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_dns_url(spec)
+
+
+@pytest.mark.parametrize("host, address", [
+    ("10.96.0.10", "10.96.0.10"), ("::1", "::1"), ("FD00:0:0::A", "fd00::a"),
+    ("kube-dns", None), ("kube-dns.kube-system.svc.", None), ("10.96.0", None), ("", None),
+    ("[::1]", None),  # brackets are the URL's, not the address's
+])
+def test_an_ip_address_is_told_from_a_name(host: str, address: str | None) -> None:
+    assert ip_address_of(host) == address
 
 
 def test_settings_take_dns_names_in_the_url_lists() -> None:

@@ -298,13 +298,13 @@ async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
     port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
     spec = f"dns+http://{NAME}:{port}"
     asked: list[str] = []
-    getaddrinfo = trio.socket.getaddrinfo
+    getaddrinfo = socket.getaddrinfo
 
-    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
         asked.append(host)
-        return await getaddrinfo(host, *args, **kwargs)
+        return getaddrinfo(host, *args, **kwargs)
 
-    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
     async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
         settings = Settings(decode_urls=(parse_dns_url(spec),),
                             dns_nameserver=f"localhost:{server.port}", dns_interval=0.05,
@@ -326,13 +326,13 @@ async def test_two_names_registered_at_once_share_one_resolver(
     port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
     alias = "vllm-extra.test"
     asked: list[str] = []
-    getaddrinfo = trio.socket.getaddrinfo
+    getaddrinfo = socket.getaddrinfo
 
-    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
         asked.append(host)
-        return await getaddrinfo(host, *args, **kwargs)
+        return getaddrinfo(host, *args, **kwargs)
 
-    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
     specs = [f"dns+http://{NAME}:{port}", f"dns+http://{alias}:{port}"]
     applied: dict[str, int] = {}
 
@@ -355,11 +355,7 @@ async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
     def unknown(*args: Any, **kwargs: Any) -> Any:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    async def unknown_async(*args: Any, **kwargs: Any) -> Any:
-        unknown()
-
     monkeypatch.setattr(socket, "getaddrinfo", unknown)
-    monkeypatch.setattr(trio.socket, "getaddrinfo", unknown_async)
     settings = settings_from({"EPD_DECODE_URLS": "dns+http://vllm-decode.test:8000",
                               "EPD_DNS_NAMESERVER": "kube-dns.example:53"})
     message = r"EPD_DNS_NAMESERVER kube-dns.example does not resolve \(.*\); name the DNS server"
