@@ -39,6 +39,7 @@ from ._discovery import check_discovery
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
+from ._state_tls import tls_context
 from ._tracing import check_tracing
 from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
@@ -199,6 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings = load_settings(flags=serve_flags(args), config_path=args.config)
         check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
         check_discovery(settings)  # the same for a missing or refused kubeconfig
+        if settings.state_url is not None:
+            tls_context(settings.state_url)  # and for a rediss:// URL's unusable TLS files
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -4,9 +4,11 @@ Why one context built here: coredis, given only ``ssl=True``, verifies the serve
 not its host name (its default), while the cursor's lean link used Python's defaults (chain and
 host name). Both connections now use the same context: the system's certificate authorities or
 the URL's ``ssl_ca_certs``, the host name checked, and a client certificate when the URL gives
-one. It is built at start-up (``_environment.load_settings``, and again by the link), so a path
-that cannot be read or a file that is not PEM stops the proxy with one line naming
-``EPD_STATE_URL`` and the parameter, not a handshake failure retried forever.
+one. It is built when the app is made (``StateLink``), and ``epd-trio serve`` builds it once
+more before any worker starts, so a path that cannot be read or a file that is not PEM stops
+the proxy with one line naming ``EPD_STATE_URL`` and the parameter (once, not once per worker;
+plain ``hypercorn`` says it as ``epd_trio.app`` is imported), not a handshake failure retried
+forever.
 """
 
 from __future__ import annotations
