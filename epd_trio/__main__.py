@@ -205,9 +205,6 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"epd-trio: {exc}", file=sys.stderr)
-        return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
                            graceful_timeout=args.graceful_timeout, access_log=args.access_log)

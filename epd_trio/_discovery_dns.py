@@ -31,7 +31,7 @@ import dns.exception
 import dns.resolver
 import trio
 
-from ._core.config import split_host_port
+from ._core.config import ConfigError, env_name, split_host_port
 from ._core.discovery import (
     Answer,
     Discovered,
@@ -61,8 +61,11 @@ async def make_resolver(nameserver: str | None, query_timeout: float) -> dns.asy
         return system_resolver(query_timeout)
     host, port = split_host_port(nameserver, 53)
     resolver = dns.asyncresolver.Resolver(configure=False)
-    resolver.nameservers = await trio.to_thread.run_sync(
-        nameserver_addresses, host, port, abandon_on_cancel=True)
+    try:
+        resolver.nameservers = await trio.to_thread.run_sync(
+            nameserver_addresses, host, port, abandon_on_cancel=True)
+    except OSError as exc:
+        raise OSError(f"DNS discovery: {env_name('dns_nameserver')} {exc}") from None
     resolver.port = port
     return _tuned(resolver, query_timeout)
 
@@ -103,14 +106,17 @@ def nameserver_addresses(host: str, port: int) -> list[str]:
 
 
 def check_nameserver(nameserver: str | None) -> None:
-    """``nameserver_addresses``, for ``epd-trio serve`` before any worker starts."""
+    """``nameserver_addresses``, for ``epd-trio serve`` before any worker starts: a name that
+    does not resolve is a ``ConfigError`` naming ``EPD_DNS_NAMESERVER``."""
     if nameserver is not None:
-        nameserver_addresses(*split_host_port(nameserver, 53))
+        try:
+            nameserver_addresses(*split_host_port(nameserver, 53))
+        except OSError as exc:
+            raise ConfigError(env_name("dns_nameserver"), str(exc)) from None
 
 
 def _unresolved(host: str, exc: Exception) -> str:
-    return (f"DNS discovery: EPD_DNS_NAMESERVER {host} does not resolve ({exc}); name the DNS "
-            "server by its address")
+    return f"{host} does not resolve ({exc}); name the DNS server by its address"
 
 
 def trio_backend() -> dns.asyncbackend.Backend:

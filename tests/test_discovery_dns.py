@@ -8,6 +8,7 @@ Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's re
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -24,7 +25,8 @@ import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
-from epd_trio._core.config import Settings, settings_from
+import epd_trio.__main__ as epd_main
+from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, Empty, parse_dns_url
 from epd_trio._discovery import check_discovery
 from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
@@ -350,7 +352,7 @@ async def test_two_names_registered_at_once_share_one_resolver(
 
 
 async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     def unknown(*args: Any, **kwargs: Any) -> Any:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
@@ -359,8 +361,22 @@ async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
     settings = settings_from({"EPD_DECODE_URLS": "dns+http://vllm-decode.test:8000",
                               "EPD_DNS_NAMESERVER": "kube-dns.example:53"})
     message = r"EPD_DNS_NAMESERVER kube-dns.example does not resolve \(.*\); name the DNS server"
-    with pytest.raises(OSError, match=message):
-        check_discovery(settings)  # epd-trio serve, before any worker
+    # epd-trio serve, before any worker: a configuration error naming the setting, exit 2.
+    refused = (r"EPD_DNS_NAMESERVER: kube-dns.example does not resolve \(.*\); name the DNS "
+               r"server by its address")
+    with pytest.raises(ConfigError, match=f"^{refused}$"):
+        check_discovery(settings)
+
+    def serve(*args: object) -> int:
+        raise AssertionError("epd-trio serve started workers")
+
+    monkeypatch.setattr(epd_main, "serve", serve)
+    for variable in [v for v in os.environ if v.startswith("EPD_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("EPD_DECODE_URLS", "dns+http://vllm-decode.test:8000")
+    monkeypatch.setenv("EPD_DNS_NAMESERVER", "kube-dns.example:53")
+    assert epd_main.main(["serve", "--port", "0"]) == 2
+    assert re.fullmatch(f"epd-trio: configuration error: {refused}\n", capsys.readouterr().err)
     found = DnsDiscovery(settings.dns_names(), lambda *a: ([], []),
                          nameserver=settings.dns_nameserver, interval=1, timeout=1)
     with pytest.raises(OSError, match=message):
