@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
 from epd_trio import Instance
-from epd_trio.__main__ import build_parser, serve_flags
+from epd_trio.__main__ import build_parser, load_serve_settings, serve_flags
 from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import (
     EMPTY_CONFIRMATIONS,
@@ -131,6 +133,25 @@ def test_vllm_routers_plain_selector_is_the_decode_selector() -> None:
     for split in ("--prefill-selector", "--decode-selector"):
         with pytest.raises(ConfigError, match=f"^--selector: .*: give it or {split}, not both"):
             serve_settings("--service-discovery", "--selector", "app=vllm", split, "role=x")
+
+
+def test_the_plain_selector_is_refused_beside_a_prefill_selector_from_anywhere(
+    tmp_path: Path,
+) -> None:
+    """The flags alone would let a prefill selector from the environment or the config file
+    through beside ``--selector``: a P/D split it says there is not."""
+    args = build_parser().parse_args(["serve", "--service-discovery", "--selector", "app=vllm"])
+    refused = "^--selector: .*: give it or EPD_PREFILL_SELECTOR .*, not both$"
+    with pytest.raises(ConfigError, match=refused):
+        load_serve_settings(args, {"EPD_PREFILL_SELECTOR": "app=vllm,role=prefill"})
+    config = tmp_path / "epd.toml"
+    config.write_text('prefill_selector = "app=vllm,role=prefill"\n')
+    with pytest.raises(ConfigError, match=refused):
+        load_serve_settings(args, {"EPD_CONFIG": str(config)})
+    # A decode selector from there is only overridden, as by any flag; an encode one stays.
+    settings = load_serve_settings(args, {"EPD_DECODE_SELECTOR": "app=old",
+                                          "EPD_ENCODE_SELECTOR": "app=enc"})
+    assert settings.selectors() == [("encode", "app=enc"), ("decode", "app=vllm")]
 
 
 NAME = parse_dns_url("dns+http://vllm-d:8000#dp=2")
