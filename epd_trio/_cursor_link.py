@@ -159,7 +159,7 @@ class CursorLink:
         if slot.error is not None:
             raise LinkBroken(str(slot.error))
         if isinstance(slot.value, CommandRefused):
-            raise CommandRefused(str(slot.value))
+            raise slot.value  # this call's own reply: no other caller holds it
         if not isinstance(slot.value, int):
             raise LinkBroken(f"INCRBY answered {slot.value!r}")
         return slot.value

@@ -40,11 +40,8 @@ def tls_context(url: StateURL) -> ssl.SSLContext | None:
 def _load(parameter: str, path: str, load: Callable[[], object]) -> None:
     try:
         load()
-    except ssl.SSLError as exc:  # not PEM, or a key that does not fit its certificate
-        reason = exc.reason or str(exc)
-        raise ConfigError(env_name("state_url"),
-                          f"{parameter}: cannot use {path}: {reason}") from None
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    except OSError as exc:  # unreadable; or an ssl.SSLError: not PEM, a key that does not fit
+        ssl_reason = exc.reason if isinstance(exc, ssl.SSLError) else None
+        reason = ssl_reason or exc.strerror or str(exc)
         raise ConfigError(env_name("state_url"),
                           f"{parameter}: cannot use {path}: {reason}") from None
