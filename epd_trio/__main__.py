@@ -19,7 +19,7 @@ import os
 import shlex
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -31,6 +31,7 @@ from ._core.config import (
     SETTING_CHOICES,
     SETTING_DEFAULTS,
     ConfigError,
+    Settings,
     env_name,
     flag_name,
 )
@@ -39,6 +40,7 @@ from ._discovery import check_discovery
 from ._environment import load_settings
 from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
 from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
+from ._state_tls import tls_context
 from ._tracing import check_tracing
 from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
@@ -194,16 +196,33 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
+def load_serve_settings(args: argparse.Namespace,
+                        environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings ``epd-trio serve`` runs with: the config file, the environment (``environ``,
+    else ``os.environ``) and the flags merged (``load_settings``).
+
+    ``--selector``'s rule is checked again on the merged result: ``serve_flags`` sees only the
+    flags, and a prefill selector from the environment or the file beside ``--selector`` would
+    silently make the P/D split ``--selector`` says there is not. A decode selector from there
+    is only overridden by it, as by any flag."""
+    settings = load_settings(environ, flags=serve_flags(args), config_path=args.config)
+    if getattr(args, "selector", None) and settings.prefill_selector:
+        raise ConfigError("--selector", "is vllm-router's selector of a fleet without a "
+                          "prefill/decode split (--decode-selector here): give it or "
+                          f"{env_name('prefill_selector')} (set in the environment or the "
+                          "config file), not both")
+    return settings
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
-        settings = load_settings(flags=serve_flags(args), config_path=args.config)
+        settings = load_serve_settings(args)
         check_tracing(os.environ)  # before any worker: a missing SDK is one line, not N
         check_discovery(settings)  # the same for a missing or refused kubeconfig
+        if settings.state_url is not None:
+            tls_context(settings.state_url)  # and for a rediss:// URL's unusable TLS files
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"epd-trio: {exc}", file=sys.stderr)
         return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,

@@ -27,6 +27,7 @@ from collections import deque
 import trio
 
 from ._core.state_url import StateURL
+from ._state_tls import tls_context
 
 #: Bytes read per receive.
 READ_SIZE = 65536
@@ -99,8 +100,10 @@ class CursorLink:
     @classmethod
     async def open(cls, url: StateURL, tls: ssl.SSLContext | None = None) -> CursorLink:
         """Connect, authenticate and select the database (the caller bounds the time).
-        ``tls``: the context of a ``rediss://`` URL (``_state_tls``; Python's default
-        context when not given)."""
+        ``tls``: the context of a ``rediss://`` URL; when not given,
+        ``_state_tls.tls_context(url)`` (the URL's ``ssl_ca_certs`` and client certificate,
+        the rule of ``_state_sync.redis_client`` too)."""
+        context = tls if tls is not None else tls_context(url)  # before any socket is open
         if url.scheme == "unix":
             assert url.path is not None
             stream: trio.abc.Stream = await trio.open_unix_socket(url.path)
@@ -108,8 +111,8 @@ class CursorLink:
             assert url.host is not None and url.port is not None
             stream = await trio.open_tcp_stream(url.host, url.port)
             if url.tls:
-                stream = trio.SSLStream(stream, tls or ssl.create_default_context(),
-                                        server_hostname=url.host)
+                assert context is not None  # tls_context's answer for a rediss:// URL
+                stream = trio.SSLStream(stream, context, server_hostname=url.host)
         link = cls(stream)
         try:
             if isinstance(stream, trio.SSLStream):
@@ -156,7 +159,7 @@ class CursorLink:
         if slot.error is not None:
             raise LinkBroken(str(slot.error))
         if isinstance(slot.value, CommandRefused):
-            raise CommandRefused(str(slot.value))
+            raise slot.value  # this call's own reply: no other caller holds it
         if not isinstance(slot.value, int):
             raise LinkBroken(f"INCRBY answered {slot.value!r}")
         return slot.value

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import trio
 
-from ._core.config import Settings
+from ._core.config import ConfigError, Settings, env_name
 from ._discovery_dns import Apply, DnsDiscovery, check_nameserver
 from ._discovery_k8s import KubernetesDiscovery
 from ._kube_api import kube_api
@@ -47,8 +47,22 @@ def check_discovery(settings: Settings) -> None:
     """What discovery needs from outside, checked before any worker starts: how Kubernetes
     discovery reaches the API server (no pod and no kubeconfig, a refused kubeconfig such as an
     exec plugin, an unreadable CA) and a DNS server given by a name that does not resolve are
-    an ``OSError`` naming it. Each process that discovers checks again when it starts."""
+    a ``ConfigError`` naming the setting at fault (``epd-trio serve`` shows it in one line and
+    exits 2, as for any other setting). Each process that discovers checks again when it
+    starts (there, an ``OSError``)."""
     if settings.selectors():
-        kube_api(settings).connect()
+        try:
+            kube_api(settings).connect()
+        except OSError as exc:
+            raise ConfigError(_kube_setting(settings), str(exc)) from None
     if settings.dns_names() or settings.admin_key:
         check_nameserver(settings.dns_nameserver)
+
+
+def _kube_setting(settings: Settings) -> str:
+    """The setting a failure to reach the API server is blamed on: the kubeconfig or the
+    context it names when given, else the switch that asked for Kubernetes discovery."""
+    for field in ("service_discovery_kubeconfig", "service_discovery_context"):
+        if getattr(settings, field):
+            return env_name(field)
+    return env_name("service_discovery")

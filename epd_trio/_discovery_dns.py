@@ -21,7 +21,6 @@ everything after start-up is logged and retried at the next round.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 from collections.abc import Callable, Sequence
@@ -32,7 +31,7 @@ import dns.exception
 import dns.resolver
 import trio
 
-from ._core.config import split_host_port
+from ._core.config import ConfigError, env_name, split_host_port
 from ._core.discovery import (
     Answer,
     Discovered,
@@ -44,6 +43,7 @@ from ._core.discovery import (
     Query,
     address_queries,
     dns_instances,
+    ip_address_of,
     next_view,
     parse_dns_url,
 )
@@ -58,58 +58,65 @@ async def make_resolver(nameserver: str | None, query_timeout: float) -> dns.asy
     """The system's resolver, or one asking only ``nameserver`` (``host[:port]``; a host name
     is resolved here, once, through the system's resolver: ``nameserver_addresses``)."""
     if nameserver is None:
-        try:
-            resolver = dns.asyncresolver.Resolver()
-        except dns.resolver.NoResolverConfiguration as exc:
-            raise OSError(f"DNS discovery: no system resolver configured ({exc}); set "
-                          "EPD_DNS_NAMESERVER") from None
-    else:
-        host, port = split_host_port(nameserver, 53)
-        resolver = dns.asyncresolver.Resolver(configure=False)
-        resolver.nameservers = await nameserver_addresses(host, port)
-        resolver.port = port
+        return system_resolver(query_timeout)
+    host, port = split_host_port(nameserver, 53)
+    resolver = dns.asyncresolver.Resolver(configure=False)
+    try:
+        resolver.nameservers = await trio.to_thread.run_sync(
+            nameserver_addresses, host, port, abandon_on_cancel=True)
+    except OSError as exc:
+        raise OSError(f"DNS discovery: {env_name('dns_nameserver')} {exc}") from None
+    resolver.port = port
+    return _tuned(resolver, query_timeout)
+
+
+def system_resolver(query_timeout: float) -> dns.asyncresolver.Resolver:
+    """The resolver of ``/etc/resolv.conf``; ``OSError`` when there is none. Synchronous: it
+    reads a local file and asks no server."""
+    try:
+        resolver = dns.asyncresolver.Resolver()
+    except dns.resolver.NoResolverConfiguration as exc:
+        raise OSError(f"DNS discovery: no system resolver configured ({exc}); set "
+                      "EPD_DNS_NAMESERVER") from None
+    return _tuned(resolver, query_timeout)
+
+
+def _tuned(resolver: dns.asyncresolver.Resolver,
+           query_timeout: float) -> dns.asyncresolver.Resolver:
     resolver.timeout = query_timeout
     resolver.lifetime = query_timeout
     resolver.cache = None
     return resolver
 
 
-async def nameserver_addresses(host: str, port: int) -> list[str]:
+def nameserver_addresses(host: str, port: int) -> list[str]:
     """The addresses of the DNS server ``host``: itself when it is one, else what the system's
     resolver answers for the name now (every address, in its order; a server that moves is
-    seen at the next start)."""
-    if _is_address(host):
-        return [str(ipaddress.ip_address(host))]
+    seen at the next start); ``OSError`` when it does not resolve. Blocking: ``epd-trio
+    serve`` checks it before any worker (``check_nameserver``), ``make_resolver`` runs it in
+    a thread."""
+    address = ip_address_of(host)
+    if address is not None:
+        return [address]
     try:
-        found = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as exc:
         raise OSError(_unresolved(host, exc)) from None
     return list(dict.fromkeys(str(info[4][0]) for info in found))
 
 
 def check_nameserver(nameserver: str | None) -> None:
-    """``nameserver_addresses``' check, blocking, for ``epd-trio serve`` before any worker."""
-    if nameserver is None:
-        return
-    host, port = split_host_port(nameserver, 53)
-    if not _is_address(host):
+    """``nameserver_addresses``, for ``epd-trio serve`` before any worker starts: a name that
+    does not resolve is a ``ConfigError`` naming ``EPD_DNS_NAMESERVER``."""
+    if nameserver is not None:
         try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
-        except socket.gaierror as exc:
-            raise OSError(_unresolved(host, exc)) from None
-
-
-def _is_address(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
+            nameserver_addresses(*split_host_port(nameserver, 53))
+        except OSError as exc:
+            raise ConfigError(env_name("dns_nameserver"), str(exc)) from None
 
 
 def _unresolved(host: str, exc: Exception) -> str:
-    return (f"DNS discovery: EPD_DNS_NAMESERVER {host} does not resolve ({exc}); name the DNS "
-            "server by its address")
+    return f"{host} does not resolve ({exc}); name the DNS server by its address"
 
 
 def trio_backend() -> dns.asyncbackend.Backend:
@@ -180,17 +187,23 @@ class DnsDiscovery:
         while not predicate():
             await self._round_done.wait()
 
-    async def resolver(self) -> dns.asyncresolver.Resolver:
-        """Made at the first name (a proxy that only might get names registered needs no
-        resolver configuration until one is), and kept: a nameserver given by name is
-        resolved once."""
+    def resolver(self) -> dns.asyncresolver.Resolver:
+        """The one resolver of every name, kept. One asking ``EPD_DNS_NAMESERVER`` is made by
+        ``run`` before it reports started (a server given by name is resolved there, once, and
+        no name's task can race to resolve it too). The system's is made at the first name (a
+        proxy that only might get names registered needs no ``/etc/resolv.conf`` until one
+        is), synchronously: no checkpoint between the test and the set, so two names arriving
+        at once share it."""
         if self._resolver is None:
-            self._resolver = await make_resolver(self._nameserver, self._timeout)
+            assert self._nameserver is None, "run() makes the resolver of a named server"
+            self._resolver = system_resolver(self._timeout)
         return self._resolver
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._names or self._nameserver is not None:
+            # No resolver (configuration): start-up fails, naming why.
+            self._resolver = await make_resolver(self._nameserver, self._timeout)
         if self._names:
-            await self.resolver()  # no resolver (configuration): start-up fails, naming why
             log.info("DNS discovery of %s through %s, every %g s",
                      ", ".join(name.spec for _role, name in self._names),
                      self._nameserver or "the system resolver", self._interval)
@@ -241,7 +254,7 @@ class DnsDiscovery:
         self._signal()
 
     async def _resolve(self, role: str, name: DnsName, apply: Apply) -> None:
-        resolver = await self.resolver()
+        resolver = self.resolver()
         view = self.views[name.spec]
         answers: dict[Query, Answer] = {}
         srv = None

@@ -168,26 +168,32 @@ class KubernetesDiscovery:
                 if gone == 1:
                     log.info("Kubernetes %s: resource version gone (410); listing again", role)
                     continue
-                first.set()
-                self.reconnects[role] += 1
-                delay = backoff(gone - 1, self._jitter())
-                log.log(logging.WARNING if gone <= 4 or gone % 10 == 0 else logging.DEBUG,
-                        "Kubernetes %s: 410 Gone %d times in a row; keeping the last view, "
-                        "listing again in %.1f s", role, gone, delay)
-                self._step()
-                await trio.sleep(delay)
+                await self._back_off(
+                    role, first, gone - 1, gone <= 4 or gone % 10 == 0,
+                    "Kubernetes %s: 410 Gone %d times in a row; keeping the last view, "
+                    "listing again in %.1f s", role, gone)
             except Exception as exc:
                 # httpx errors, error statuses, malformed lines or objects, the roster full.
-                first.set()
                 view = self.views[role]  # the events before the break are kept
                 failures += 1
-                self.reconnects[role] += 1
-                delay = backoff(failures, self._jitter())
-                level = logging.WARNING if failures <= 3 or failures % 10 == 0 else logging.DEBUG
-                log.log(level, "Kubernetes %s discovery: %s: %s; keeping the last view, retrying "
-                        "in %.1f s", role, type(exc).__name__, exc, delay)
-                self._step()
-                await trio.sleep(delay)
+                await self._back_off(
+                    role, first, failures, failures <= 3 or failures % 10 == 0,
+                    "Kubernetes %s discovery: %s: %s; keeping the last view, retrying in %.1f s",
+                    role, type(exc).__name__, exc)
+
+    async def _back_off(self, role: str, first: trio.Event, attempt: int, loud: bool,
+                        message: str, *args: object) -> None:
+        """Wait ``backoff(attempt)`` before ``_follow`` tries again, after a failure or a
+        repeated 410. Start-up is not held (``first``: it goes on with the last view, maybe
+        none), the reconnect is counted, and ``message % (*args, delay)`` is logged as a
+        warning when ``loud`` (the first few in a row, then every tenth), else at debug level:
+        an API server down for an hour must not flood the log."""
+        first.set()
+        self.reconnects[role] += 1
+        delay = backoff(attempt, self._jitter())
+        log.log(logging.WARNING if loud else logging.DEBUG, message, *args, delay)
+        self._step()
+        await trio.sleep(delay)
 
     def _headers(self) -> dict[str, str]:
         assert self._connection is not None

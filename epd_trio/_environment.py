@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._core.config import ENV_PREFIX, ConfigError, Settings, settings_from, unknown_settings
-from ._state_tls import tls_context
 
 log = logging.getLogger("epd_trio")
 
@@ -39,8 +38,6 @@ def load_settings(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(ENV_PREFIX + "CONFIG", f"{path} is not valid TOML: {exc}") from None
     settings = settings_from(environ, file_values, flags)
-    if settings.state_url is not None:
-        tls_context(settings.state_url)  # its files readable: refused now, naming the setting
     for name, close in unknown_settings(environ):
         hint = f"; did you mean {close}?" if close else ""
         log.warning("unknown setting %s is ignored%s (epd-trio serve --help lists them all)",

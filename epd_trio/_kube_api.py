@@ -106,10 +106,8 @@ class KubeApi:
         except OSError as exc:
             raise OSError(f"Kubernetes discovery: cannot read the cluster CA {ca} "
                           f"({exc})") from None
-        token_path = self.account_dir / "token"
-        _read_token(token_path, "the service account token")  # now: a missing one fails start-up
-        return KubeConnection(base, self.namespace or self._account_namespace(), verify,
-                              partial(_read_token, token_path, "the service account token"),
+        token = _token_file(self.account_dir / "token", "the service account token")
+        return KubeConnection(base, self.namespace or self._account_namespace(), verify, token,
                               f"{base} (in-cluster service account)")
 
     def _account_namespace(self) -> str:
@@ -133,9 +131,7 @@ class KubeApi:
         verify = _tls_context(target, where) if target.server.startswith("https://") else True
         token: Callable[[], str | None]
         if target.token_file is not None:
-            token_file = Path(target.token_file)
-            _read_token(token_file, f"the token file of {where}")
-            token = partial(_read_token, token_file, f"the token file of {where}")
+            token = _token_file(Path(target.token_file), f"the token file of {where}")
         else:
             token = _fixed(target.token)
         return KubeConnection(target.server, self.namespace or target.namespace, verify, token,
@@ -174,6 +170,13 @@ def read_kubeconfig(path: Path) -> Any:
 
 def _fixed(token: str | None) -> Callable[[], str | None]:
     return lambda: token
+
+
+def _token_file(path: Path, what: str) -> Callable[[], str | None]:
+    """The token of a file re-read at every connection (the kubelet rotates a service
+    account's); read once now as well, so a missing or unreadable one fails start-up."""
+    _read_token(path, what)
+    return partial(_read_token, path, what)
 
 
 def _read_token(path: Path, what: str) -> str | None:

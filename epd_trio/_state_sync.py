@@ -155,15 +155,15 @@ return {clash, out, wrong}
 def redis_client(url: StateURL, timeout: float, name: str,
                  tls: ssl.SSLContext | None = None) -> coredis.Redis[bytes]:
     """A client for ``url``; no retries of its own (the link reconnects, the cursor falls
-    back), every call bounded by ``timeout``. ``tls``: the context of a ``rediss://`` URL
-    (``_state_tls``; built here when not given)."""
+    back), every call bounded by ``timeout``. ``tls``: the context of a ``rediss://`` URL;
+    when not given, ``_state_tls.tls_context(url)`` (the rule of ``CursorLink.open`` too)."""
     common: dict[str, Any] = {"db": url.db, "username": url.username, "password": url.password,
                               "stream_timeout": timeout, "connect_timeout": timeout,
                               "retry_policy": NoRetryPolicy(), "client_name": name}
     if url.scheme == "unix":
         return coredis.Redis(host=None, port=None, unix_socket_path=url.path, **common)
     if url.tls:
-        common["ssl_context"] = tls or tls_context(url)
+        common["ssl_context"] = tls if tls is not None else tls_context(url)
     return coredis.Redis(host=url.host, port=url.port, ssl=url.tls, **common)
 
 

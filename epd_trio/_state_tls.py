@@ -4,9 +4,11 @@ Why one context built here: coredis, given only ``ssl=True``, verifies the serve
 not its host name (its default), while the cursor's lean link used Python's defaults (chain and
 host name). Both connections now use the same context: the system's certificate authorities or
 the URL's ``ssl_ca_certs``, the host name checked, and a client certificate when the URL gives
-one. It is built at start-up (``_environment.load_settings``, and again by the link), so a path
-that cannot be read or a file that is not PEM stops the proxy with one line naming
-``EPD_STATE_URL`` and the parameter, not a handshake failure retried forever.
+one. It is built when the app is made (``StateLink``), and ``epd-trio serve`` builds it once
+more before any worker starts, so a path that cannot be read or a file that is not PEM stops
+the proxy with one line naming ``EPD_STATE_URL`` and the parameter (once, not once per worker;
+plain ``hypercorn`` says it as ``epd_trio.app`` is imported), not a handshake failure retried
+forever.
 """
 
 from __future__ import annotations
@@ -38,11 +40,8 @@ def tls_context(url: StateURL) -> ssl.SSLContext | None:
 def _load(parameter: str, path: str, load: Callable[[], object]) -> None:
     try:
         load()
-    except ssl.SSLError as exc:  # not PEM, or a key that does not fit its certificate
-        reason = exc.reason or str(exc)
-        raise ConfigError(env_name("state_url"),
-                          f"{parameter}: cannot use {path}: {reason}") from None
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
+    except OSError as exc:  # unreadable; or an ssl.SSLError: not PEM, a key that does not fit
+        ssl_reason = exc.reason if isinstance(exc, ssl.SSLError) else None
+        reason = ssl_reason or exc.strerror or str(exc)
         raise ConfigError(env_name("state_url"),
                           f"{parameter}: cannot use {path}: {reason}") from None

@@ -20,9 +20,9 @@ from ._tracing import create_tracing
 try:
     settings = load_settings()
     tracing = create_tracing(os.environ)
+    setup_serving_process(settings)
+    # Refuses what only building the app reads, such as a rediss:// URL's TLS files.
+    app = create_app(settings, tracing=tracing)
 except ConfigError as exc:
     print(f"epd_trio: configuration error: {exc}", file=sys.stderr)
     raise SystemExit(2) from None
-
-setup_serving_process(settings)
-app = create_app(settings, tracing=tracing)

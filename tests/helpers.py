@@ -1,11 +1,14 @@
-"""Request builders and a ``/metrics`` reader shared by the integration tests."""
+"""Request builders, a ``/metrics`` reader and servers run as processes, shared by the
+integration tests."""
 
 from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,6 +18,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_trio._core.names import PATH_OF_KIND
+from epd_trio.testing.process import read_until, stop_process
 
 #: The client-facing paths the tests call.
 CHAT = PATH_OF_KIND["chat"]
@@ -155,3 +159,63 @@ async def serve_on_addresses(
     for fake, address in zip(fakes[1:], addresses[1:len(fakes)], strict=True):
         await nursery.start(fake.serve, address, port)
     return port
+
+
+#: What ``epd-trio serve`` prints once it accepts connections (the URL is the group).
+SERVING = rb"listening on (http://\S+)"
+
+
+@dataclass
+class ServerProcess:
+    """A server started by ``server_process``: its URL, and its stderr so far."""
+
+    url: str
+    #: Everything the process wrote to stderr, growing while it runs (drained in a task).
+    log: bytearray = field(default_factory=bytearray)
+
+
+@asynccontextmanager
+async def server_process(
+    nursery: trio.Nursery, command: list[str], env: dict[str, str], *,
+    pattern: bytes = SERVING, limit: float = 30.0,
+) -> AsyncIterator[ServerProcess]:
+    """Start a server as a subprocess (``epd-trio serve``, plain ``hypercorn``), and yield once
+    ``pattern`` shows its URL in its stderr. A task in ``nursery`` keeps reading that stderr
+    into ``log`` so the process never blocks on a full pipe; on the way out it is stopped with
+    ``stop_process`` (SIGTERM, then SIGKILL), also when the test fails or is cancelled."""
+    process = await trio.lowlevel.open_process(command, env=env, stderr=subprocess.PIPE)
+    try:
+        stderr = process.stderr
+        assert stderr is not None
+        match, seen = await read_until(stderr, pattern, limit=limit)
+        served = ServerProcess(match.group(1).decode(), bytearray(seen))
+
+        async def drain() -> None:
+            async for chunk in stderr:
+                served.log.extend(chunk)
+
+        nursery.start_soon(drain)
+        yield served
+    finally:
+        await stop_process(process)
+
+
+async def instances_listing(url: str, api_key: str) -> dict[str, Any]:
+    """``GET /instances``, on a fresh connection: with ``--workers N`` any worker answers."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        r = await client.get(url + "/instances", headers={"x-api-key": api_key})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+async def every_worker_lists(url: str, count: int, api_key: str, *, workers: int = 2,
+                             role: str = "decode", limit: float = 30.0) -> None:
+    """Return once ``workers`` different worker processes behind ``url`` have each listed
+    ``count`` instances of ``role`` (polled: no event crosses processes; each call is a
+    round trip, so the loop does not spin)."""
+    seen: set[int] = set()
+    with trio.fail_after(limit):
+        while len(seen) < workers:
+            answer = await instances_listing(url, api_key)
+            if len(answer["instances"][role]) == count:
+                seen.add(answer["worker_pid"])

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import trio
 
 from epd_trio._core.state_url import parse_state_url
 from epd_trio._cursor_link import CommandRefused, CursorLink, LinkBroken, command, parse_replies
+from epd_trio._state_sync import redis_client
 
-from real_servers import RedisServer
+from real_servers import RedisServer, tls_redis_server
 
 
 def test_commands_are_arrays_of_bulk_strings() -> None:
@@ -104,3 +107,23 @@ async def test_a_caller_that_gives_up_leaves_the_replies_aligned(redis_server: R
             callers.start_soon(one, b"cl:test:other")
         assert sorted(got) == [(b"cl:test:aligned", 11), (b"cl:test:other", 10)]
         nursery.cancel_scope.cancel()
+
+
+async def test_without_a_context_both_links_trust_the_urls_own_ca(tmp_path: Path) -> None:
+    """One rule for both connections: given no context, a ``rediss://`` URL's ``ssl_ca_certs``
+    is used (``_state_tls.tls_context``), not the system's authorities, which refuse the
+    private CA of this server."""
+    redis = tls_redis_server(tmp_path)
+    try:
+        url = parse_state_url(redis.url)
+        assert url.tls and url.ca_certs is not None
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                link = await CursorLink.open(url)
+                await nursery.start(link.run)
+                assert await link.incrby(b"cl:test:tls", 3) == 3
+                nursery.cancel_scope.cancel()
+            async with redis_client(url, 5.0, "cl-test") as client:
+                assert await client.incrby("cl:test:tls", 1) == 4
+    finally:
+        redis.kill()

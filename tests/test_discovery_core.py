@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
 
 from epd_trio import Instance
-from epd_trio.__main__ import build_parser, serve_flags
+from epd_trio.__main__ import build_parser, load_serve_settings, serve_flags
 from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import (
     EMPTY_CONFIRMATIONS,
@@ -21,6 +23,7 @@ from epd_trio._core.discovery import (
     address_queries,
     backoff,
     dns_instances,
+    ip_address_of,
     next_view,
     parse_dns_url,
     parse_selector,
@@ -51,6 +54,7 @@ def test_dns_urls(spec: str, expected: DnsName) -> None:
 
 @pytest.mark.parametrize("spec, problem", [
     ("dns+http://10.0.0.1:8000", "names an address"),
+    ("dns+http://[fd00::1]:8000", "names an address"),
     ("dnssrv+http://_http._tcp.x:8000", "gives its own ports"),
     ("dns+http://x:8000?a=1", "no query"),
     ("dns+http://x:8000#dp=0", "positive integer"),
@@ -60,6 +64,15 @@ def test_dns_urls(spec: str, expected: DnsName) -> None:
 def test_bad_dns_urls(spec: str, problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         parse_dns_url(spec)
+
+
+@pytest.mark.parametrize("host, address", [
+    ("10.96.0.10", "10.96.0.10"), ("::1", "::1"), ("FD00:0:0::A", "fd00::a"),
+    ("kube-dns", None), ("kube-dns.kube-system.svc.", None), ("10.96.0", None), ("", None),
+    ("[::1]", None),  # brackets are the URL's, not the address's
+])
+def test_an_ip_address_is_told_from_a_name(host: str, address: str | None) -> None:
+    assert ip_address_of(host) == address
 
 
 def test_settings_take_dns_names_in_the_url_lists() -> None:
@@ -120,6 +133,25 @@ def test_vllm_routers_plain_selector_is_the_decode_selector() -> None:
     for split in ("--prefill-selector", "--decode-selector"):
         with pytest.raises(ConfigError, match=f"^--selector: .*: give it or {split}, not both"):
             serve_settings("--service-discovery", "--selector", "app=vllm", split, "role=x")
+
+
+def test_the_plain_selector_is_refused_beside_a_prefill_selector_from_anywhere(
+    tmp_path: Path,
+) -> None:
+    """The flags alone would let a prefill selector from the environment or the config file
+    through beside ``--selector``: a P/D split it says there is not."""
+    args = build_parser().parse_args(["serve", "--service-discovery", "--selector", "app=vllm"])
+    refused = "^--selector: .*: give it or EPD_PREFILL_SELECTOR .*, not both$"
+    with pytest.raises(ConfigError, match=refused):
+        load_serve_settings(args, {"EPD_PREFILL_SELECTOR": "app=vllm,role=prefill"})
+    config = tmp_path / "epd.toml"
+    config.write_text('prefill_selector = "app=vllm,role=prefill"\n')
+    with pytest.raises(ConfigError, match=refused):
+        load_serve_settings(args, {"EPD_CONFIG": str(config)})
+    # A decode selector from there is only overridden, as by any flag; an encode one stays.
+    settings = load_serve_settings(args, {"EPD_DECODE_SELECTOR": "app=old",
+                                          "EPD_ENCODE_SELECTOR": "app=enc"})
+    assert settings.selectors() == [("encode", "app=enc"), ("decode", "app=vllm")]
 
 
 NAME = parse_dns_url("dns+http://vllm-d:8000#dp=2")

@@ -8,8 +8,8 @@ Every wait is on an event: dnsmasq's reload line, a discovery round, a fake's re
 from __future__ import annotations
 
 import os
+import re
 import socket
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -25,15 +25,22 @@ import pytest
 import trio
 from dnsmasq import Dnsmasq, dnsmasq
 
-from epd_trio._core.config import Settings, settings_from
+import epd_trio.__main__ as epd_main
+from epd_trio._core.config import ConfigError, Settings, settings_from
 from epd_trio._core.discovery import EMPTY_CONFIRMATIONS, Empty, parse_dns_url
 from epd_trio._discovery import check_discovery
 from epd_trio._discovery_dns import DnsDiscovery, ask, make_resolver
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
-from epd_trio.testing.process import read_url
 
-from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
+from helpers import (
+    CHAT,
+    POD_ADDRESSES,
+    chat_body,
+    every_worker_lists,
+    serve_on_addresses,
+    server_process,
+)
 
 ADDRESSES = POD_ADDRESSES
 NAME = "vllm-decode.test"
@@ -293,13 +300,13 @@ async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
     port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
     spec = f"dns+http://{NAME}:{port}"
     asked: list[str] = []
-    getaddrinfo = trio.socket.getaddrinfo
+    getaddrinfo = socket.getaddrinfo
 
-    async def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
         asked.append(host)
-        return await getaddrinfo(host, *args, **kwargs)
+        return getaddrinfo(host, *args, **kwargs)
 
-    monkeypatch.setattr(trio.socket, "getaddrinfo", counted)
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
     async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
         settings = Settings(decode_urls=(parse_dns_url(spec),),
                             dns_nameserver=f"localhost:{server.port}", dns_interval=0.05,
@@ -307,28 +314,69 @@ async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
         async with serve_proxy(settings) as (_url, proxy):
             found = discovery_of(proxy)
             assert decode_urls(proxy) == [f"http://{ADDRESSES[0]}:{port}"]
-            assert "127.0.0.1" in (await found.resolver()).nameservers
+            assert "127.0.0.1" in found.resolver().nameservers
             rounds = found.rounds
             await until(found, lambda: found.rounds >= rounds + 3)
     assert asked.count("localhost") == 1  # once, not per round
 
 
+async def test_two_names_registered_at_once_share_one_resolver(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No name configured, two registered in one round, the DNS server given by name: its
+    name is resolved once, before either name's task starts (not by both at once)."""
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
+    alias = "vllm-extra.test"
+    asked: list[str] = []
+    getaddrinfo = socket.getaddrinfo
+
+    def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
+        asked.append(host)
+        return getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
+    specs = [f"dns+http://{NAME}:{port}", f"dns+http://{alias}:{port}"]
+    applied: dict[str, int] = {}
+
+    def apply(source: str, role: str, instances: Any) -> tuple[list[str], list[str]]:
+        applied[source] = len(instances)
+        return [], []
+
+    async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[1], alias)]) as server:
+        found = DnsDiscovery((), apply, nameserver=f"localhost:{server.port}", interval=0.05,
+                             timeout=0.3, registered=lambda: [("decode", s) for s in specs])
+        await nursery.start(found.run)
+        await until(found, lambda: applied == {spec: 1 for spec in specs})
+        assert "127.0.0.1" in found.resolver().nameservers
+    assert asked.count("localhost") == 1
+
+
 async def test_a_nameserver_name_that_does_not_resolve_fails_start_up(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
     def unknown(*args: Any, **kwargs: Any) -> Any:
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
-    async def unknown_async(*args: Any, **kwargs: Any) -> Any:
-        unknown()
-
     monkeypatch.setattr(socket, "getaddrinfo", unknown)
-    monkeypatch.setattr(trio.socket, "getaddrinfo", unknown_async)
     settings = settings_from({"EPD_DECODE_URLS": "dns+http://vllm-decode.test:8000",
                               "EPD_DNS_NAMESERVER": "kube-dns.example:53"})
     message = r"EPD_DNS_NAMESERVER kube-dns.example does not resolve \(.*\); name the DNS server"
-    with pytest.raises(OSError, match=message):
-        check_discovery(settings)  # epd-trio serve, before any worker
+    # epd-trio serve, before any worker: a configuration error naming the setting, exit 2.
+    refused = (r"EPD_DNS_NAMESERVER: kube-dns.example does not resolve \(.*\); name the DNS "
+               r"server by its address")
+    with pytest.raises(ConfigError, match=f"^{refused}$"):
+        check_discovery(settings)
+
+    def serve(*args: object) -> int:
+        raise AssertionError("epd-trio serve started workers")
+
+    monkeypatch.setattr(epd_main, "serve", serve)
+    for variable in [v for v in os.environ if v.startswith("EPD_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("EPD_DECODE_URLS", "dns+http://vllm-decode.test:8000")
+    monkeypatch.setenv("EPD_DNS_NAMESERVER", "kube-dns.example:53")
+    assert epd_main.main(["serve", "--port", "0"]) == 2
+    assert re.fullmatch(f"epd-trio: configuration error: {refused}\n", capsys.readouterr().err)
     found = DnsDiscovery(settings.dns_names(), lambda *a: ([], []),
                          nameserver=settings.dns_nameserver, interval=1, timeout=1)
     with pytest.raises(OSError, match=message):
@@ -357,54 +405,28 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_it(
     port, fakes = await serve_fakes(nursery, ADDRESSES)
     alias = "vllm-extra.test"
     async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME), (ADDRESSES[2], alias)]) as server:
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
-             "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
-             "--dns-interval", "0.05", "--dns-timeout", "0.3"],
-            stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
-        try:
-            assert process.stderr is not None
-            url = await read_url(process.stderr, rb"listening on (http://\S+)")
-            log = bytearray()
-
-            async def drain() -> None:
-                async for chunk in process.stderr:  # type: ignore[union-attr]
-                    log.extend(chunk)
-
-            nursery.start_soon(drain)
-
-            async def listing() -> dict[str, Any]:
-                # A fresh connection per call, so both workers answer some of them.
-                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-                    return (await client.get(url + "/instances", headers={"x-api-key": "k"})).json()
-
-            async def every_worker_lists(count: int) -> None:
-                seen: set[int] = set()
-                with trio.fail_after(30):
-                    while len(seen) < 2:
-                        answer = await listing()
-                        if len(answer["instances"]["decode"]) == count:
-                            seen.add(answer["worker_pid"])
-
-            await every_worker_lists(1)
+        command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+                   "--decode", f"dns+http://{NAME}:{port}", "--dns-nameserver", server.nameserver,
+                   "--dns-interval", "0.05", "--dns-timeout", "0.3"]
+        env = {**os.environ, "EPD_ADMIN_KEY": "k"}
+        async with server_process(nursery, command, env) as served:
+            url = served.url
+            await every_worker_lists(url, 1, "k")
             await server.set_hosts([(a, NAME) for a in ADDRESSES[:2]] + [(ADDRESSES[2], alias)])
-            await every_worker_lists(2)
+            await every_worker_lists(url, 2, "k")
             # A name registered with whichever worker takes the call reaches the one resolving.
             async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                 r = await client.post(url + "/instances", headers={"x-api-key": "k"},
                                       json={"role": "decode", "url": f"dns+http://{alias}:{port}"})
             assert r.json() == {"registered": True}
-            await every_worker_lists(3)
+            await every_worker_lists(url, 3, "k")
             statuses = []
             for _ in range(9):
                 async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                     statuses.append((await client.post(url + CHAT, json=chat_body())).status_code)
             assert set(statuses) == {200}
             assert all(fake.requests() for fake in fakes)
-            assert log.count(b"DNS discovery of") == 1, log.decode(errors="replace")
-        finally:
-            process.kill()
-            await process.wait()
+            assert served.log.count(b"DNS discovery of") == 1, served.log.decode(errors="replace")
 
 
 async def test_a_registered_dns_name_is_resolved_until_unregistered(

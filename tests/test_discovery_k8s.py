@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -32,9 +31,16 @@ from epd_trio._kube_api import KubeApi
 from epd_trio._proxy import Proxy
 from epd_trio._roster_store import LocalRosterStore
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
-from epd_trio.testing.process import read_url
 
-from helpers import CHAT, POD_ADDRESSES, chat_body, serve_on_addresses
+from helpers import (
+    CHAT,
+    POD_ADDRESSES,
+    chat_body,
+    every_worker_lists,
+    instances_listing,
+    serve_on_addresses,
+    server_process,
+)
 
 DECODE = {"app": "vllm", "role": "decode"}
 SELECTOR = "app=vllm,role=decode"
@@ -397,54 +403,28 @@ async def test_one_worker_of_several_discovers_and_every_worker_routes_over_the_
 ) -> None:
     port, decodes = await pods(nursery, fake, count=3)
     fake.delete("d2")  # joins later
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
-         "--service-discovery", "--decode-selector", "app=vllm", "role=decode",
-         "--service-discovery-api", fake.url, "--service-discovery-namespace", "ns",
-         "--service-discovery-port", str(port)],
-        stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
-    try:
-        assert process.stderr is not None
-        url = await read_url(process.stderr, rb"listening on (http://\S+)")
-        log = bytearray()
-
-        async def drain() -> None:
-            async for chunk in process.stderr:  # type: ignore[union-attr]
-                log.extend(chunk)
-
-        nursery.start_soon(drain)
-
-        async def every_worker_lists(count: int) -> None:
-            seen: set[int] = set()
-            with trio.fail_after(30):
-                while len(seen) < 2:
-                    # A fresh connection per call, so both workers answer some of them.
-                    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-                        answer = (await client.get(url + "/instances",
-                                                   headers={"x-api-key": "k"})).json()
-                    if len(answer["instances"]["decode"]) == count:
-                        seen.add(answer["worker_pid"])
-
-        await every_worker_lists(2)
+    command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2",
+               "--service-discovery", "--decode-selector", "app=vllm", "role=decode",
+               "--service-discovery-api", fake.url, "--service-discovery-namespace", "ns",
+               "--service-discovery-port", str(port)]
+    async with server_process(nursery, command, {**os.environ, "EPD_ADMIN_KEY": "k"}) as served:
+        url = served.url
+        await every_worker_lists(url, 2, "k")
         fake.put(make_pod("d2", POD_ADDRESSES[2], DECODE))
-        await every_worker_lists(3)
+        await every_worker_lists(url, 3, "k")
         workers, statuses = set(), []
         with trio.fail_after(30):
             while len(workers) < 2 or len(statuses) < 9:
                 async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                     response = await client.post(url + CHAT, json=chat_body())
                 statuses.append(response.status_code)
-                async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-                    workers.add((await client.get(url + "/instances",
-                                                  headers={"x-api-key": "k"})).json()["worker_pid"])
+                workers.add((await instances_listing(url, "k"))["worker_pid"])
         assert set(statuses) == {200}
         assert all(d.requests() for d in decodes)
         # One watch per selector for the whole process tree: one worker discovers.
+        log = served.log
         assert log.count(b"Kubernetes discovery in namespace") == 1, log.decode(errors="replace")
         assert {q["labelSelector"] for q in fake.watches()} == {SELECTOR}
-    finally:
-        process.kill()
-        await process.wait()
 
 
 async def test_with_a_shared_roster_each_replica_watches_and_shares_none_of_it(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -54,6 +55,22 @@ async def test_malformed_setting_names_the_variable() -> None:
     assert result.returncode == 2
     (line,) = result.stderr.decode().strip().splitlines()
     assert line.startswith("epd_trio: configuration error: EPD_PREFILL_TIMEOUT:")
+
+
+async def test_unusable_state_store_tls_files_fail_with_one_line(tmp_path: Path) -> None:
+    """A ``rediss://`` URL's CA that cannot be read: refused as the app is made (its state
+    link builds the TLS context), with one line naming the setting, before the server binds."""
+    missing = tmp_path / "missing.pem"
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [*HYPERCORN, "--bind", "127.0.0.1:0", "--workers", "0"],
+            env=_env(EPD_STATE_URL=f"rediss://:hunter2@r:6380/0?ssl_ca_certs={missing}"),
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    assert result.returncode == 2
+    assert result.stderr.decode().strip().splitlines() == [
+        f"epd_trio: configuration error: EPD_STATE_URL: ssl_ca_certs: cannot use {missing}: "
+        "No such file or directory"]
 
 
 async def test_serves_an_epd_request_under_hypercorn(nursery: trio.Nursery) -> None:

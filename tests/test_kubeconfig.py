@@ -28,6 +28,7 @@ from epd_trio._core.kubeconfig import (
     kubeconfig_from_env,
     resolve_kubeconfig,
 )
+from epd_trio._discovery import check_discovery
 from epd_trio._discovery_k8s import KubernetesDiscovery
 from epd_trio._kube_api import KubeApi, read_kubeconfig
 
@@ -326,6 +327,29 @@ def test_epd_trio_serve_refuses_an_exec_plugin_in_one_line_before_serving(tmp_pa
          str(config)], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"epd-trio: Kubernetes discovery: kubeconfig {config}, context 'dev': an exec credential "
-        "plugin (the proxy runs no external command: give its user a token, tokenFile or client "
-        "certificate) is not supported"]
+        "epd-trio: configuration error: EPD_SERVICE_DISCOVERY_KUBECONFIG: Kubernetes discovery: "
+        f"kubeconfig {config}, context 'dev': an exec credential plugin (the proxy runs no "
+        "external command: give its user a token, tokenFile or client certificate) is not "
+        "supported"]
+
+
+def test_no_way_to_reach_the_api_server_is_a_configuration_error_before_serving(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Blamed on the setting at fault: the kubeconfig or context given, else the switch that
+    turned Kubernetes discovery on (no pod, no kubeconfig anywhere)."""
+    for name in [n for n in os.environ if n.startswith(("EPD_", "KUBE"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.kube/config
+    selector = {"EPD_SERVICE_DISCOVERY": "true", "EPD_DECODE_SELECTOR": "app=vllm"}
+    with pytest.raises(ConfigError, match=r"^EPD_SERVICE_DISCOVERY: Kubernetes discovery: not "
+                                          r"in a pod .* and no kubeconfig"):
+        check_discovery(settings_from(selector))
+    with pytest.raises(ConfigError, match=r"^EPD_SERVICE_DISCOVERY_CONTEXT: .*names a kubeconfig "
+                                          r"context, but there is no kubeconfig"):
+        check_discovery(settings_from({**selector, "EPD_SERVICE_DISCOVERY_CONTEXT": "dev"}))
+    absent = tmp_path / "absent"
+    with pytest.raises(ConfigError, match=r"^EPD_SERVICE_DISCOVERY_KUBECONFIG: .*cannot read "
+                                          r"kubeconfig"):
+        check_discovery(settings_from({**selector,
+                                       "EPD_SERVICE_DISCOVERY_KUBECONFIG": str(absent)}))

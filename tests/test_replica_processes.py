@@ -9,8 +9,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -23,13 +23,16 @@ from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, m
 from epd_trio.testing.process import read_url, stop_process
 from epd_trio.testing.redis_server import free_port
 
-from helpers import CHAT, chat_body, start_fakes
+from helpers import CHAT, chat_body, instances_listing, server_process, start_fakes
 from real_servers import RedisServer
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 HYPERCORN = [sys.executable, "-m", "hypercorn", "--worker-class", "trio", "epd_trio.app:app",
              "--bind", "127.0.0.1:0"]
+HYPERCORN_SERVING = rb"Running on (http://\S+)"
 ADMIN = {"x-api-key": "k"}
+#: Seconds a replica process may take to start serving.
+START = 60.0
 #: Seconds a change may take to show on every replica (the target is 1 s at p99).
 CONVERGE = 10.0
 
@@ -41,30 +44,8 @@ def fleet_env(redis: RedisServer, prefix: str, **extra: str) -> dict[str, str]:
             "EPD_STATE_TIMEOUT": "10", **extra}
 
 
-@asynccontextmanager
-async def replica(nursery: trio.Nursery, command: list[str], env: dict[str, str],
-                  pattern: bytes) -> AsyncIterator[str]:
-    """Start one replica process; yields its URL; its log is drained so it never blocks."""
-    process = await trio.lowlevel.open_process(command, env=env, stderr=subprocess.PIPE)
-    try:
-        assert process.stderr is not None
-        url = await read_url(process.stderr, pattern, limit=60)
-
-        async def drain(stream: Any) -> None:
-            while await stream.receive_some():
-                pass
-
-        nursery.start_soon(drain, process.stderr)
-        yield url
-    finally:
-        await stop_process(process)
-
-
 async def listing(url: str) -> dict[str, Any]:
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:  # fresh: any worker
-        r = await client.get(url + "/instances", headers=ADMIN)
-        assert r.status_code == 200, r.text
-        return r.json()
+    return await instances_listing(url, ADMIN["x-api-key"])
 
 
 async def until(check: Callable[[dict[str, Any]], bool], url: str) -> float:
@@ -88,12 +69,12 @@ async def test_three_replica_processes_converge_on_registrations(nursery: trio.N
         env = fleet_env(redis, f"p{uuid.uuid4().hex[:8]}:")
         async with AsyncExitStack() as stack:
             urls = [
-                await stack.enter_async_context(replica(
-                    nursery, [*SERVE, "--workers", "2"], env, rb"listening on (http://\S+)")),
-                await stack.enter_async_context(replica(
-                    nursery, SERVE, env, rb"listening on (http://\S+)")),
-                await stack.enter_async_context(replica(
-                    nursery, HYPERCORN, env, rb"Running on (http://\S+)")),
+                (await stack.enter_async_context(server_process(
+                    nursery, [*SERVE, "--workers", "2"], env, limit=START))).url,
+                (await stack.enter_async_context(server_process(
+                    nursery, SERVE, env, limit=START))).url,
+                (await stack.enter_async_context(server_process(
+                    nursery, HYPERCORN, env, pattern=HYPERCORN_SERVING, limit=START))).url,
             ]
             async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                 r = await client.post(urls[2] + "/instances", headers=ADMIN,
@@ -129,10 +110,12 @@ async def test_a_moriio_registration_through_one_replica_reaches_the_others(
         await start_fakes(nursery, prefill, decode)
         env = fleet_env(redis, f"m{uuid.uuid4().hex[:8]}:", EPD_KV_CONNECTOR="moriio")
         port = free_port()
-        async with replica(nursery, [*SERVE, "--moriio-registration", f"127.0.0.1:{port}"],
-                           env, rb"listening on (http://\S+)") as heard, \
-                replica(nursery, HYPERCORN, {**env, "EPD_MORIIO_REGISTRATION": "127.0.0.1:0"},
-                        rb"Running on (http://\S+)") as other:
+        async with server_process(nursery, [*SERVE, "--moriio-registration", f"127.0.0.1:{port}"],
+                                  env, limit=START) as heard_at, \
+                server_process(nursery, HYPERCORN,
+                               {**env, "EPD_MORIIO_REGISTRATION": "127.0.0.1:0"},
+                               pattern=HYPERCORN_SERVING, limit=START) as other_at:
+            heard, other = heard_at.url, other_at.url
             for role, fake in (("P", prefill), ("D", decode)):
                 assert fake.moriio is not None
                 await nursery.start(MoriioStandIn(f"127.0.0.1:{port}", role,  # type: ignore[arg-type]
@@ -212,8 +195,9 @@ async def test_workers_of_one_named_replica_are_replicas_of_their_own(
         # announcement, the path the shared id broke.
         env = fleet_env(redis, prefix, EPD_REPLICA_ID="fleet-a",
                         EPD_STATE_RESYNC_INTERVAL="600")
-        async with replica(nursery, [*SERVE, "--workers", "2"], env,
-                           rb"listening on (http://\S+)") as url:
+        async with server_process(nursery, [*SERVE, "--workers", "2"], env,
+                                  limit=START) as served:
+            url = served.url
             with trio.fail_after(CONVERGE):  # both connected: each publishes its loads
                 zset = prefix + "replicas"
                 while set(redis.command("ZRANGE", zset, "0", "-1").split()) != ids:  # noqa: ASYNC110

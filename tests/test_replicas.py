@@ -76,6 +76,25 @@ def decode_urls(roster: Roster) -> list[str]:
     return [inst.url for inst in roster.of("decode")]
 
 
+async def register_and_route_through_each(
+    client: httpx.AsyncClient, fleet: list[tuple[str, Proxy]], decode: str, *,
+    routable: Callable[[Proxy], bool], requests: int, text: str,
+) -> None:
+    """Register the decode instance ``decode`` through replica 0, wait until replica 1 has it,
+    then through each replica, once ``routable(proxy)``, send ``requests`` chat requests:
+    every one a 200."""
+    (url0, _), (_, proxy1), *_ = fleet
+    r = await client.post(url0 + "/instances", headers=ADMIN,
+                          json={"role": "decode", "url": decode})
+    assert r.status_code == 200, r.text
+    await wait_for(proxy1, lambda roster: decode in decode_urls(roster))
+    for url, proxy in fleet:
+        await wait_for(proxy, lambda _, p=proxy: routable(p))
+        for _ in range(requests):
+            r = await client.post(url + CHAT, json=chat_body(text=text))
+            assert r.status_code == 200, r.text
+
+
 async def test_a_registration_at_one_replica_is_routed_by_all(
     redis_server: RedisServer, client: httpx.AsyncClient
 ) -> None:
@@ -496,16 +515,9 @@ async def test_a_malformed_structural_key_is_skipped_and_counted(
         async with replicas(redis_server, 2, prefix=prefix, global_cursor=True,
                             global_cursor_timeout=5.0,
                             decode_urls=(Instance(static.url),)) as fleet:
-            (url0, _), (_, proxy1) = fleet
-            r = await client.post(url0 + "/instances", headers=ADMIN,
-                                  json={"role": "decode", "url": registered.url})
-            assert r.status_code == 200, r.text
-            await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
-            for url, proxy in fleet:
-                await wait_for(proxy, lambda _, p=proxy: p.ready())
-                for _ in range(2):
-                    r = await client.post(url + CHAT, json=chat_body(text="hi"))
-                    assert r.status_code == 200, r.text
+            await register_and_route_through_each(client, fleet, registered.url,
+                                                  routable=Proxy.ready, requests=2, text="hi")
+            for _, proxy in fleet:
                 assert proxy.state is not None
                 with trio.fail_after(CONVERGE):
                     for _ in range(3):  # the load exchange goes on
@@ -717,16 +729,10 @@ async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_c
                                                    FakeVLLM(role="decode"))
             async with replicas(redis, 2, global_cursor=True, global_cursor_timeout=5.0,
                                 decode_urls=(Instance(static.url),)) as fleet:
-                (url0, proxy0), (_, proxy1) = fleet
-                r = await client.post(url0 + "/instances", headers=ADMIN,
-                                      json={"role": "decode", "url": registered.url})
-                assert r.status_code == 200, r.text
-                await wait_for(proxy1, lambda roster: registered.url in decode_urls(roster))
-                for url, proxy in fleet:
-                    await wait_for(proxy, lambda _, p=proxy: live(p, registered.url))
-                    for _ in range(3):
-                        r = await client.post(url + CHAT, json=chat_body(text="tls"))
-                        assert r.status_code == 200, r.text
+                await register_and_route_through_each(
+                    client, fleet, registered.url, routable=lambda p: live(p, registered.url),
+                    requests=3, text="tls")
+                for _, proxy in fleet:
                     assert proxy.state is not None
                     assert proxy.state.describe()["backend"].startswith("rediss://")
                     assert metric(proxy, "epd_trio_global_cursor_fallbacks_total",
@@ -734,6 +740,8 @@ async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_c
                     with trio.fail_after(CONVERGE):  # the load exchange runs over TLS too
                         await proxy.state.next_load_read()
                 # Six decisions, each one increment of the shared cursor: an exact split.
+                (_, proxy0), _ = fleet
+                assert proxy0.state is not None
                 keys = proxy0.state.keys
                 assert redis.command("GET", keys.cursor("decode")) == "6"
                 assert [len(f.requests(CHAT)) for f in (static, registered)] == [3, 3]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+import epd_trio.__main__ as epd_main
 from epd_trio import ConfigError, settings_from
 from epd_trio._core.state_url import StateURL, parse_state_url
 from epd_trio._environment import load_settings
@@ -88,8 +91,16 @@ def test_a_shared_roster_lets_a_replica_start_without_instances() -> None:
 
 
 def test_tls_files_that_cannot_be_used_are_refused_at_start_naming_the_setting(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """``epd-trio serve`` reads them once, before any worker (plain ``hypercorn``, which
+    refuses them as it makes the app: ``tests/test_hypercorn_cli.py``)."""
+    def serve(*args: object) -> int:
+        raise AssertionError("epd-trio serve started workers")
+
+    monkeypatch.setattr(epd_main, "serve", serve)
+    for name in [name for name in os.environ if name.startswith("EPD_")]:
+        monkeypatch.delenv(name)
     not_pem = tmp_path / "ca.pem"
     not_pem.write_text("not a certificate\n")
     for query, message in (
@@ -97,8 +108,11 @@ def test_tls_files_that_cannot_be_used_are_refused_at_start_naming_the_setting(
         (f"ssl_ca_certs={not_pem}", "ssl_ca_certs: cannot use .*ca.pem"),
         (f"ssl_certfile={not_pem}&ssl_keyfile={not_pem}", "ssl_certfile: cannot use"),
     ):
-        with pytest.raises(ConfigError, match=f"^EPD_STATE_URL: {message}"):
-            load_settings({"EPD_STATE_URL": f"rediss://:hunter2@r:6380/0?{query}"})
+        monkeypatch.setenv("EPD_STATE_URL", f"rediss://:hunter2@r:6380/0?{query}")
+        assert epd_main.main(["serve", "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert re.fullmatch(f"epd-trio: configuration error: EPD_STATE_URL: {message}.*\n", err)
+        assert "hunter2" not in err
     with pytest.raises(ConfigError) as info:
         load_settings({"EPD_STATE_URL": "redis://:hunter2@r?ssl_ca_certs=/ca.pem"})
     assert str(info.value) == ("EPD_STATE_URL: ssl_ca_certs: TLS parameters need rediss://")

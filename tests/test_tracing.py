@@ -281,13 +281,15 @@ def assert_ends_with_its_stream(decode: Any, server: Any, gaps: int) -> None:
     """The decode span lasted until its stream was over, not only until its first bytes.
 
     The fake waited ``TOKEN_GAP`` before each of ``gaps`` frames after its first, so the last
-    of them reached the proxy at least ``gaps * TOKEN_GAP`` after the request arrived (no
-    tolerance needed: a span's times are the proxy's ``perf_counter``, which ``trio.sleep``
-    waits on). Ended at the first bytes, the span would end before the reply's first bytes."""
+    of them reached the proxy at least ``gaps * TOKEN_GAP`` after the request arrived. These
+    lower bounds need no tolerance: a span's times are the proxy's ``perf_counter``, which
+    ``trio.sleep`` waits on, and a loaded machine only makes them later. Ended at the first
+    bytes, the span would end before the reply's first bytes. The upper bound is structural,
+    not a duration (a busy CI machine can stall any step): the span is released with the
+    request's resources, so it ends within the SERVER span."""
     assert decode.end_time >= server.start_time + int(gaps * TOKEN_GAP * 1e9)
     assert decode.end_time > first_byte_ns(server) + int(gaps * TOKEN_GAP * 1e9) // 2
-    # Released with the request's resources, right before the SERVER span ends.
-    assert 0 <= server.end_time - decode.end_time < int(TOKEN_GAP * 1e9)
+    assert decode.end_time <= server.end_time
 
 
 async def test_the_span_tree_of_an_epd_request(client: httpx.AsyncClient) -> None:

@@ -9,14 +9,13 @@ backend must never hold a request forever.
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .discovery import DnsName, is_dns_url, parse_dns_url, parse_selector
+from .discovery import DnsName, ip_address_of, is_dns_url, parse_dns_url, parse_selector
 from .policies import DEFAULT_POLICY, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
@@ -439,12 +438,9 @@ def _nameserver(raw: Any) -> str:
     name (resolved once when discovery starts)."""
     value = str(raw).strip()
     host, port = split_host_port(value, 53)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not _HOST_NAME.fullmatch(host):
-            raise ValueError(f"expected an IP address or a host name, with an optional :port, "
-                             f"got {raw!r}") from None
+    if ip_address_of(host) is None and not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"expected an IP address or a host name, with an optional :port, "
+                         f"got {raw!r}")
     if not 0 < port < 65536:
         raise ValueError(f"expected a port in 1..65535, got {raw!r}")
     return value

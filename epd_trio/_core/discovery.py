@@ -74,6 +74,16 @@ class DnsName:
         return Instance(f"{self.scheme}://{host}:{port}{self.path}", self.dp_size)
 
 
+def ip_address_of(host: str) -> str | None:
+    """``host`` as an IP address (in its canonical spelling), or None when it is a name to
+    resolve: the one test of "is this an address" for DNS URLs, ``EPD_DNS_NAMESERVER`` and
+    the resolver's configuration."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
 def is_dns_url(spec: str) -> bool:
     return spec.strip().lower().startswith(tuple(f"{prefix}://" for prefix in DNS_PREFIXES))
 
@@ -97,11 +107,7 @@ def parse_dns_url(spec: str) -> DnsName:
     if not host or parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError(f"a DNS URL is {prefix}://name{'' if srv else ':port'}[/path][#dp=N], "
                          f"with no query, user or other '#': {spec!r}")
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
+    if ip_address_of(host) is not None:
         raise ValueError(f"{spec!r} names an address, not a name to resolve: write it as "
                          f"{scheme}://...")
     if srv and port is not None:
