@@ -294,11 +294,8 @@ async def test_the_queries_run_on_dnspythons_trio_backend(
     assert len(made) >= 4 and set(made) == {"trio"}  # A and AAAA, two rounds
 
 
-async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
-    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
-    spec = f"dns+http://{NAME}:{port}"
+def names_looked_up(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The host names ``socket.getaddrinfo`` is asked for from now on (it still answers)."""
     asked: list[str] = []
     getaddrinfo = socket.getaddrinfo
 
@@ -307,6 +304,15 @@ async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
         return getaddrinfo(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", counted)
+    return asked
+
+
+async def test_a_nameserver_given_by_name_is_resolved_once_at_start(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port, _fakes = await serve_fakes(nursery, ADDRESSES[:1])
+    spec = f"dns+http://{NAME}:{port}"
+    asked = names_looked_up(monkeypatch)
     async with dnsmasq(tmp_path, [(ADDRESSES[0], NAME)]) as server:
         settings = Settings(decode_urls=(parse_dns_url(spec),),
                             dns_nameserver=f"localhost:{server.port}", dns_interval=0.05,
@@ -327,14 +333,7 @@ async def test_two_names_registered_at_once_share_one_resolver(
     name is resolved once, before either name's task starts (not by both at once)."""
     port, _fakes = await serve_fakes(nursery, ADDRESSES[:2])
     alias = "vllm-extra.test"
-    asked: list[str] = []
-    getaddrinfo = socket.getaddrinfo
-
-    def counted(host: Any, *args: Any, **kwargs: Any) -> Any:
-        asked.append(host)
-        return getaddrinfo(host, *args, **kwargs)
-
-    monkeypatch.setattr(socket, "getaddrinfo", counted)
+    asked = names_looked_up(monkeypatch)
     specs = [f"dns+http://{NAME}:{port}", f"dns+http://{alias}:{port}"]
     applied: dict[str, int] = {}
 
