@@ -18,6 +18,8 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_trio._core.names import PATH_OF_KIND
+from epd_trio.testing import FakeVLLM
+from epd_trio.testing.moriio import MoriioSide, TransferFabric, moriio_address
 from epd_trio.testing.process import read_until, stop_process
 
 #: The client-facing paths the tests call.
@@ -219,3 +221,15 @@ async def every_worker_lists(url: str, count: int, api_key: str, *, workers: int
             answer = await instances_listing(url, api_key)
             if len(answer["instances"][role]) == count:
                 seen.add(answer["worker_pid"])
+
+
+def moriio_pair(mode: str, handshake: int, notify: int, *,
+                prefill_dp: int = 1) -> tuple[FakeVLLM, FakeVLLM]:
+    """A prefill and a decode fake that speak MoRIIO in ``mode`` over one transfer fabric;
+    their ZMQ handshake and notify ports are ``handshake`` and ``notify``, plus 1 for decode."""
+    fabric = TransferFabric()
+    prefill, decode = FakeVLLM("prefill", dp_size=prefill_dp), FakeVLLM("decode")
+    for n, fake in enumerate((prefill, decode)):
+        fake.moriio = MoriioSide(moriio_address("127.0.0.1", handshake + n, notify + n), mode,
+                                 fabric=fabric)
+    return prefill, decode

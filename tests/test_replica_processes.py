@@ -19,11 +19,11 @@ import trio
 from epd_trio import Instance, Settings
 from epd_trio._core.shared_state import load_field
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
-from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
+from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_url, stop_process
 from epd_trio.testing.redis_server import free_port
 
-from helpers import CHAT, chat_body, instances_listing, server_process, start_fakes
+from helpers import CHAT, chat_body, instances_listing, moriio_pair, server_process, start_fakes
 from real_servers import RedisServer
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
@@ -102,11 +102,7 @@ async def test_a_moriio_registration_through_one_replica_reaches_the_others(
 ) -> None:
     redis = RedisServer().start()
     try:
-        fabric = TransferFabric()
-        prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
-        for n, fake in enumerate((prefill, decode)):
-            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6500 + n, 63000 + n), "READ",
-                                     fabric=fabric)
+        prefill, decode = moriio_pair("READ", 6500, 63000)
         await start_fakes(nursery, prefill, decode)
         env = fleet_env(redis, f"m{uuid.uuid4().hex[:8]}:", EPD_KV_CONNECTOR="moriio")
         port = free_port()

@@ -25,10 +25,10 @@ from epd_trio import Instance, Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
-from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
+from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.registrar import run_registrar
 
-from helpers import CHAT, chat_body, image, metric, start_fakes
+from helpers import CHAT, chat_body, image, metric, moriio_pair, start_fakes
 from real_servers import RedisServer, tls_redis_server
 
 ADMIN = {"x-api-key": "admin-secret"}
@@ -613,11 +613,7 @@ async def test_no_moriio_instance_expires_while_the_store_is_unreachable_for_lon
     redis = RedisServer().start()
     ttl = 1.0
     try:
-        fabric = TransferFabric()
-        prefill, decode = FakeVLLM("prefill"), FakeVLLM("decode")
-        for n, fake in enumerate((prefill, decode)):
-            fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6700 + n, 63300 + n), "READ",
-                                     fabric=fabric)
+        prefill, decode = moriio_pair("READ", 6700, 63300)
         async with trio.open_nursery() as nursery:
             await start_fakes(nursery, prefill, decode)
             async with replicas(redis, 2, decode_urls=(), kv_connector="moriio",

@@ -18,10 +18,10 @@ import trio
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_trio.testing import FakeVLLM
-from epd_trio.testing.moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
+from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
 
-from helpers import CHAT, Samples, chat_body, image, open_stuck_stream, scrape, start_fakes
+from helpers import CHAT, Samples, chat_body, image, moriio_pair, open_stuck_stream, scrape, start_fakes
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
@@ -314,11 +314,7 @@ async def test_moriio_registrations_reach_every_worker(nursery: trio.Nursery) ->
     with socket.socket() as probe:  # a free port for the registration socket
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    fabric = TransferFabric()
-    prefill, decode = FakeVLLM("prefill", dp_size=2), FakeVLLM("decode")
-    for n, fake in enumerate((prefill, decode)):
-        fake.moriio = MoriioSide(moriio_address("127.0.0.1", 6400 + n, 62000 + n), "WRITE",
-                                 fabric=fabric)
+    prefill, decode = moriio_pair("WRITE", 6400, 62000, prefill_dp=2)
     await start_fakes(nursery, prefill, decode)
     admin = {"x-api-key": "k"}
     async with serving("--workers", "2", "--kv-connector", "moriio", "--moriio-registration",
