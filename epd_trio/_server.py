@@ -14,7 +14,7 @@ connection's keep-alive timer as a task in the connection's task group, started 
   ``stop`` takes the lock again when the next request arrives.
 
 ``ProxyTCPServer`` keeps everything else of Hypercorn (the h11/h2 protocol classes, the ASGI
-stream, the worker's lifespan and shutdown) and changes three things:
+stream, the worker's lifespan and shutdown) and changes these things:
 
 1. The idle timer is the **deadline of the pending read's cancel scope**: ``Updated(idle=True)``
    sets it to now + ``keep_alive_timeout``, ``Updated(idle=False)`` to infinity. No task, no lock.
