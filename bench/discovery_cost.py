@@ -25,7 +25,7 @@ from epd_trio._core.counters import CursorCounters
 from epd_trio._core.discovery import Discovered, DnsView, parse_dns_url
 from epd_trio._core.roster import Roster, replace_source
 from epd_trio._core.routing import Instance
-from epd_trio._roster_store import LocalRosterStore, SharedRoutingState
+from epd_trio._state.roster_store import LocalRosterStore, SharedRoutingState
 
 
 def apply_cost(instances: int, repeat: int) -> dict[str, float]:
@@ -61,7 +61,7 @@ def dns_round_cost(rounds: int) -> tuple[float, float] | None:
     binary = shutil.which("dnsmasq") or shutil.which("dnsmasq", path="/usr/sbin")
     if binary is None:
         return None
-    from epd_trio._discovery_dns import DnsDiscovery
+    from epd_trio._discovery.dns import DnsDiscovery
 
     with tempfile.TemporaryDirectory() as tmp:
         hosts = Path(tmp) / "hosts"

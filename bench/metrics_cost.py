@@ -25,10 +25,10 @@ MODES = ("off", "one-process", "multiprocess")
 
 def measure(mode: str, requests: int, rounds: int) -> float:
     """Microseconds per request in this interpreter (``mode`` must match how it was started)."""
-    from epd_trio._accounting import Accounting
     from epd_trio._core.health import Registry
     from epd_trio._core.routing import Instance
-    from epd_trio._metrics import ProxyMetrics
+    from epd_trio._observe.accounting import Accounting
+    from epd_trio._observe.metrics import ProxyMetrics
 
     prefill, decode = Instance("http://p0:8000", 2), Instance("http://d0:8000", 2)
     registry = Registry.from_stages({"prefill": [prefill], "decode": [decode]})

@@ -50,9 +50,9 @@ from bench.burst import percentile
 from epd_trio import Settings
 from epd_trio._core.policies import PrefixHint, prefix_hint, prompt_text
 from epd_trio._core.routing import Instance
-from epd_trio._cursors import choose_slot
-from epd_trio._loads import DECODE_TOKENS
 from epd_trio._proxy import Proxy
+from epd_trio._state.cursors import choose_slot
+from epd_trio._state.loads import DECODE_TOKENS
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.cluster import serve_proxy
 from epd_trio.testing.fake_vllm import Behaviour, prompt_words

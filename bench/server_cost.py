@@ -1,4 +1,4 @@
-"""What a connection class costs per request: Hypercorn's ``TCPServer`` against ``_server``'s.
+"""What a connection class costs per request: Hypercorn's ``TCPServer`` against ``_serve/server``'s.
 
     python -m bench.server_cost                          # both modes, 3 rounds
     python -m bench.server_cost --mode churn --requests 3000
@@ -55,7 +55,7 @@ def _server_class(variant: str) -> Any:
     from hypercorn.events import RawData
     from hypercorn.trio.tcp_server import TCPServer
 
-    from epd_trio._server import ProxyTCPServer
+    from epd_trio._serve.server import ProxyTCPServer
 
     if variant == "hypercorn":
         return None
@@ -78,8 +78,8 @@ def serve(variant: str) -> None:
     from hypercorn.trio import run as hypercorn_run
     from hypercorn.utils import wrap_app
 
-    from epd_trio._server import ProxyWorkerContext, _rebound
-    from epd_trio._serving import listening_sockets, quiet_config
+    from epd_trio._serve.server import ProxyWorkerContext, _rebound
+    from epd_trio._serve.serving import listening_sockets, quiet_config
 
     cls = _server_class(variant)
     worker_serve = (hypercorn_run.worker_serve if cls is None else _rebound(

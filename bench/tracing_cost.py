@@ -32,12 +32,12 @@ CLIENT = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0
 
 def measure(mode: str, requests: int, rounds: int, endpoint: str) -> float:
     """Microseconds of process CPU per request in this interpreter."""
-    from epd_trio._accounting import Accounting
     from epd_trio._core.health import Registry
     from epd_trio._core.routing import Instance
     from epd_trio._core.tracing import TracingSettings
-    from epd_trio._metrics import ProxyMetrics
-    from epd_trio._tracing import OtelTracing, Tracing
+    from epd_trio._observe.accounting import Accounting
+    from epd_trio._observe.metrics import ProxyMetrics
+    from epd_trio._observe.tracing import OtelTracing, Tracing
 
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = endpoint
     tracing: Tracing = Tracing()

@@ -1,31 +1,25 @@
 """epd_trio: a Trio proxy in front of disaggregated Encoder / Prefill / Decode vLLM instances.
 
-The public surface is re-exported here from private modules. Where a client request goes:
+The public surface is re-exported here from private modules. The rooms, bottom to top (each
+may import only the rooms below it that its ``__init__`` names; ``tests/test_layout.py`` checks):
 
-    web        _asgi.ProxyASGI -> _endpoints.CompletionEndpoints (the two completion routes,
-               plain ASGI) | _app.create_app (Quart: every other route); app.py is the served app
-    owner      _proxy.Proxy: roster, lifecycle (pools, prober), admin and read-only routes
-    pipeline   _pipeline.Pipeline.run: encode -> prefill -> decode for one request
-    legs       _upstream: one call per leg, the encoder fan-out, the stream relay; the one
-               place transport errors become UpstreamError
-    pool       _http.UpstreamClient / UpstreamPool: connections to vLLM (_h1: one connection)
-    accounting _accounting: every leg's health, metrics and trace in one place
-               (_metrics: Prometheus; _request_log: the log lines; _tracing: the
-               OpenTelemetry spans, or the client's trace headers forwarded)
-    state      _cursors (routing positions under a trio.Lock, each with its stage's policy),
-               _loads (in-flight requests per stage and slot), _roster_store (one process's
-               roster, or the shared memory of several workers), _fanout (one nursery per
-               fan-out), _prober (health probes), _load_scraper (vLLM's /metrics), _profile,
-               _moriio_listener (the MoRIIO ZMQ registration socket on the trio loop)
-    core       _core/: pure logic, no I/O, no trio (its __init__ lists the modules)
-    process    __main__ (``epd-trio``), _runner (workers), _serving (Hypercorn), _process,
-               _environment (settings from file and environment), _logs
-    extras     asyncio_bridge (optional), testing/ (the fake vLLM, the demo cluster, the
-               MoRIIO stand-ins, vLLM's HTTP registrar)
+    _core        pure logic: values in, values out, no I/O and no trio
+    _state       this process's routing state: cursors, loads, the roster store
+    _observe     metrics, request logs and traces, fed from one account per leg
+    _discovery   instances found by DNS names and Kubernetes selectors
+    _admission   whether a client request may start now
+    _upstream    every call to vLLM and the connection pools under it
+    _replicas    what replicas share through Redis
+    _membership  who is in the roster: registrations, discovery, MoRIIO, expiry
+    (top level)  the owner (_proxy), one request's pipeline (_pipeline), the composition root
+                 (_app), settings (_environment), and the public modules below
+    _web         HTTP in, the owner's answers out
+    _serve       processes and servers: ``epd-trio serve``, Hypercorn, logging
+    testing      the test doubles: the fake vLLM, the demo cluster, the fake Kubernetes API
 
 What you may touch: the names in ``__all__`` below, ``epd_trio.app:app``, ``epd_trio.testing``
 and ``epd_trio.asyncio_bridge``. Everything with a leading underscore may change.
-docs/contributing/layout.md walks the same map with the reasons.
+docs/contributing/layout.md walks the same map with the reasons, module by module.
 """
 
 from ._app import create_app as create_app
@@ -49,14 +43,14 @@ from ._core.routing import encoder_rr_assignment as encoder_rr_assignment
 from ._core.routing import flat_interleaved_dp_route as flat_interleaved_dp_route
 from ._core.routing import group_by_target as group_by_target
 from ._core.routing import parse_instance as parse_instance
-from ._cursors import EncoderCursor as EncoderCursor
-from ._cursors import SlotCursor as SlotCursor
 from ._environment import load_settings as load_settings
-from ._fanout import fan_out as fan_out
-from ._http import UpstreamClient as UpstreamClient
 from ._proxy import Proxy as Proxy
-from ._upstream import EncoderCall as EncoderCall
-from ._upstream import run_encoder_fanout as run_encoder_fanout
+from ._state.cursors import EncoderCursor as EncoderCursor
+from ._state.cursors import SlotCursor as SlotCursor
+from ._upstream.fanout import fan_out as fan_out
+from ._upstream.legs import EncoderCall as EncoderCall
+from ._upstream.legs import run_encoder_fanout as run_encoder_fanout
+from ._upstream.pool import UpstreamClient as UpstreamClient
 
 __version__ = "0.1.0"
 

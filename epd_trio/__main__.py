@@ -36,12 +36,12 @@ from ._core.config import (
     flag_name,
 )
 from ._core.roster import layout_name
-from ._discovery import check_discovery
+from ._discovery.start import check_discovery
 from ._environment import load_settings
-from ._runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
-from ._serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
-from ._state_tls import tls_context
-from ._tracing import check_tracing
+from ._observe.tracing import check_tracing
+from ._replicas.tls import tls_context
+from ._serve.runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
+from ._serve.serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
 

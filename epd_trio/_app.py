@@ -21,17 +21,17 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from ._admission import Admission
-from ._asgi import ProxyASGI
+from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
 from ._core.errors import BodyTooLarge, ProxyError, error_reply
 from ._core.rewrite import json_object
-from ._endpoints import CompletionEndpoints
+from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
-from ._roster_store import SharedRoutingState
-from ._tracing import Tracing, create_tracing
+from ._state.roster_store import SharedRoutingState
+from ._web.asgi import ProxyASGI
+from ._web.endpoints import CompletionEndpoints
 
 log = logging.getLogger("epd_trio")
 
@@ -122,8 +122,8 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         # Liveness: 200 while the process serves, whatever the instances' state. A 503 here
-        # restart-loops a proxy whose instances only self-register (Kubernetes, docs/how-to/
-        # kubernetes.md); readiness, which may say no, is /ready.
+        # restart-loops a proxy whose instances only self-register (Kubernetes,
+        # docs/how-to/kubernetes.md); readiness, which may say no, is /ready.
         return _json(200, proxy.health())
 
     @app.get("/ready")

@@ -1,4 +1,4 @@
-"""One client request's path: encode -> prefill -> decode (PROTOCOL.md), given what it needs.
+"""One client request's path: encode -> prefill -> decode (docs/discussion/protocol.md), given what it needs.
 
 Like Hypercorn's ``H11Protocol`` beside its ``TCPServer``, the ``Pipeline`` holds the request
 logic and is handed its I/O and state: the connection pools (``pools``), the routing cursors
@@ -28,7 +28,6 @@ from typing import Any
 
 import trio
 
-from ._accounting import Accounting, RequestAccount
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
@@ -52,12 +51,13 @@ from ._core.rewrite import (
     with_item_uuids,
 )
 from ._core.routing import Instance
-from ._cursors import EncoderCursor, SlotCursor, Usable, choose_slot
-from ._fanout import fan_out
-from ._http import UpstreamPool
-from ._loads import DECODE_TOKENS, Loads
-from ._tracing import NO_TRACE_CONTEXT, TraceHeaders
-from ._upstream import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
+from ._observe.accounting import Accounting, RequestAccount
+from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
+from ._state.cursors import EncoderCursor, SlotCursor, Usable, choose_slot
+from ._state.loads import DECODE_TOKENS, Loads
+from ._upstream.fanout import fan_out
+from ._upstream.legs import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
+from ._upstream.pool import UpstreamPool
 
 #: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
 #: the roster's first MoRIIO registration fixed.
@@ -81,7 +81,7 @@ class Reply:
 @dataclass(frozen=True, slots=True)
 class Routes:
     """The routing cursors of one proxy: the global encoder cursor and one slot cursor per
-    DP stage (their own counters: PROTOCOL.md "Decision"), each with its stage's policy, and
+    DP stage (their own counters: docs/discussion/protocol.md "Decision"), each with its stage's policy, and
     the in-flight loads those policies read."""
 
     encoders: EncoderCursor

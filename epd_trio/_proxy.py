@@ -1,6 +1,6 @@
 """The proxy's owner: the roster, the lifecycle of its pools and prober, and the admin routes.
 
-A ``Proxy`` holds what lives as long as the process serves: the instance roster (``_roster_store``:
+A ``Proxy`` holds what lives as long as the process serves: the instance roster (``_state/roster_store``:
 this process's, or the shared memory of ``epd-trio serve --workers N``), the health registry,
 the routing cursors, the upstream connection pools, the prober, and the accounting. A client
 request's path through the stages is the ``Pipeline``'s (``_pipeline.py``), which the proxy
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._accounting import Accounting
 from ._core.config import Settings
 from ._core.counters import CursorCounters
 from ._core.discovery import Discovered, is_dns_url
@@ -47,24 +46,25 @@ from ._core.roster import (
     unregister_name,
 )
 from ._core.routing import Instance
-from ._cursors import EncoderCursor, SlotCursor
-from ._discovery import discovery_sources
-from ._http import UpstreamClient, UpstreamPool
-from ._load_scraper import run_load_scraper
-from ._loads import DECODE_TOKENS, Loads, LocalLoadTable
-from ._metrics import ProxyMetrics
-from ._moriio_listener import RegistrationListener
+from ._discovery.start import discovery_sources
+from ._membership.moriio_listener import RegistrationListener
+from ._observe.accounting import Accounting
+from ._observe.metrics import ProxyMetrics
+from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders, Tracing
 from ._pipeline import Pipeline, Reply, Routes
-from ._prober import health_check, run_prober
-from ._process import default_replica_id
-from ._profile import ProfileReport, run_profile
-from ._replicated_roster import ReplicatedRoster
-from ._roster_store import RosterStore, SharedRoutingState, routing_state
-from ._tracing import NO_TRACE_CONTEXT, TraceHeaders, Tracing
-from ._upstream import get, make_client, upstream_auth_headers
+from ._replicas.identity import default_replica_id
+from ._replicas.roster import ReplicatedRoster
+from ._state.cursors import EncoderCursor, SlotCursor
+from ._state.loads import DECODE_TOKENS, Loads, LocalLoadTable
+from ._state.roster_store import RosterStore, SharedRoutingState, routing_state
+from ._upstream.legs import get, make_client, upstream_auth_headers
+from ._upstream.load_scraper import run_load_scraper
+from ._upstream.pool import UpstreamClient, UpstreamPool
+from ._upstream.prober import health_check, run_prober
+from ._upstream.profile import ProfileReport, run_profile
 
 if TYPE_CHECKING:
-    from ._state_sync import StateLink
+    from ._replicas.sync import StateLink
 
 log = logging.getLogger("epd_trio")
 
@@ -125,7 +125,7 @@ class Proxy:
         self.state: StateLink | None = None
         if replicated:
             # Imported only here: without a state store, no Redis client is even loaded.
-            from ._state_sync import StateLink, live_member
+            from ._replicas.sync import StateLink, live_member
             self.state = StateLink(settings, self._replicated, self.loads, self.metrics,
                                    replica_id=settings.replica_id or default_replica_id(),
                                    live=live_member(self.registry))
@@ -260,7 +260,7 @@ class Proxy:
     def expire_moriio(self, now: float) -> list[str]:
         """Forget the MoRIIO instances silent for ``moriio_ttl`` (they beat every 3 s).
 
-        With a shared state store their entries expire there instead (``_state_sync``): a
+        With a shared state store their entries expire there instead (``_replicas/sync``): a
         replica that cannot reach the store keeps its last view."""
         if self.state is not None:
             return []
@@ -296,7 +296,7 @@ class Proxy:
         """Forget the registered instances that have been out of rotation and silent for
         ``instance_ttl`` (judged on this worker's health view and the shared roster).
 
-        With a shared state store, entries expire there instead (``_state_sync``)."""
+        With a shared state store, entries expire there instead (``_replicas/sync``)."""
         evicted = self.registry.evicted()
         if not evicted or self.state is not None:
             return []

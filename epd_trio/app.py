@@ -14,8 +14,8 @@ import sys
 from ._app import create_app
 from ._core.config import ConfigError
 from ._environment import load_settings
-from ._process import setup_serving_process
-from ._tracing import create_tracing
+from ._observe.tracing import create_tracing
+from ._serve.process import setup_serving_process
 
 try:
     settings = load_settings()

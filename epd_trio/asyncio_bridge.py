@@ -56,9 +56,9 @@ from ._core.config import Settings
 from ._core.failover import Failover
 from ._core.rewrite import parse_request, with_item_uuids
 from ._core.routing import Instance
-from ._cursors import EncoderCursor, SlotCursor
-from ._http import UpstreamClient, UpstreamPool
-from ._upstream import EncoderCall, make_client, run_encoder_fanout
+from ._state.cursors import EncoderCursor, SlotCursor
+from ._upstream.legs import EncoderCall, make_client, run_encoder_fanout
+from ._upstream.pool import UpstreamClient, UpstreamPool
 
 T = TypeVar("T")
 P = ParamSpec("P")

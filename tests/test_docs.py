@@ -416,7 +416,7 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 
 KUBERNETES_PAGES = [DOCS / "how-to" / page for page in ("kubernetes.md", "discovery.md", "replicas.md")]
 #: Custom resources a page may show, which the ``kubernetes`` client has no model of: only
-#: their metadata is checked (tests/test_promtool.py checks the prometheus-operator objects
+#: their metadata is checked (tests/observe/test_promtool.py checks the prometheus-operator objects
 #: against the generator's output).
 CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PrometheusRule"),
                     ("monitoring.coreos.com/v1", "ServiceMonitor")}

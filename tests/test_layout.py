@@ -1,4 +1,5 @@
-"""The layering the package's ``__init__`` describes, enforced: the pure core imports no I/O."""
+"""The layering the package's ``__init__`` describes, enforced: the pure core imports no I/O,
+each sub-package imports only the rooms its rule names, and no import runs in a circle."""
 
 from __future__ import annotations
 
@@ -150,3 +151,60 @@ def test_the_cycle_rule_catches_a_long_cycle_through_a_local_import(
     assert find_cycle(graph) == ["pkg.sub.a", "pkg.sub.b", "pkg.sub.c", "pkg.sub.a"]
     (package / "sub" / "c.py").write_text("def make():\n    return 1\n")
     assert find_cycle(import_graph(package)) is None
+
+
+PACKAGE = CORE.parent
+#: Each sub-package's rule (its ``__init__`` says it in prose): the package's own modules may
+#: import, inside epd_trio, only these. A top-level name (``_proxy``, ``_app``...) stands for
+#: that module. ``testing`` is the test doubles, which may use anything.
+IMPORT_RULES: dict[str, set[str]] = {
+    "_core": set(),
+    "_state": {"_core"},
+    "_observe": {"_core"},
+    "_discovery": {"_core"},
+    "_admission": {"_core"},
+    "_upstream": {"_core", "_state"},
+    "_replicas": {"_core", "_state", "_observe"},
+    "_membership": {"_core", "_state", "_upstream", "_observe", "_discovery", "_replicas"},
+    "_web": {"_core", "_admission", "_observe", "_proxy", "_pipeline"},
+    "_serve": {"_core", "_state", "_observe", "_web", "_replicas", "_app", "_environment"},
+}
+
+
+def room_of(module: str) -> str:
+    """``epd_trio._upstream.legs`` -> ``_upstream``; ``epd_trio._proxy`` -> ``_proxy``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def rule_breaks(graph: dict[str, set[str]], rules: dict[str, set[str]]) -> list[str]:
+    """Every import from a ruled package to a room its rule does not name."""
+    found = []
+    for module, deps in sorted(graph.items()):
+        room = room_of(module)
+        if room not in rules:
+            continue
+        for dep in sorted(deps):
+            target = room_of(dep)
+            if target and target != room and target not in rules[room]:
+                found.append(f"{module} imports {dep}")
+    return found
+
+
+def test_every_sub_package_has_a_rule_and_keeps_it() -> None:
+    rooms = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert rooms - {"testing"} == set(IMPORT_RULES), "a package without a rule, or a rule without one"
+    assert rule_breaks(import_graph(PACKAGE), IMPORT_RULES) == []
+
+
+def test_the_package_rule_catches_an_import_upward() -> None:
+    """The check above can fail: an upstream module importing the owner is named."""
+    graph = {"epd_trio._upstream.legs": {"epd_trio._proxy", "epd_trio._state.loads"},
+             "epd_trio._proxy": {"epd_trio._upstream.legs"}}
+    assert rule_breaks(graph, IMPORT_RULES) == ["epd_trio._upstream.legs imports epd_trio._proxy"]
+
+
+def test_the_top_level_keeps_the_owner_the_pipeline_and_the_public_modules() -> None:
+    """Sub-packages are the rooms; the top level is the hall: about a dozen files."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top

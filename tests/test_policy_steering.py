@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from epd_trio import Instance, Settings
-from epd_trio._load_scraper import scrape_once
+from epd_trio._upstream.load_scraper import scrape_once
 from epd_trio.testing import Behaviour, FakeVLLM, run_cluster, serve_proxy
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine
 

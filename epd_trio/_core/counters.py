@@ -7,7 +7,7 @@ skewed. One counter in shared memory, advanced under one cross-process lock, giv
 the next position of a single global sequence: the distribution is exactly round-robin whatever
 the accept pattern. The critical section is an add on one machine word (microseconds, never a
 blocking wait in practice), so taking a ``multiprocessing`` lock inside the event loop is fine.
-The shared implementation lives with the shared roster, in ``_roster_store.py``; this module only
+The shared implementation lives with the shared roster, in ``_state/roster_store.py``; this module only
 names what a counter is, so it depends on nothing.
 """
 

@@ -1,7 +1,7 @@
 """Instances found rather than listed: DNS names to expand, Kubernetes pods to watch (pure).
 
 A plain P/D fleet scaled by an autoscaler registers nowhere, so the proxy has to find it. Two
-sources, each run by its own loop in the shell (``_discovery_dns.py``, ``_discovery_k8s.py``);
+sources, each run by its own loop in the shell (``_discovery/dns.py``, ``_discovery/k8s.py``);
 what they *decide* is here, with no I/O and no clock, so the rules are tested with plain asserts:
 
 - **DNS.** ``dns+http://name:port#dp=N`` (and ``dns+https://``) expands to one instance per A

@@ -2,7 +2,7 @@
 
 Every instance in the roster (``_roster.py``: configured or registered) has one
 ``InstanceState``, owned by the proxy's ``Registry``. Routing reads ``live``; the background
-prober (``_prober.py``) and live requests write to it; ``set_members`` follows roster changes
+prober (``_upstream/prober.py``) and live requests write to it; ``set_members`` follows roster changes
 and keeps the state (health, counters) of the instances that stay. An instance
 leaves the rotation after ``threshold`` consecutive failures (failed probes, or transport failures
 of live requests: a refused connection is the fastest possible signal that a server died) and

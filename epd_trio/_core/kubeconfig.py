@@ -3,7 +3,7 @@
 Pure: the parsed document (a mapping, from YAML or JSON) and the file's directory in, one
 ``KubeTarget`` out, or one ``KubeconfigError`` naming what is missing or refused. Reading the
 files (the kubeconfig itself, a CA, a token file, a client key) is the shell's
-(``_kube_api``).
+(``_discovery/kube_api``).
 
 What is taken, as kubectl takes it:
 

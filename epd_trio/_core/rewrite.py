@@ -1,5 +1,6 @@
-"""Request validation and the body each stage sends (PROTOCOL.md "Media items", "Prefill stage",
-"Decode stage").
+"""Request validation and the body each stage sends.
+
+The rules are docs/discussion/protocol.md's "Media items", "Prefill stage" and "Decode stage".
 
 Rules: no I/O, no trio. The client's parsed body is never mutated: every leg's body is a new
 top-level dict that shares the unchanged sub-objects with the original (large base64 media strings
@@ -31,7 +32,7 @@ _URL_FIELD = {"image_url": "image_url", "audio_url": "audio_url", "video_url": "
 #: processed, so the encoder must see them to produce the cache entry decode will look up).
 ENCODER_PASSTHROUGH_FIELDS = ("mm_processor_kwargs", "media_io_kwargs", "priority", "session_id")
 
-#: Body fields that steer a transfer: the proxy's alone (PROTOCOL.md "The hand-off is the
+#: Body fields that steer a transfer: the proxy's alone (docs/discussion/protocol.md "The hand-off is the
 #: proxy's"). A client that sends them could make an instance pull KV or encoder-cache entries
 #: from an address it names (llm-d #242 was this class of bug), so they are dropped from the
 #: client's body before any leg is built, in every layout and on both endpoints. Dropped, not

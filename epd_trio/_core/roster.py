@@ -1,7 +1,7 @@
 """The instance roster: which instances exist, by role, static and self-registered alike (pure).
 
 vLLM instances started with a proxy URL register themselves (``POST /instances`` every 30 s,
-``DELETE /instances`` when they stop; PROTOCOL.md "Instance registration"). The statically
+``DELETE /instances`` when they stop; docs/discussion/protocol.md "Instance registration"). The statically
 configured instances and the registered ones live in one ``Roster``, an immutable snapshot that
 routing reads: each change makes a new roster with a higher ``version``, and with a new
 ``Epoch`` per routing role, so that the round-robin continues where it stood instead of
@@ -11,7 +11,7 @@ every worker process of ``epd-trio serve`` then maps the same counter value to t
 
 Nothing here does I/O or reads a clock: callers pass ``now`` (``time.monotonic()``, which is
 shared by the processes of one machine) and the counters' values. Where the roster is kept
-(one process, or shared memory for several) is ``_roster_store.py``'s business.
+(one process, or shared memory for several) is ``_state/roster_store.py``'s business.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Roster:
     #: mode is refused.
     transfer_mode: str | None = None
     #: DNS names registered through ``POST /instances`` (``(role, dns+ URL)``), in order: the
-    #: process that discovers resolves them like the configured ones (``_discovery_dns``).
+    #: process that discovers resolves them like the configured ones (``_discovery/dns``).
     names: tuple[tuple[str, str], ...] = ()
 
     def of(self, stage: str) -> tuple[Instance, ...]:

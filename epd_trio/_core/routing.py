@@ -1,8 +1,9 @@
 """Routing arithmetic: which encoder gets which item, which (instance, DP rank) slot gets a request.
 
 Rule: nothing here does I/O or imports trio; every function takes values and returns values, so
-the properties the upstream proxies got wrong (PROTOCOL.md "Encoder assignment", "DP routing") are
-checked by plain table-driven tests. The objects that *own* the counters live in ``_cursors.py``.
+the properties the upstream proxies got wrong (docs/discussion/protocol.md "Encoder assignment",
+"DP routing") are checked by plain table-driven tests. The objects that *own* the counters live
+in ``_state/cursors.py``.
 """
 
 from __future__ import annotations

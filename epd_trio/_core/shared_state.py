@@ -1,6 +1,6 @@
 """What several proxy replicas share through the state store, as values (pure).
 
-The store (Redis, ``_state_sync.py``) holds, under one key prefix per fleet:
+The store (Redis, ``_replicas/sync.py``) holds, under one key prefix per fleet:
 
 - one key per **registered instance** (``instance:<url>``: a JSON record, with a TTL), listed in
   a set (``instances``), and a short-lived **tombstone** (``gone:<url>``) for an instance that

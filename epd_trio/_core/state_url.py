@@ -14,7 +14,7 @@ certificate authorities, or against a private one given as ``?ssl_ca_certs=/path
 file, or a directory of them); ``ssl_certfile`` and ``ssl_keyfile`` (both or neither) give a
 client certificate for servers that ask for one (``tls-auth-clients yes``). The names are
 redis-py's and coredis's own URL parameters. Whether the files can be read is checked at
-start-up too (``_state_tls``): this module does no I/O.
+start-up too (``_replicas/tls``): this module does no I/O.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Tracing is off unless an OTLP endpoint is configured, with the variables every O
 SDK reads (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``,
 ``OTEL_SDK_DISABLED``, ``OTEL_SERVICE_NAME``, ``OTEL_TRACES_SAMPLER`` / ``_ARG``): an operator
 who already runs a collector sets nothing of ours. ``tracing_settings`` reads them; the SDK
-itself (an optional extra) is only imported by ``_tracing.py`` once this says tracing is on.
+itself (an optional extra) is only imported by ``_observe/tracing.py`` once this says tracing is on.
 
 Even with tracing off the proxy forwards the client's ``traceparent`` / ``tracestate`` to every
 leg (``client_context``), so vLLM's own ``llm_request`` spans still join the client's trace.

@@ -21,9 +21,9 @@ import trio
 from .._app import create_app
 from .._core.config import Settings
 from .._core.routing import Instance
+from .._observe.tracing import Tracing
 from .._proxy import Proxy
-from .._serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
-from .._tracing import Tracing
+from .._serve.serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
 from .fake_vllm import FakeVLLM, Role
 from .moriio import MoriioSide, MoriioStandIn, TransferFabric, moriio_address
 

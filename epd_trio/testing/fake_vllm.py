@@ -33,7 +33,7 @@ from typing import Any, Literal
 import orjson
 import trio
 
-from .._serving import quiet_config, serve_app
+from .._serve.serving import quiet_config, serve_app
 from .moriio import MoriioSide
 from .sim_engine import SimEngine
 

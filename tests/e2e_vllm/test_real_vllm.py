@@ -35,7 +35,7 @@ from epd_trio import Instance, Proxy, Settings
 from epd_trio._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from epd_trio._core.engine_load import engine_loads
 from epd_trio._core.rewrite import build_encoder_body, parse_request, with_item_uuids
-from epd_trio._load_scraper import scrape_once
+from epd_trio._upstream.load_scraper import scrape_once
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
@@ -82,7 +82,7 @@ def image_part(seed: int, **extra: Any) -> dict[str, Any]:
 
 
 def url_uuid(part: dict[str, Any]) -> str:
-    """The uuid PROTOCOL.md gives an item without its own: the SHA-256 of its URL."""
+    """The uuid docs/discussion/protocol.md gives an item without its own: the SHA-256 of its URL."""
     return hashlib.sha256(part["image_url"]["url"].encode()).hexdigest()
 
 

@@ -19,7 +19,7 @@ import trio
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from epd_trio import Instance, Settings
-from epd_trio._tracing import create_tracing
+from epd_trio._observe.tracing import create_tracing
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.otlp_receiver import OtlpReceiver, ReceivedSpan
 

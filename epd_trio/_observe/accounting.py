@@ -1,0 +1,237 @@
+"""Every count an upstream leg feeds, in one place: health, Prometheus, the request's trace.
+
+The pipeline reports to one ``RequestAccount`` per client request (made by ``Accounting.begin``)
+and to nothing else: ``leg(stage, slot)`` wraps each upstream call, ``retried`` each failover,
+and a handful of request events (``replied``, ``failed``, ``finish``...) its end. The account
+carries the request's ``RequestTrace`` itself, so nothing travels in a context variable and a
+child task of the encoder fan-out reports to the same account as its parent.
+
+Why one object and not hooks per caller: an attempt's in-flight count, its health verdict, its
+metrics and its trace entry must move together. When they were kept by a failover hook for two
+stages, by a context manager for the third and by hand for a stream, the three drifted (a
+stream's in-flight count was kept twice). A relayed stream is the one leg that outlives its
+call: ``Leg.hold()`` keeps it in flight until the request's resources release it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from .._core.errors import ProxyError, UpstreamError, UpstreamStatusError
+from .._core.failover import Slot, is_retryable
+from .._core.health import InstanceState, Registry
+from .._core.routing import Instance
+from .._core.trace import Attempt, AttemptNumbers, RequestTrace, outcome_of
+from .._core.tracing import usage_of
+from .metrics import ProxyMetrics
+from .request_log import log_request, log_retry, log_stream_failure, log_upstream_failure
+from .tracing import NO_TRACE_CONTEXT, RequestSpans, TraceHeaders, Tracing
+
+
+class Accounting:
+    """The proxy's side of the accounting: its health registry, its metrics, its tracing."""
+
+    def __init__(self, registry: Registry, metrics: ProxyMetrics, *, request_log: bool,
+                 tracing: Tracing | None = None) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.request_log = request_log
+        #: OpenTelemetry (off by default: it then only forwards the client's trace context).
+        self.tracing = tracing if tracing is not None else Tracing()
+
+    def begin(self, endpoint: str, request_id: str,
+              trace_context: TraceHeaders = NO_TRACE_CONTEXT) -> RequestAccount:
+        """A request arrived (its body is read); ``trace_context``: the client's trace headers
+        (``_core.tracing.client_context``)."""
+        started = time.perf_counter()
+        return RequestAccount(self, RequestTrace(request_id, endpoint, started),
+                              self.tracing.begin(endpoint, trace_context, started))
+
+    def count_failure(self, state: InstanceState, error: UpstreamError) -> None:
+        """An upstream failure at ``state``'s instance: its error count, and its health."""
+        if is_retryable(error):  # a 4xx is the client's fault, not the instance's
+            state.errors += 1
+            self.metrics.instance(state.stage, state.url).errors.inc()
+        if error.instance_failure:
+            self.registry.failed(state)
+
+
+class Leg:
+    """One upstream call, counted in flight until ``release`` (at the end of its ``leg`` block,
+    unless ``hold`` kept it open for a relayed stream)."""
+
+    __slots__ = ("_account", "_attempt", "_counts", "_released", "_state", "held",
+                 "trace_headers")
+
+    def __init__(self, account: RequestAccount, state: InstanceState, counts: Any,
+                 attempt: Attempt, trace_headers: TraceHeaders) -> None:
+        self._account = account
+        self._state = state
+        self._counts = counts
+        self._attempt = attempt
+        self._released = False
+        self.held = False
+        #: What this leg's request adds to its headers: its own ``traceparent`` (tracing on),
+        #: the client's (off), or nothing.
+        self.trace_headers = trace_headers
+
+    def traced(self, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` (the leg's own, a fresh dict) with the leg's trace headers."""
+        if self.trace_headers:
+            headers.update(self.trace_headers)
+        return headers
+
+    def answered(self, status: int) -> None:
+        """The instance answered with ``status`` (for the leg's span)."""
+        self._attempt.status = status
+
+    def hold(self) -> Callable[[], None]:
+        """Keep the call in flight past its block; returns the ``release`` to call later."""
+        self.held = True
+        return self.release
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._state.in_flight -= 1
+            self._counts.in_flight.dec()
+            if self.held:  # a relayed stream is over: its span ends now, not at its first bytes
+                self._attempt.ended = time.perf_counter()
+
+    def client_left(self) -> None:
+        """The client left while this leg's stream was relayed to it."""
+        self._attempt.client_gone = True
+        self._account.client_cancelled(self._attempt.stage)
+
+    def stream_failed(self, error: UpstreamError) -> None:
+        """The relayed stream broke after its first byte (the client got an SSE error event)."""
+        self._account.acc.count_failure(self._state, error)
+        self._attempt.stream_error = True
+        trace = self._account.trace
+        trace.outcome, trace.error = "stream_error", error.message
+        log_stream_failure(trace, error)
+
+
+class RequestAccount:
+    """One client request's accounting (a ``LegObserver`` for the stages)."""
+
+    __slots__ = ("_numbers", "acc", "spans", "trace")
+
+    def __init__(self, acc: Accounting, trace: RequestTrace, spans: RequestSpans) -> None:
+        self.acc = acc
+        self.trace = trace
+        #: The request's spans (or, tracing off, the trace headers its legs forward).
+        self.spans = spans
+        #: Each leg's attempt number (failovers and re-runs show in its span).
+        self._numbers = AttemptNumbers()
+
+    @contextmanager
+    def leg(self, stage: str, slot: Slot) -> Iterator[Leg]:
+        """Count one upstream call: in flight while it runs, its outcome fed to health."""
+        instance, rank = slot
+        acc, url = self.acc, instance.url
+        state = acc.registry.state_for(stage, instance)
+        state.in_flight += 1
+        state.sent += 1
+        counts = acc.metrics.instance(stage, url)
+        counts.requests.inc()
+        counts.in_flight.inc()
+        if rank is not None:
+            acc.metrics.rank(counts, stage, url, rank).inc()
+        attempt = Attempt(stage, url, rank, time.perf_counter(), number=self._numbers.take(stage))
+        self.trace.attempts.append(attempt)
+        leg = Leg(self, state, counts, attempt, self.spans.leg_headers(attempt))
+        outcome = "cancelled"
+        try:
+            yield leg
+        except UpstreamError as error:
+            outcome = "error"
+            if isinstance(error, UpstreamStatusError):
+                attempt.status = error.upstream_status
+                attempt.error_type = str(error.upstream_status)
+            else:
+                attempt.error_type = type(error).__name__
+            acc.count_failure(state, error)
+            raise
+        else:
+            outcome = "ok"
+            acc.registry.succeeded(state)
+        finally:
+            attempt.seconds = time.perf_counter() - attempt.started
+            attempt.outcome = outcome
+            if outcome == "ok":
+                acc.metrics.stage_seconds(stage).observe(attempt.seconds)
+            if not leg.held:
+                leg.release()
+
+    def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
+        """A failover: ``stage`` failed at ``instance`` and is retried elsewhere."""
+        self.acc.metrics.retried(stage)
+        trace = self.trace
+        trace.retries += 1
+        for attempt in reversed(trace.attempts):
+            if attempt.stage == stage and attempt.instance == error.instance:
+                self._numbers.failed_over(stage, attempt.number)
+                break
+        log_retry(trace, stage, instance, error)
+
+    def read_usage(self, data: bytes) -> None:
+        """The answer (a JSON body, or a stream's tail): its token usage, for a recorded
+        span (nobody reads it otherwise, so it is not parsed)."""
+        if self.spans.recording:
+            self.trace.usage = usage_of(data)
+
+    def kv_missing(self) -> None:
+        """Prefill answered without ``kv_transfer_params`` (decode recomputes the prefill)."""
+        self.acc.metrics.kv_missing()
+        self.trace.kv_missing = True
+
+    def encoded(self, calls: Iterable[Any]) -> None:
+        """The encode stage succeeded: count each ``EncoderCall``'s items at its encoder."""
+        self._numbers.encoded()
+        for call in calls:
+            self.acc.metrics.encoded(call.instance.url, len(call.item_indices))
+
+    def replied(self) -> None:
+        """The reply's first bytes are ready (a stream: decode's first chunk is here)."""
+        trace = self.trace
+        trace.first_byte = time.perf_counter()
+        trace.status = 200
+        ttfb, _ = self.acc.metrics.reply_histograms(trace.endpoint, trace.stream)
+        ttfb.observe(trace.first_byte - trace.started)
+
+    def client_cancelled(self, stage: str) -> None:
+        self.acc.metrics.client_cancelled(stage)
+        trace = self.trace
+        trace.outcome, trace.status, trace.cancelled_stage = "cancelled", 499, stage
+
+    def failed(self, stage: str, exc: BaseException) -> None:
+        """The request ended without a reply: cancelled (in ``stage``) or an error."""
+        trace = self.trace
+        if isinstance(exc, trio.Cancelled):
+            self.client_cancelled(stage)
+        elif isinstance(exc, ProxyError):
+            trace.outcome, trace.status, trace.error = outcome_of(exc), exc.status, exc.message
+            if isinstance(exc, UpstreamError) and exc.status >= 500:
+                log_upstream_failure(trace, exc)
+        else:
+            trace.outcome, trace.status, trace.error = "internal_error", 500, repr(exc)
+
+    def finish(self) -> None:
+        """The request is over (response sent, or the client gone): count it, maybe log it."""
+        finished = time.perf_counter()
+        trace = self.trace
+        outcome = trace.outcome or "ok"
+        metrics = self.acc.metrics
+        metrics.request_done(trace.endpoint, outcome)
+        if outcome == "ok":
+            metrics.reply_histograms(trace.endpoint, trace.stream)[1].observe(
+                finished - trace.started)
+        if self.acc.request_log:
+            log_request(trace, finished)
+        self.spans.end(trace, finished)

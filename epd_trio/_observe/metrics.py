@@ -1,0 +1,290 @@
+"""The Prometheus metrics of one proxy: the only module that touches prometheus_client.
+
+One ``ProxyMetrics`` per ``Proxy`` owns every metric family and hands out their cached children;
+``_observe/accounting.py`` decides what to count when (it is the one caller on the request path), the
+request's trace and its log line live in ``_core/trace.py`` and ``_observe/request_log.py``.
+
+Registries. In one process (``hypercorn epd_trio.app:app``, ``epd-trio serve`` with one worker,
+the apps tests start in-process) each ``ProxyMetrics`` has its own ``CollectorRegistry``: several
+apps in one process never clash, as they would on the global default registry. With several
+worker processes the numbers must add up whichever worker answers the scrape, so
+prometheus_client's multiprocess mode is used when ``PROMETHEUS_MULTIPROC_DIR`` is set (it must be
+set before prometheus_client is imported; ``epd-trio serve --workers N`` creates a private
+directory and passes it to its workers): each process writes its values to its own memory-mapped
+files there and a scrape merges the files of all processes. Counters and histograms add up;
+gauges need a rule (``multiprocess_mode``): in-flight requests are ``livesum`` (the sum over live
+workers: a dead worker's requests died with it) and instance health is ``livemin`` (each worker
+probes on its own; 0 as soon as one live worker has the instance out of rotation).
+
+Cost (docs/discussion/performance.md): labelled children are resolved once per (stage, instance), rank,
+stage, endpoint and outcome and kept in dicts, so the hot path is a dict lookup and a few float
+additions per call, never ``.labels()``. ``metrics=False`` (``EPD_METRICS``) swaps every metric for
+a no-op and turns ``/metrics`` off; the trace is still kept for the request log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from .._core.errors import AtCapacity, ProxyError
+from .._core.health import InstanceState
+from .._core.names import STAGES
+from .._core.trace import outcome_of
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# No ``*_created`` series: one per counter and histogram child, they double the series count and
+# say only when the process started counting, which ``process_start_time_seconds`` already does.
+# (prometheus-client's switch is process-wide; this module is its only user here.)
+disable_created_metrics()
+#: Seconds; prefill of a long prompt and a long generation take minutes, so the buckets go to 10.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                   120.0, 300.0, 600.0)
+
+class _Off:
+    """Stands in for every metric and child when metrics are disabled."""
+
+    def labels(self, *_: Any) -> _Off:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def dec(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+_OFF = _Off()
+
+
+class _InstanceMetrics:
+    """The cached children of one (stage, instance)."""
+
+    __slots__ = ("errors", "in_flight", "ranks", "requests")
+
+    def __init__(self, requests: Any, errors: Any, in_flight: Any) -> None:
+        self.requests = requests
+        self.errors = errors
+        self.in_flight = in_flight
+        self.ranks: dict[int, Any] = {}
+
+
+class ProxyMetrics:
+    """The metrics of one proxy (see the module docstring for who calls what)."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        instances: Iterable[InstanceState] = (),
+        shared_state: bool = False,
+    ) -> None:
+        """``shared_state``: export the state store's metrics (only with ``EPD_STATE_URL``)."""
+        self.enabled = enabled
+        self.multiprocess = enabled and bool(os.environ.get(MULTIPROC_ENV))
+        self.registry: CollectorRegistry | None = None
+        target: CollectorRegistry | None = None
+        if enabled:
+            self.registry = CollectorRegistry(auto_describe=True)
+            if self.multiprocess:
+                MultiProcessCollector(self.registry)  # values live in the files, not here
+            else:
+                target = self.registry
+
+        def metric(kind: type, name: str, doc: str, labels: Sequence[str] = (),
+                   **kwargs: Any) -> Any:
+            if not enabled:
+                return _OFF
+            return kind(name, doc, labels, registry=target, **kwargs)
+
+        buckets = {"buckets": LATENCY_BUCKETS}
+        self._requests = metric(Counter, "epd_trio_requests",
+                                "Client requests by endpoint and outcome", ["endpoint", "outcome"])
+        self._duration = metric(
+            Histogram, "epd_trio_request_duration_seconds",
+            "Successful requests: body received to last byte handed to the server",
+            ["endpoint", "stream"], **buckets)
+        self._ttfb = metric(
+            Histogram, "epd_trio_time_to_first_byte_seconds",
+            "Replies: body received to first response bytes ready (a stream: first token)",
+            ["endpoint", "stream"], **buckets)
+        self._stage = metric(
+            Histogram, "epd_trio_stage_duration_seconds",
+            "Successful upstream calls by stage (decode: until its first body bytes)",
+            ["stage"], **buckets)
+        self._upstream_requests = metric(Counter, "epd_trio_upstream_requests",
+                                         "Upstream calls sent, retries included",
+                                         ["role", "upstream"])
+        self._upstream_errors = metric(Counter, "epd_trio_upstream_errors",
+                                       "Failed upstream calls (transport, timeout, 5xx)",
+                                       ["role", "upstream"])
+        self._in_flight = metric(Gauge, "epd_trio_upstream_in_flight",
+                                 "Upstream calls and streams open now", ["role", "upstream"],
+                                 multiprocess_mode="livesum")
+        self._healthy = metric(Gauge, "epd_trio_instance_healthy",
+                               "1 while the instance is in rotation", ["role", "upstream"],
+                               multiprocess_mode="livemin")
+        self._evictions = metric(Counter, "epd_trio_instance_evictions",
+                                 "Times the instance left the rotation", ["role", "upstream"])
+        self._ranks = metric(Counter, "epd_trio_dp_rank_requests",
+                             "Upstream calls per data-parallel rank (instances with dp_size > 1)",
+                             ["role", "upstream", "rank"])
+        self._items = metric(Counter, "epd_trio_encoder_items",
+                             "Media items encoded, per encoder", ["upstream"])
+        self._retries = metric(Counter, "epd_trio_retries",
+                               "Failovers: upstream attempts after the first, by stage", ["stage"])
+        self._cancels = metric(Counter, "epd_trio_client_cancellations",
+                               "Requests abandoned by their client, by the stage they were in",
+                               ["stage"])
+        self._kv_missing = metric(Counter, "epd_trio_prefill_kv_transfer_params_missing",
+                                  "Prefill answers without kv_transfer_params (decode recomputed)")
+        self._refused = metric(Counter, "epd_trio_admission_refusals",
+                               "Client requests refused at EPD_MAX_INFLIGHT (503, Retry-After)")
+        state_metric = metric if shared_state else (lambda *_, **__: _OFF)
+        self._state_up = state_metric(Gauge, "epd_trio_state_backend_up",
+                                "1 while the shared state store (EPD_STATE_URL) is reachable",
+                                multiprocess_mode="livemin")
+        self._state_malformed = state_metric(
+            Counter, "epd_trio_state_malformed_entries",
+            "Entries of the shared state store skipped because they could not be read")
+        self._cursor_fallbacks = state_metric(
+            Counter, "epd_trio_global_cursor_fallbacks",
+            "Routing decisions that used the replica's own cursor instead of the global one",
+            ["stage"])
+        # Children cached by label values (see "Cost" above).
+        self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
+        #: The instances in the roster now (``set_members``).
+        self._members: set[tuple[str, str]] = set()
+        self._per_request: dict[tuple[str, str], Any] = {}
+        self._per_reply: dict[tuple[str, bool], tuple[Any, Any]] = {}
+        self._per_stage = {stage: (self._stage.labels(stage), self._retries.labels(stage),
+                                   self._cancels.labels(stage)) for stage in STAGES}
+        self.set_members(instances)
+
+    # -- children ------------------------------------------------------------------------------
+    def instance(self, stage: str, url: str) -> _InstanceMetrics:
+        """The children of one (stage, instance); the metric labels are ``role`` (it predates
+        the stage/role distinction, and dashboards use it) and ``upstream`` (the instance's URL:
+        not ``instance``, which Prometheus sets to the scrape target and would rename ours to
+        ``exported_instance``)."""
+        found = self._per_instance.get((stage, url))
+        if found is None:
+            found = self._per_instance[stage, url] = _InstanceMetrics(
+                self._upstream_requests.labels(stage, url), self._upstream_errors.labels(stage, url),
+                self._in_flight.labels(stage, url))
+        return found
+
+    def set_members(self, states: Iterable[InstanceState]) -> None:
+        """Follow the instances in the roster (configured and registered; not on the hot path).
+
+        A newcomer shows in ``/metrics`` at once (zero counts, its health). An instance that left
+        loses its series in one process; with several workers prometheus-client cannot delete a
+        series from the other workers' files, so its counts stay and its health reads 0.
+        """
+        # Membership is kept apart from the children cache: a request still running on an
+        # instance that left re-creates its children, and must not make the instance look like
+        # a member when it registers again (its health would never be set).
+        current = {(state.stage, state.url): state for state in states}
+        for key, state in current.items():
+            if key not in self._members:
+                self._members.add(key)
+                self.instance(*key)
+                self._healthy.labels(*key).set(1 if state.live else 0)
+        for key in [key for key in self._members | self._per_instance.keys() if key not in current]:
+            self._members.discard(key)
+            counts = self._per_instance.pop(key, None)
+            if self.multiprocess or not self.enabled:
+                self._healthy.labels(*key).set(0)
+                continue
+            for family in (self._upstream_requests, self._upstream_errors, self._in_flight,
+                           self._healthy, self._evictions):
+                with contextlib.suppress(KeyError):
+                    family.remove(*key)
+            for rank in counts.ranks if counts is not None else ():
+                with contextlib.suppress(KeyError):
+                    self._ranks.remove(*key, str(rank))
+
+    def rank(self, counts: _InstanceMetrics, stage: str, url: str, rank: int) -> Any:
+        """The DP-rank counter of an instance's ``rank``."""
+        child = counts.ranks.get(rank)
+        if child is None:
+            child = counts.ranks[rank] = self._ranks.labels(stage, url, str(rank))
+        return child
+
+    def stage_seconds(self, stage: str) -> Any:
+        """The latency histogram of successful calls of ``stage``."""
+        return self._per_stage[stage][0]
+
+    def retried(self, stage: str) -> None:
+        self._per_stage[stage][1].inc()
+
+    def client_cancelled(self, stage: str) -> None:
+        self._per_stage[stage][2].inc()
+
+    def kv_missing(self) -> None:
+        self._kv_missing.inc()
+
+    def encoded(self, url: str, items: int) -> None:
+        self._items.labels(url).inc(items)
+
+    def reply_histograms(self, endpoint: str, stream: bool) -> tuple[Any, Any]:
+        """The (time to first byte, duration) children for an endpoint and kind of reply."""
+        found = self._per_reply.get((endpoint, stream))
+        if found is None:
+            label = "true" if stream else "false"
+            found = self._per_reply[endpoint, stream] = (
+                self._ttfb.labels(endpoint, label), self._duration.labels(endpoint, label))
+        return found
+
+    def request_done(self, endpoint: str, outcome: str) -> None:
+        """A client request is over, with ``outcome`` (``_core.trace.OUTCOMES``)."""
+        child = self._per_request.get((endpoint, outcome))
+        if child is None:
+            child = self._per_request[endpoint, outcome] = self._requests.labels(endpoint, outcome)
+        child.inc()
+
+    def rejected(self, endpoint: str, error: ProxyError) -> None:
+        """A request refused before it reached the pipeline (a bad key, a body over the limit,
+        the admission cap)."""
+        self.request_done(endpoint, outcome_of(error))
+        if isinstance(error, AtCapacity):
+            self._refused.inc()
+
+    def state_up(self, up: bool) -> None:
+        self._state_up.set(1 if up else 0)
+
+    def state_malformed(self) -> None:
+        self._state_malformed.inc()
+
+    def global_cursor_fallback(self, stage: str) -> None:
+        self._cursor_fallbacks.labels(stage).inc()
+
+    def health_changed(self, state: InstanceState) -> None:
+        """Listener for ``Registry.on_change`` (not on the request path)."""
+        self._healthy.labels(state.stage, state.url).set(1 if state.live else 0)
+        if not state.live:
+            self._evictions.labels(state.stage, state.url).inc()
+
+    # -- reading -------------------------------------------------------------------------------
+    def exposition(self) -> bytes | None:
+        """The Prometheus text format of every metric (all workers'); None when disabled."""
+        return None if self.registry is None else generate_latest(self.registry)

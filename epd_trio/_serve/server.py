@@ -1,0 +1,327 @@
+"""The connection server under ``epd-trio serve``: Hypercorn's trio worker with its own TCPServer.
+
+Why a server class of our own: Hypercorn's ``trio.tcp_server.TCPServer`` (0.18) runs each
+connection's keep-alive timer as a task in the connection's task group, started with
+``nursery.start`` when the connection opens and after every response. Two costs follow:
+
+- **A defect: CLOSE-WAIT.** When the client closes an idle connection, the read loop sees end
+  of file and returns, but the connection's task group still holds the idle-timer task, which
+  sleeps until ``keep_alive_timeout``. Only then does ``run`` reach its ``finally`` and close the
+  socket: the kernel keeps it in CLOSE-WAIT, one fd per closed connection, for 75 s with
+  ``epd-trio serve``'s default. Under connection churn that is thousands of fds.
+- **A cost per response.** ``TrioSingleTask.restart`` takes a lock, cancels the old timer task
+  and starts a new one (a task, a scheduling round) every time the connection goes idle, and
+  ``stop`` takes the lock again when the next request arrives.
+
+``ProxyTCPServer`` keeps everything else of Hypercorn (the h11/h2 protocol classes, the ASGI
+stream, the worker's lifespan and shutdown) and changes these things:
+
+1. The idle timer is the **deadline of the pending read's cancel scope**: ``Updated(idle=True)``
+   sets it to now + ``keep_alive_timeout``, ``Updated(idle=False)`` to infinity. No task, no lock.
+   When it expires the read loop ends and the connection closes, as Hypercorn's timer does. A
+   client's close ends the read loop, and with no timer task left the connection's task group
+   exits and the socket is closed at once.
+2. Worker shutdown closes idle connections at once (Hypercorn's timer task waited on
+   ``context.terminated``): ``ProxyWorkerContext`` cancels the reads of the connections that are
+   idle when ``terminated`` is set.
+3. A write takes the send lock without a scheduling round when it is free (it still raises
+   ``Cancelled`` first if the sender is cancelled, as ``trio.Lock.acquire`` would), and an empty
+   write (h11's end of a ``content-length`` body) is not sent.
+4. A connection whose client closed it is closed without ``send_eof`` first (a ``shutdown``
+   call and a checkpoint): ``close`` sends the same FIN.
+5. The head of a response that declares its ``content-length`` is held until the body's first
+   bytes (or the end of the response) and written with them in one ``send``: one socket write
+   per non-stream answer instead of two (h11 frames such a body's end as ``b""``, not written).
+   A response without a length (a stream: chunked) sends its head at once, as before, so an
+   SSE head still goes out before the first token.
+6. A chunk of a chunked body (a relayed token) is framed here, as h11's ``ChunkedWriter``
+   frames it (a ``Data`` event leaves h11's state machine where it is), and written with one
+   non-blocking ``send`` on the plain socket when the send lock is free. Only what the kernel
+   did not take goes the usual way (lock, shielded ``send_all``, which waits for the client).
+   Per token that skips h11's event processing, two of Hypercorn's event objects, the lock,
+   a shielded cancel scope and trio's ``send_all``, whose successful ``send`` always yields to
+   the scheduler: such a write yields once every ``_YIELD_EVERY`` chunks instead, so a relay
+   whose upstream always has bytes ready still lets the other tasks run.
+7. The connection tells its HTTP/1.x requests that their client left (``_web/client_gone``): it
+   offers a ``ClientGone`` in the connection's ASGI state and cancels the requests registered
+   there when the client closes the connection or a write to it fails, so a request needs no
+   task of its own waiting for ``http.disconnect``.
+
+How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
+``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
+below is Hypercorn's own function object rebuilt over a copy of its globals with our two classes
+in their place: Hypercorn's worker code runs unchanged, and no Hypercorn module is modified (plain
+``hypercorn --worker-class trio epd_trio.app:app`` in another process, or in this one, is
+untouched). ``tests/serve/test_server.py`` pins every Hypercorn internal used here and fails, naming
+it, when an upgrade moves one. docs/contributing/hypercorn-patches.md has each change written as
+the patch Hypercorn could take, with its measured effect.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from functools import partial
+from math import inf
+from typing import Any
+
+import h11
+import trio
+from h11._writers import ChunkedWriter
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.events import Body, EndBody, Response
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import run as hypercorn_run
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
+from hypercorn.trio.worker_context import EventWrapper, WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import parse_socket_addr
+
+from .._web.client_gone import CLIENT_GONE, ClientGone
+
+__all__ = ["ProxyTCPServer", "ProxyWorkerContext", "worker_serve"]
+
+#: A chunk written directly (change 6) yields to the scheduler once every this many writes.
+_YIELD_EVERY = 16
+
+
+class _Terminated(EventWrapper):
+    """``context.terminated``: once set, every idle connection of the worker is closed."""
+
+    def __init__(self, idle: set[ProxyTCPServer]) -> None:
+        super().__init__()
+        self._idle = idle
+
+    async def set(self) -> None:
+        await super().set()
+        for server in list(self._idle):
+            server.expire_idle()
+
+
+class ProxyWorkerContext(WorkerContext):
+    """Hypercorn's worker context, plus the set of this worker's idle connections."""
+
+    def __init__(self, max_requests: int | None) -> None:
+        super().__init__(max_requests)
+        #: Connections waiting for a request (their read has a keep-alive deadline).
+        self.idle: set[ProxyTCPServer] = set()
+        self.terminated = _Terminated(self.idle)
+
+
+class ProxyTCPServer(TCPServer):
+    """One client connection: Hypercorn's ``TCPServer`` with the idle timer on the read."""
+
+    def __init__(self, app: Any, config: Any, context: Any, state: Any, stream: Any) -> None:
+        super().__init__(app, config, context, state, stream)
+        #: When the connection, idle, is closed (inf while a request is in flight).
+        self._idle_deadline = inf
+        #: The read loop's cancel scope (None outside the loop): its deadline is the idle one.
+        self._read_scope: trio.CancelScope | None = None
+        self._idle_set: set[ProxyTCPServer] | None = getattr(context, "idle", None)
+        #: The client closed its side (end of file read).
+        self._peer_closed = False
+        #: Writes held back (a content-length response's head) until its body; None: write.
+        self._corked: list[bytes] | None = None
+        #: The h11 connection of the HTTP/1.1 protocol (None: HTTP/2, or not started yet), and
+        #: the plain socket a chunk may be written to directly (None: TLS).
+        self._h11: h11.Connection | None = None
+        self._plain: Any = None
+        #: Chunks written directly since the last yield to the scheduler.
+        self._unyielded = 0
+        #: The news, for this connection's HTTP/1.x requests, that their client left (change 7).
+        self._client_gone = ClientGone()
+
+    async def run(self) -> None:
+        """Hypercorn's ``TCPServer.run`` with the idle timer armed instead of started."""
+        try:
+            try:
+                with trio.fail_after(self.config.ssl_handshake_timeout):
+                    await self.stream.do_handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                return  # Handshake failed
+            alpn_protocol = self.stream.selected_alpn_protocol()
+            socket = self.stream.transport_stream.socket
+            ssl = True
+        except AttributeError:  # Not SSL
+            alpn_protocol = "http/1.1"
+            socket = self.stream.socket
+            ssl = False
+            self._plain = socket
+
+        try:
+            client = parse_socket_addr(socket.family, socket.getpeername())
+            server = parse_socket_addr(socket.family, socket.getsockname())
+
+            async with TaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = ProtocolWrapper(
+                    self.app, self.config, self.context, task_group,
+                    ConnectionState({**self.state, CLIENT_GONE: self._client_gone}), ssl,
+                    client, server, self.protocol_send,
+                    alpn_protocol,
+                )
+                await self.protocol.initiate()
+                self._cork_heads()
+                self._set_idle(True)
+                await self._read_data()
+        except OSError:
+            pass
+        finally:
+            self._set_idle(False)
+            await self._close()
+
+    def _cork_heads(self) -> None:
+        """Route the HTTP/1.1 protocol's stream events through ``_stream_send``.
+
+        ``H11Protocol`` hands ``self.stream_send`` to each ``HTTPStream`` it creates, so an
+        instance attribute set before the first request is what every stream calls."""
+        inner = getattr(self.protocol, "protocol", None)
+        if isinstance(inner, H11Protocol):
+            inner.stream_send = partial(self._stream_send, inner.stream_send)
+            self._h11 = inner.connection
+
+    async def _stream_send(self, stream_send: Any, event: Any) -> None:
+        if type(event) is Body and self._corked is None and self._plain is not None:
+            connection = self._h11
+            if (connection is not None and connection.our_state is h11.SEND_BODY
+                    and type(connection._writer) is ChunkedWriter):
+                await self._send_chunk(event.data)
+                return
+        if (isinstance(event, Response) and event.status_code >= 200
+                and any(name.lower() == b"content-length" for name, _ in event.headers)):
+            self._corked = []
+            await stream_send(event)  # the head's RawData is held in _corked
+            return
+        if self._corked is None:
+            await stream_send(event)
+            return
+        if isinstance(event, Body | EndBody):
+            await stream_send(event)  # appended to the held head
+        corked, self._corked = self._corked, None
+        if corked:
+            await self.protocol_send(RawData(data=b"".join(corked)))
+        if not isinstance(event, Body | EndBody):
+            await stream_send(event)
+
+    async def _send_chunk(self, data: bytes) -> None:
+        """One chunk of a chunked body, framed as h11 frames it (change 6)."""
+        if not data:
+            return  # h11 writes nothing for an empty chunk: it would read as the body's end
+        frame = b"%x\r\n%b\r\n" % (len(data), data)
+        if not self.send_lock.locked():
+            await trio.lowlevel.checkpoint_if_cancelled()
+            fd = self._plain.fileno()
+            if fd != -1:  # -1: closed; the usual path below says so
+                try:
+                    sent = os.write(fd, frame)
+                except OSError:  # full (BlockingIOError) or broken: the usual path below
+                    sent = 0     # waits for the client, or meets the same error and handles it
+                if sent == len(frame):
+                    self._unyielded += 1
+                    if self._unyielded >= _YIELD_EVERY:
+                        self._unyielded = 0
+                        await trio.lowlevel.cancel_shielded_checkpoint()
+                    return
+                frame = frame[sent:]
+        await self.protocol_send(RawData(data=frame))
+
+    async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            if not event.data:
+                return  # h11 frames the end of a content-length body as b"": nothing to write
+            if self._corked is not None:
+                self._corked.append(event.data)
+                return
+            lock = self.send_lock
+            if lock.locked():
+                await lock.acquire()
+            else:
+                # trio.Lock.acquire would yield to the scheduler even when the lock is free;
+                # only its cancellation check matters here.
+                await trio.lowlevel.checkpoint_if_cancelled()
+                lock.acquire_nowait()
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                self._client_gone.left()
+                await self.protocol.handle(Closed())
+            finally:
+                lock.release()
+        elif isinstance(event, Closed):
+            self._corked = None  # the client is gone: nothing held is wanted any more
+            self._client_gone.left()
+            await self._close()
+            await self.protocol.handle(Closed())
+        elif isinstance(event, Updated):
+            self._set_idle(event.idle)
+
+    async def _read_data(self) -> None:
+        """Read until end of file, an error, the read timeout or the idle deadline."""
+        read_timeout = self.config.read_timeout
+        with trio.CancelScope(deadline=self._idle_deadline) as scope:
+            self._read_scope = scope
+            try:
+                while True:
+                    if read_timeout:
+                        scope.deadline = min(self._idle_deadline,
+                                             trio.current_time() + read_timeout)
+                    try:
+                        data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError):
+                        break
+                    if read_timeout:
+                        scope.deadline = self._idle_deadline
+                    await self.protocol.handle(RawData(bytes(data)))
+                    if data == b"":
+                        self._peer_closed = True
+                        break
+            finally:
+                self._read_scope = None
+        self._client_gone.left()
+        await self.protocol.handle(Closed())
+
+    async def _close(self) -> None:
+        if self._peer_closed:
+            await self.stream.aclose()
+        else:
+            await super()._close()
+
+    def _set_idle(self, idle: bool) -> None:
+        if idle and not self.context.terminated.is_set():
+            deadline = trio.current_time() + self.config.keep_alive_timeout
+            if self._idle_set is not None:
+                self._idle_set.add(self)
+        else:
+            deadline = -inf if idle else inf  # idle after shutdown began: close now
+            if self._idle_set is not None:
+                self._idle_set.discard(self)
+        self._set_deadline(deadline)
+
+    def _set_deadline(self, deadline: float) -> None:
+        self._idle_deadline = deadline
+        if self._read_scope is not None:
+            self._read_scope.deadline = deadline
+
+    def expire_idle(self) -> None:
+        """Close this idle connection now (worker shutdown)."""
+        if self._idle_deadline != inf:
+            self._set_deadline(-inf)
+
+
+def _rebound(function: types.FunctionType, **names: Any) -> types.FunctionType:
+    """``function`` over a copy of its module globals with ``names`` replaced."""
+    rebound = types.FunctionType(function.__code__, {**function.__globals__, **names},
+                                 function.__name__, function.__defaults__, function.__closure__)
+    rebound.__kwdefaults__ = function.__kwdefaults__
+    rebound.__qualname__ = function.__qualname__
+    rebound.__doc__ = function.__doc__
+    rebound.__annotations__ = function.__annotations__
+    return rebound
+
+
+#: Hypercorn's trio ``worker_serve``, serving each connection with ``ProxyTCPServer``.
+worker_serve = _rebound(hypercorn_run.worker_serve, TCPServer=ProxyTCPServer,
+                        WorkerContext=ProxyWorkerContext)

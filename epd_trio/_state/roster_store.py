@@ -1,0 +1,204 @@
+"""Where the roster lives: in one process, or in shared memory for the workers of ``epd-trio serve``.
+
+The multi-worker problem: with ``--workers N`` each process has its own proxy, but a
+registration (``POST /instances``) reaches only the worker that accepted its connection. So the
+runner creates, before spawning the workers, one ``SharedRoutingState``: the three routing
+counters, a roster version and the serialized roster, all in shared memory under **one**
+cross-process lock. A change (register, unregister, forget) is made under that lock on the
+current shared roster, with the counters' values of that instant (the new epochs are computed
+from them), and bumps the version. A worker notices a change where it already takes the lock:
+when it advances a routing counter (one more word read under the lock it holds anyway; the
+serialized roster is copied out only when the version moved). So the counter value a request
+gets and the instance list it is routed over always belong together, and every worker maps the
+same counter value to the same instance: round-robin stays exact across workers and changes.
+``poll()`` (one unlocked word read) lets the routes that do not take a counter (``/health``,
+``GET /instances``, the layout decision) see changes too.
+
+Why shared memory and not a file: the counters already live there, a change has to be atomic
+with them, and nothing outlives the runner (no stale file after a crash). The roster is small
+(about 200 bytes an instance); the area holds ``capacity`` bytes (1 MiB: thousands of instances)
+and a change that would not fit is refused with a 503.
+
+Plain ``hypercorn --workers N`` has no parent process of ours to own this memory: each worker
+then has its own roster (docs/how-to/operations.md says so).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Mapping
+from ctypes import c_char, c_int64
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol, TypeVar
+
+from .._core.counters import Counter, CursorCounters
+from .._core.errors import RosterFull
+from .._core.names import STAGES
+from .._core.roster import Roster
+from .loads import LoadTable, LocalLoadTable, SharedLoadTable
+
+T = TypeVar("T")
+#: A change: the current roster and the counters' values -> the new roster and a result.
+Change = Callable[[Roster, Mapping[str, int]], tuple[Roster, T]]
+Listener = Callable[[Roster], None]
+
+DEFAULT_CAPACITY = 1 << 20
+
+
+class RosterStore(Protocol):
+    """Holds the current roster; tells its listener (the proxy) about every new version."""
+
+    def attach(self, initial: Roster, listener: Listener) -> None: ...
+
+    def update(self, change: Change[T]) -> T: ...
+
+    def poll(self) -> None: ...
+
+    def current(self) -> Roster: ...
+
+
+def routing_state(
+    shared: SharedRoutingState | None,
+) -> tuple[CursorCounters, RosterStore, LoadTable]:
+    """The counters, the roster store and the in-flight load table of one proxy: this
+    process's own, or ``shared``'s."""
+    if shared is None:
+        counters = CursorCounters.local()
+        return counters, LocalRosterStore(counters), LocalLoadTable()
+    return shared.counters(), shared, shared.loads
+
+
+class LocalRosterStore:
+    """The roster of a single process: changes apply at once, nothing to poll."""
+
+    def __init__(self, counters: CursorCounters) -> None:
+        self._counters = counters
+        self._roster = Roster()
+        self._listener: Listener | None = None
+
+    def attach(self, initial: Roster, listener: Listener) -> None:
+        self._roster, self._listener = initial, listener
+
+    def update(self, change: Change[T]) -> T:
+        values = {role: getattr(self._counters, role).fetch_add(0) for role in STAGES}
+        new, result = change(self._roster, values)
+        old, self._roster = self._roster, new
+        if new.version != old.version and self._listener is not None:
+            self._listener(new)
+        return result
+
+    def poll(self) -> None:
+        return None
+
+    def current(self) -> Roster:
+        return self._roster
+
+
+# Words of the shared array.
+_COUNTER = {role: i for i, role in enumerate(STAGES)}
+_VERSION = len(STAGES)
+_LENGTH = _VERSION + 1
+
+
+class SharedRoutingState:
+    """Counters + roster in shared memory (created by the runner before spawning the workers).
+
+    Pickled into each spawned worker; the per-process part (the roster it last saw, its
+    listener) is not pickled and starts empty there.
+    """
+
+    def __init__(self, context: BaseContext | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
+        ctx = context or multiprocessing.get_context("spawn")
+        self._lock = ctx.Lock()
+        self._words = ctx.RawArray(c_int64, _LENGTH + 1)
+        self._blob = ctx.RawArray(c_char, capacity)
+        #: The in-flight counts per slot the load-aware policies read (``_state/loads``).
+        self.loads = SharedLoadTable(ctx)
+        self._init_local()
+
+    def _init_local(self) -> None:
+        self._initial = Roster()
+        self._seen: Roster = self._initial
+        self._listener: Listener | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_lock": self._lock, "_words": self._words, "_blob": self._blob,
+                "loads": self.loads}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_local()
+
+    def counters(self) -> CursorCounters:
+        """The routing counters, bound to this state (taking one syncs the roster)."""
+        return CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in STAGES))
+
+    # -- RosterStore ---------------------------------------------------------------------------
+    def attach(self, initial: Roster, listener: Listener) -> None:
+        """``initial`` is version 0 (the static configuration, the same in every worker)."""
+        self._initial = self._seen = initial
+        self._listener = listener
+        self.poll()  # a worker started after a change
+
+    def update(self, change: Change[T]) -> T:
+        with self._lock:
+            roster = self._read_locked()
+            values = {role: self._words[_COUNTER[role]] for role in STAGES}
+            new, result = change(roster, values)
+            if new is not roster:
+                raw = new.to_bytes()
+                if len(raw) > len(self._blob):
+                    raise RosterFull(f"the roster would need {len(raw)} bytes; the shared area "
+                                     f"holds {len(self._blob)}")
+                self._blob[: len(raw)] = raw
+                self._words[_LENGTH] = len(raw)
+                self._words[_VERSION] = new.version
+        self._deliver(new)
+        return result
+
+    def poll(self) -> None:
+        if self._words[_VERSION] != self._seen.version:  # one unlocked word read
+            with self._lock:
+                roster = self._read_locked()
+            self._deliver(roster)
+
+    def current(self) -> Roster:
+        """The shared roster as it is now (registration times included)."""
+        with self._lock:
+            roster = self._read_locked()
+        self._deliver(roster)
+        return roster
+
+    # -- internals -------------------------------------------------------------------------------
+    def _read_locked(self) -> Roster:
+        length = self._words[_LENGTH]
+        return Roster.from_bytes(self._blob[:length]) if length else self._initial
+
+    def _fetch_add(self, index: int, n: int) -> int:
+        raw = None
+        words = self._words
+        with self._lock:
+            old = words[index]
+            words[index] = old + n
+            if words[_VERSION] != self._seen.version:
+                raw = self._blob[: words[_LENGTH]]
+        if raw is not None:
+            self._deliver(Roster.from_bytes(raw))
+        return old
+
+    def _deliver(self, roster: Roster) -> None:
+        changed = roster.version != self._seen.version
+        self._seen = roster
+        if changed and self._listener is not None:
+            self._listener(roster)
+
+
+class _SharedCounter(Counter):
+    """One routing counter of a ``SharedRoutingState``."""
+
+    def __init__(self, state: SharedRoutingState, index: int) -> None:
+        self._state = state
+        self._index = index
+
+    def fetch_add(self, n: int) -> int:
+        return self._state._fetch_add(self._index, n)

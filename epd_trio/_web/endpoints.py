@@ -1,0 +1,190 @@
+"""``POST /v1/chat/completions`` and ``/v1/completions`` as plain ASGI: the proxy's hot path.
+
+Why below Quart: these two routes are nearly all the traffic, and they need nothing Quart
+offers (no form parsing, sessions, templates or hooks): the body is read as bytes, handed to
+``Proxy.handle`` and the ``Reply`` is sent as it is. Going through Quart's request and response
+objects, its contexts and its per-chunk body wrapper cost measurable CPU per request and per
+relayed chunk (docs/discussion/performance.md). Every other route (models, health, admin) stays a Quart
+route, where convenience matters more than microseconds.
+
+The contract is Quart's for the client: an OpenAI-style JSON error for every failure (413 over
+the body limit, 405 for another method), and a client that disconnects cancels the request:
+under ``epd-trio serve`` the HTTP/1.x connection cancels it when its client closes it
+(``_web/client_gone``); otherwise, like quart-trio, a task waits for ``http.disconnect`` and
+cancels the request's nursery.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
+
+from .._admission.gate import Admission
+from .._core.auth import ClientKeys
+from .._core.errors import (
+    INTERNAL_ERROR,
+    BodyTimeout,
+    BodyTooLarge,
+    ProxyError,
+    error_reply,
+    sse_error_event,
+)
+from .._core.names import KIND_OF_PATH, RequestKind
+from .._core.rewrite import new_request_id
+from .._core.tracing import client_context
+from .._observe.tracing import NO_TRACE_CONTEXT
+from .._pipeline import Reply
+from .._proxy import Proxy
+from .client_gone import client_gone
+
+log = logging.getLogger("epd_trio")
+
+Send = Callable[[ASGISendEvent], Awaitable[None]]
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its body was complete: there is no one to answer."""
+
+
+class CompletionEndpoints:
+    """Serves the paths of ``KIND_OF_PATH`` for one ``Proxy``; ``ProxyASGI`` routes them here."""
+
+    def __init__(self, proxy: Proxy, max_body_bytes: int,
+                 client_keys: ClientKeys | None = None,
+                 admission: Admission | None = None, body_timeout: float = 60.0) -> None:
+        self._proxy = proxy
+        self._body_timeout = body_timeout
+        self._admission = admission
+        self._max_body_bytes = max_body_bytes
+        self._client_keys = client_keys if client_keys is not None and client_keys.enabled \
+            else None
+
+    async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
+                       resources: AsyncExitStack) -> None:
+        if scope["method"] != "POST":
+            await _send_error(send, ProxyError(
+                f"method {scope['method']} is not allowed here; use POST", status=405,
+                type="invalid_request_error"), {"allow": "POST"})
+            return
+        headers = scope["headers"]
+        try:
+            if self._client_keys is not None:  # before reading the body: it may be 64 MB
+                self._client_keys.check(_header(headers, b"authorization"))
+            if self._admission is not None:  # before reading it too: the cap bounds memory
+                await self._admission.enter(resources)
+            with trio.move_on_after(self._body_timeout) as reading:
+                raw = await self._read_body(headers, receive)
+            if reading.cancelled_caught:
+                raise BodyTimeout(self._body_timeout)
+        except _ClientGone:
+            return
+        except ProxyError as exc:
+            self._proxy.metrics.rejected(scope["path"], exc)
+            await _send_error(send, exc)
+            return
+        request_id = new_request_id(_header(headers, b"x-request-id"))
+        traceparent = _header(headers, b"traceparent")
+        trace_context = (NO_TRACE_CONTEXT if traceparent is None
+                         else client_context(traceparent, _header(headers, b"tracestate")))
+        kind = KIND_OF_PATH[scope["path"]]
+        gone = client_gone(scope)
+        if gone is not None:  # the connection cancels the request if its client leaves
+            with trio.CancelScope() as request, gone.cancelling(request):
+                await self._respond(kind, raw, request_id, send, resources, trace_context)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self._respond(kind, raw, request_id, send, resources, trace_context)
+            nursery.cancel_scope.cancel()
+
+    async def _read_body(self, headers: list[tuple[bytes, bytes]],
+                         receive: ASGIReceiveCallable) -> bytes:
+        limit = self._max_body_bytes
+        declared = _header(headers, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLarge(limit)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
+                       resources: AsyncExitStack, trace_context: Mapping[str, str]) -> None:
+        try:
+            reply = await self._proxy.handle(kind, raw, request_id=request_id,
+                                             resources=resources, trace_context=trace_context)
+        except Exception as exc:
+            if not isinstance(exc, ProxyError):
+                log.exception("unexpected error while handling POST %s request %s", kind,
+                              request_id)
+            await _send_error(send, exc, {"x-request-id": request_id})
+            return
+        await _send_reply(send, reply, request_id)
+
+
+async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
+    if reply.stream is None:
+        # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
+        # no terminating chunk as a third write (the server can send head and body as one).
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": _asgi_headers(reply.headers, len(reply.body))})
+        await send({"type": "http.response.body", "body": reply.body})
+        return
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": _asgi_headers(reply.headers)})
+    stream = reply.stream
+
+    async def send_body(chunk: bytes) -> None:
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    try:
+        await stream.pump(send_body)  # closes the stream, however it ends
+    except Exception:
+        # A bug, not an upstream failure (the relay turns those into an error event itself):
+        # the client still gets a stream that says it broke, not a silent truncation.
+        log.exception("unexpected error while streaming request %s", request_id)
+        await send_body(sse_error_event(INTERNAL_ERROR))
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _send_error(send: Send, exc: BaseException,
+                      extra_headers: Mapping[str, str] | None = None) -> None:
+    status, headers, body = error_reply(exc)
+    await send({"type": "http.response.start", "status": status,
+                "headers": _asgi_headers({**headers, **(extra_headers or {})}, len(body))})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _cancel_on_disconnect(receive: ASGIReceiveCallable, scope: trio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _asgi_headers(headers: Mapping[str, str],
+                  length: int | None = None) -> list[tuple[bytes, bytes]]:
+    out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+    if length is not None and "content-length" not in headers:
+        out.append((b"content-length", str(length).encode()))
+    return out
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None

@@ -1,0 +1,181 @@
+"""Logs: the per-request line (off by default), its JSON form, and the level/format settings."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import trio.testing
+
+from epd_trio._core.errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
+from epd_trio._core.errors import UpstreamTransportError as Transport
+from epd_trio._core.trace import Attempt, RequestTrace, layout_of, outcome_of, request_fields
+from epd_trio._serve.logs import JsonFormatter, TextFormatter, configure_logging
+from epd_trio.testing import run_cluster
+
+from helpers import CHAT, chat_body, image
+
+
+# -- pure ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("error", "outcome"), [
+    (BadRequest("bad"), "client_error"),
+    (UpstreamStatusError(stage="decode", instance="d", upstream_status=400, upstream_body=b""),
+     "client_error"),
+    (UpstreamStatusError(stage="decode", instance="d", upstream_status=503, upstream_body=b""),
+     "upstream_error"),
+    (Transport("refused", stage="prefill", instance="p"), "upstream_error"),
+    (UpstreamTimeout("slow", stage="encode", instance="e"), "timeout"),
+    (ProxyOverloaded("full"), "overloaded"),
+])
+def test_outcome_of_errors(error: Exception, outcome: str) -> None:
+    assert outcome_of(error) == outcome  # type: ignore[arg-type]
+
+
+def _trace() -> RequestTrace:
+    trace = RequestTrace("r1", CHAT, started=100.0, stream=True)
+    trace.attempts = [
+        Attempt("encode", "http://e0", None, 100.001, 0.004, "ok"),
+        Attempt("encode", "http://e1", None, 100.002, 0.006, "ok"),
+        Attempt("prefill", "http://p0", 1, 100.010, 0.020, "ok"),
+        Attempt("decode", "http://d0", 0, 100.031, 0.002, "error"),
+        Attempt("decode", "http://d1", 3, 100.040, 0.005, "ok"),
+    ]
+    trace.retries, trace.first_byte, trace.kv_missing = 1, 100.045, True
+    return trace
+
+
+def test_request_fields() -> None:
+    fields = request_fields(_trace(), 100.5)
+    assert fields["request_id"] == "r1" and fields["endpoint"] == CHAT and fields["stream"]
+    assert fields["layout"] == "E+P+D" and fields["outcome"] == "ok" and fields["status"] == 200
+    assert fields["duration_s"] == 0.5 and fields["ttfb_s"] == 0.045
+    assert fields["stages_s"] == {"encode": 0.007, "prefill": 0.02, "decode": 0.014}
+    assert [(a["stage"], a["instance"], a["rank"], a["outcome"]) for a in fields["attempts"]] == [
+        ("encode", "http://e0", None, "ok"), ("encode", "http://e1", None, "ok"),
+        ("prefill", "http://p0", 1, "ok"), ("decode", "http://d0", 0, "error"),
+        ("decode", "http://d1", 3, "ok")]
+    assert fields["attempts"][2]["start_s"] == 0.01 and fields["attempts"][2]["seconds"] == 0.02
+    assert fields["retries"] == 1 and fields["kv_transfer_params_missing"] is True
+    assert "error" not in fields and "cancelled_stage" not in fields
+    json.dumps(fields)  # JSON-ready as is
+
+
+def test_layout_is_what_the_request_ran() -> None:
+    def ran(*stages: str) -> RequestTrace:
+        return RequestTrace("r", CHAT, 0.0, attempts=[
+            Attempt(stage, f"http://{stage}", None, 0.0) for stage in stages])
+
+    assert layout_of(_trace()) == "E+P+D"
+    assert layout_of(ran("prefill", "decode")) == "P+D"  # text on an E+P+D proxy
+    assert layout_of(ran("encode", "decode")) == "E+PD"
+    assert layout_of(ran("decode")) == "PD"
+    assert layout_of(ran()) is None  # refused before reaching an instance
+
+
+# -- formatting and configuration ---------------------------------------------------------------
+def _record(level: int = logging.INFO, **fields: object) -> logging.LogRecord:
+    record = logging.LogRecord("epd_trio.requests", level, __file__, 1, "req %s", ("r1",), None)
+    record.fields = fields
+    return record
+
+
+def test_json_and_text_formats() -> None:
+    line = JsonFormatter().format(_record(request_id="r1", stages_s={"decode": 0.5}))
+    parsed = json.loads(line)
+    assert parsed["message"] == "req r1" and parsed["level"] == "INFO"
+    assert parsed["logger"] == "epd_trio.requests" and parsed["time"].endswith("+00:00")
+    assert parsed["request_id"] == "r1" and parsed["stages_s"] == {"decode": 0.5}
+    text = TextFormatter().format(_record(request_id="r1", error="HTTP 500: boom"))
+    assert text.endswith(' INFO epd_trio.requests: req r1 request_id=r1 error="HTTP 500: boom"')
+
+
+def test_text_lines_cannot_be_forged_by_an_upstream_message() -> None:
+    """An upstream error text quoted in a message or a field stays on its one line."""
+    record = logging.LogRecord("epd_trio", logging.WARNING, __file__, 1, "failed: %s",
+                               ("boom\n2026-01-01 INFO epd_trio: all good",), None)
+    record.fields = {"upstream": "x\ny"}
+    text = TextFormatter().format(record)
+    assert "\n" not in text
+    assert text.endswith('failed: boom\\n2026-01-01 INFO epd_trio: all good upstream="x\\ny"')
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    logger = logging.getLogger("epd_trio")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved  # type: ignore[assignment]
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_logging_sets_level_and_format() -> None:
+    out = io.StringIO()
+    configure_logging("WARNING", "json", stream=out)
+    configure_logging("WARNING", "json", stream=out)  # idempotent: one handler
+    logging.getLogger("epd_trio.requests").info("hidden")
+    logging.getLogger("epd_trio").warning("shown %d", 1, extra={"fields": {"instance": "x"}})
+    lines = out.getvalue().splitlines()
+    assert [json.loads(line)["message"] for line in lines] == ["shown 1"]
+    assert json.loads(lines[0])["instance"] == "x"
+    assert logging.getLogger("httpx2").level == logging.NOTSET  # other loggers untouched
+
+
+# -- through the proxy --------------------------------------------------------------------------
+async def test_one_json_line_per_request_when_enabled(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio")
+    async with run_cluster(encoders=2, prefills=1, prefill_dp=2, decodes=2, decode_dp=2,
+                           request_log=True) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(image(1), image(2), stream=True),
+                              headers={"x-request-id": "log-1"})
+        assert r.status_code == 200
+        await trio.testing.wait_all_tasks_blocked()  # logged as its resources close
+    records = [r for r in caplog.records if r.name == "epd_trio.requests"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    line = json.loads(JsonFormatter().format(records[0]))
+    assert line["request_id"] == "log-1" and line["layout"] == "E+P+D"
+    assert line["outcome"] == "ok" and line["status"] == 200 and line["stream"] is True
+    # Instances and ranks: exactly where the legs went.
+    seen = sorted((role, f.url, x.rank) for role, fakes in (
+        ("encode", c.encoders), ("prefill", c.prefills), ("decode", c.decodes))
+        for f in fakes for x in f.requests() if x.request_id.startswith("log-1"))
+    assert sorted((a["stage"], a["instance"], a["rank"]) for a in line["attempts"]) == seen
+    assert len(seen) == 4 and all(a["outcome"] == "ok" for a in line["attempts"])
+    assert set(line["stages_s"]) == {"encode", "prefill", "decode"}
+    assert 0 < line["ttfb_s"] <= line["duration_s"]
+    assert line["message"].startswith("log-1 /v1/chat/completions ok 200 in ")
+
+
+async def test_failed_request_line_names_the_error(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio")
+    async with run_cluster(prefills=1, decodes=1, request_log=True, decode_retries=0) as c:
+        c.decodes[0].behaviour.fail_status = 500
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={"x-request-id": "log-2"})
+        assert r.status_code == 502
+        await trio.testing.wait_all_tasks_blocked()
+    (record,) = [r for r in caplog.records if r.name == "epd_trio.requests"]
+    fields = record.fields  # type: ignore[attr-defined]
+    assert fields["outcome"] == "upstream_error" and fields["status"] == 502
+    assert fields["layout"] == "P+D" and "decode stage failed" in fields["error"]
+    assert [a["outcome"] for a in fields["attempts"]] == ["ok", "error"]
+
+
+async def test_nothing_is_logged_per_request_by_default(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="epd_trio")
+    async with run_cluster(encoders=1, prefills=1, decodes=1) as c:
+        for stream in (False, True):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(image(1), stream=stream))
+            assert r.status_code == 200
+        assert (await client.post(c.proxy_url + CHAT, content=b"{")).status_code == 400
+        await trio.testing.wait_all_tasks_blocked()
+    assert [r for r in caplog.records if r.name.startswith("epd_trio")] == []
