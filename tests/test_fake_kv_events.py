@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import msgpack
+import orjson
 import trio
 
 from epd_trio.testing import FakeVLLM
@@ -14,6 +15,7 @@ from epd_trio.testing.fake_kv import KVConfig
 from epd_trio.testing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from epd_trio.testing.kv_publisher import KVEventPublisher
 from epd_trio.testing.render import render_chat
+from epd_trio.testing.sim_engine import EngineConfig, SimEngine
 from epd_trio.testing.zmq_peer import subscriber
 
 from helpers import scrape
@@ -58,6 +60,11 @@ async def test_stored_blocks_on_the_wire_and_cached_tokens(nursery: trio.Nursery
             metrics = await scrape(client, fake.url)
         with trio.fail_after(5):
             first, second = await sub.receive(), await sub.receive()
+        fake.kv_state.restart(1, clear=True)  # type: ignore[union-attr]  # a restarted vLLM
+        with trio.fail_after(5):
+            again = await sub.receive()
+    assert int.from_bytes(again[1], "big") == 0 and len(fake.kv_state.caches[1]) == 0  # type: ignore[union-attr]
+    assert msgpack.unpackb(again[2])[1] == [{"type": "AllBlocksCleared"}]
     assert [a["prompt_tokens_details"]["cached_tokens"] for a in answers] == [0, 12, 0]
     assert answers[0]["prompt_tokens"] == 13
     # The repeat published nothing: the next batch on the wire is the third request's.
@@ -119,3 +126,24 @@ async def test_media_blocks_carry_vllms_extra_keys_and_decode_stores_pulled_kv(
     assert isinstance(event, BlockStored) and len(event.block_hashes) == 3
     assert event.extra_keys == [("salty",), (("u1", 1),), (("u1", -3),)]
     assert quiet.batches == [] and no_store.kv_state.caches[0].queries == 12  # type: ignore[union-attr]
+
+
+async def test_with_the_simulated_engine_the_engine_caches_the_rendered_tokens(
+        nursery: trio.Nursery) -> None:
+    sink = Sink()
+    engine = SimEngine(EngineConfig(block_tokens=4, step_base=0.001, step_per_seq=0.0))
+    fake = FakeVLLM("decode", engine=engine, kv=KVConfig(sink=sink, prompt_tokens_details=True))
+    await nursery.start(fake.serve)
+    body = {**chat("one two three four five six seven eight nine ten"), "stream": True,
+            "stream_options": {"include_usage": True}}
+    cached = []
+    async with httpx.AsyncClient(trust_env=False, base_url=fake.url) as client:
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json=body)
+            usage = next(line for line in r.text.splitlines() if '"usage"' in line)
+            cached.append(orjson.loads(usage.removeprefix("data: "))["usage"])
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in cached] == [0, 12]
+    (stored,) = sink.events()
+    assert isinstance(stored, BlockStored)
+    assert stored.token_ids == render_chat(body).token_ids[:12]
+    assert engine.ranks[0].hits == 12
