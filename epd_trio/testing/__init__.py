@@ -4,9 +4,11 @@ from .cluster import Cluster as Cluster
 from .cluster import run_cluster as run_cluster
 from .cluster import run_moriio_cluster as run_moriio_cluster
 from .cluster import serve_proxy as serve_proxy
+from .fake_kv import KVConfig as KVConfig
 from .fake_vllm import Behaviour as Behaviour
 from .fake_vllm import FakeVLLM as FakeVLLM
 from .fake_vllm import Received as Received
+from .kv_publisher import KVEventPublisher as KVEventPublisher
 
-__all__ = ["Behaviour", "Cluster", "FakeVLLM", "Received", "run_cluster", "run_moriio_cluster",
-           "serve_proxy"]
+__all__ = ["Behaviour", "Cluster", "FakeVLLM", "KVConfig", "KVEventPublisher", "Received",
+           "run_cluster", "run_moriio_cluster", "serve_proxy"]

@@ -8,6 +8,10 @@ answers with ``ec_transfer_params`` keyed by each item's ``uuid``; a prefill ask
 ``max_model_len`` is a 400; a stream's 200 headers go out before the engine's wait, its first
 chunk after it. Generated text is deterministic in the prompt, so "through the proxy" can be
 compared with "direct".
+Opt-in, off by default (the bench relies on the default fake being cheap): ``kv=KVConfig(...)``
+gives each DP rank a prefix cache that reports vLLM's KV cache events (``fake_kv``), and
+``render=True`` serves ``POST /v1/chat/completions/render`` and ``/v1/completions/render`` with
+vLLM's ``GenerateRequest`` JSON, tokenized exactly as that cache sees the prompt (``render``).
 With ``api_key`` set it answers ``/v1/...`` requests without ``Authorization: Bearer <key>`` with
 401 ``{"error": "Unauthorized"}``, as ``vllm serve --api-key`` does (other paths stay open). The
 profiler routes ``POST /start_profile`` / ``/stop_profile`` answer 200 with an empty body when
@@ -34,7 +38,16 @@ import orjson
 import trio
 
 from .._serve.serving import quiet_config, serve_app
+from .fake_kv import FakeKV, KVConfig
 from .moriio import MoriioSide
+from .render import (
+    DEFAULT_PLACEHOLDER_TOKENS,
+    Rendered,
+    generate_request,
+    render_body,
+    render_chat,
+    render_prompts,
+)
 from .sim_engine import SimEngine
 
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
@@ -77,6 +90,12 @@ class Behaviour:
     #: default, like vLLM 0.32's ECExampleConnector on a Qwen2-VL model: per item, keyed by its
     #: ``uuid``, ``{"item_indices": [position], "metadata": {"image_grid_thw": [[1, 4, 4]]}}``.
     ec_report: Callable[[list[Mapping[str, Any]]], Any] | None = None
+    #: Seconds ``/v1/.../render`` takes (a slow tokenizer: the proxy's fallback after a timeout).
+    render_latency: float = 0.0
+    #: ``/v1/.../render`` answers this status (a vLLM-style error body) instead of rendering.
+    render_fail_status: int | None = None
+    #: How many renders get ``render_fail_status`` (None: all of them, while it is set).
+    render_fail_count: int | None = None
 
 
 @dataclass
@@ -118,6 +137,12 @@ class FakeVLLM:
     #: A simulated batch engine (``sim_engine``): answers are paced by its steps, its prefix
     #: and encoder caches, and ``GET /metrics`` serves its gauges. None: fixed delays only.
     engine: SimEngine | None = None
+    #: A prefix cache per DP rank reporting vLLM's KV events (``fake_kv.KVConfig``). None: off.
+    kv: KVConfig | None = None
+    #: Serve vLLM's render endpoints (``render``). Off: 404, as a vLLM without them.
+    render: bool = False
+    #: The state behind ``kv`` (its caches, ``reset``, ``restart``).
+    kv_state: FakeKV | None = field(default=None, init=False, repr=False)
     received: list[Received] = field(default_factory=list)
     #: API (``/v1/...``) requests being answered now; health probes are not counted.
     in_flight: int = 0
@@ -130,6 +155,8 @@ class FakeVLLM:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}: {self.role!r}")
+        if self.kv is not None:
+            self.kv_state = FakeKV(self.kv, self.dp_size, self.engine)
 
     # -- observation -----------------------------------------------------------------------
     def requests(self, path: str | None = "/v1/") -> list[Received]:
@@ -144,9 +171,13 @@ class FakeVLLM:
             key = "none" if r.rank is None else str(r.rank)
             ranks[key] = ranks.get(key, 0) + 1
         items = sum(len(media_parts(r.body)) for r in api if isinstance(r.body, dict))
-        return {"role": self.role, "dp_size": self.dp_size, "requests": len(api),
-                "items": items, "ranks": ranks, "disconnects": self.disconnects,
-                "profiling": self.profiling}
+        stats = {"role": self.role, "dp_size": self.dp_size, "requests": len(api),
+                 "items": items, "ranks": ranks, "disconnects": self.disconnects,
+                 "profiling": self.profiling}
+        if self.kv_state is not None:
+            stats["prefix_cache"] = [{"queries": c.queries, "hits": c.hits, "blocks": len(c)}
+                                     for c in self.kv_state.caches]
+        return stats
 
     def _notify(self) -> None:
         self._changed.set()
@@ -168,6 +199,9 @@ class FakeVLLM:
         """Serve on ``host:port`` (0 = any free port) until cancelled; reports the base URL."""
         with trio.CancelScope() as self._scope:
             async with trio.open_nursery() as nursery:
+                publisher = self.kv.publisher if self.kv is not None else None
+                if publisher is not None and publisher.endpoints is None:
+                    await nursery.start(publisher.run)
                 if self.engine is not None:
                     await nursery.start(self.engine.run)
                 self.url = await nursery.start(serve_app, self, quiet_config(host, port))
@@ -277,9 +311,18 @@ class FakeVLLM:
         if record.path == "/fake/stats":
             await respond(200, orjson.dumps(self.stats()))
             return
-        if record.path == "/metrics" and self.engine is not None:
-            await respond(200, self.engine.metrics_text(self.model, self.role == "encode").encode(),
-                          "text/plain; version=0.0.4; charset=utf-8")
+        if record.path == "/metrics" and (self.engine is not None or self.kv_state is not None):
+            text = (self.engine.metrics_text(self.model, self.role == "encode")
+                    if self.engine is not None
+                    else self.kv_state.metrics_text(self.model))  # type: ignore[union-attr]
+            await respond(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+            return
+        if record.path == "/reset_prefix_cache" and self.kv_state is not None:
+            self.kv_state.reset()
+            await respond(200, b"")
+            return
+        if record.path in _RENDER_PATHS and record.method == "POST" and self.render:
+            await self._render(record, respond)
             return
         if record.path == "/v1/models" and record.method == "GET":
             await respond(200, orjson.dumps({"object": "list", "data": [{
@@ -316,7 +359,20 @@ class FakeVLLM:
             return
         words = self._generate(body)
         kv = self._kv_transfer_params(request_id, body, record.rank)
-        ticks = self._engine_ticks(record, body, len(words))
+        rendered = (render_body(body, chat, placeholder_tokens=self.kv_state.config.placeholder_tokens)
+                    if self.kv_state is not None else None)
+        admitted: list[int] = []  # the cached prefix (tokens), once the cache has the request
+        if rendered is not None and self.engine is None and self.kv_state is not None:
+            admitted.append(self.kv_state.admit(record.rank or 0, rendered,
+                                                store=self.kv_state.stores(_remote(self.role, body))))
+        ticks = self._engine_ticks(record, body, len(words), rendered, admitted.append)
+        prompt_tokens = len(rendered.token_ids) if rendered is not None else _prompt_len(body, chat)
+        details = self.kv_state is not None and self.kv_state.config.prompt_tokens_details
+
+        def usage_of(completion: int) -> dict[str, Any]:
+            return _usage(prompt_tokens, completion, admitted[0] if admitted else 0) if details \
+                else _usage(prompt_tokens, completion)
+
         try:
             if streams:
                 # Like vLLM: a stream's 200 and SSE headers go out once the request is
@@ -326,7 +382,7 @@ class FakeVLLM:
                 await respond(200, b"", "text/event-stream", more=True)
                 await self._engine_time()
                 await self._remote_kv(body)
-                await self._stream(request_id, body, words, chat, body_chunk, ticks)
+                await self._stream(request_id, body, words, chat, body_chunk, usage_of, ticks)
                 return
             await self._remote_kv(body)
             if ticks is not None:
@@ -349,7 +405,7 @@ class FakeVLLM:
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": body.get("model", self.model),
             "choices": [choice],
-            "usage": _usage(_prompt_len(body, chat), len(words)),
+            "usage": usage_of(len(words)),
             "prompt_logprobs": None,
             "kv_transfer_params": kv,
         }))
@@ -433,18 +489,53 @@ class FakeVLLM:
         return None
 
     def _engine_ticks(
-        self, record: Received, body: Mapping[str, Any], tokens: int
+        self, record: Received, body: Mapping[str, Any], tokens: int,
+        rendered: Rendered | None = None, on_admit: Callable[[int], object] | None = None,
     ) -> AsyncIterator[int] | None:
         """The simulated engine's steps for this request (one per token), or None without one.
 
-        A decode whose KV comes from a prefill skips the prefill cost, as with NIXL."""
+        A decode whose KV comes from a prefill skips the prefill cost, as with NIXL. With
+        ``kv`` on, the engine caches the rendered token ids (the events carry them)."""
         if self.engine is None:
             return None
-        params = body.get("kv_transfer_params")
-        remote = self.role == "decode" and isinstance(params, dict) and bool(
-            params.get("do_remote_prefill"))
-        return self.engine.generate(record.rank or 0, prompt_words(body), tokens,
-                                    prefill=not remote)
+        remote = _remote(self.role, body)
+        if rendered is None or self.kv_state is None:
+            return self.engine.generate(record.rank or 0, prompt_words(body), tokens,
+                                        prefill=not remote)
+        ids = rendered.token_ids
+        return self.engine.generate(
+            record.rank or 0, ids, tokens, prefill=not remote, store=self.kv_state.stores(remote),
+            extra_keys=rendered.extra_keys(self.kv_state.block_size), hit_limit=len(ids) - 1,
+            on_admit=on_admit)
+
+    async def _render(self, record: Received, respond: Any) -> None:
+        """vLLM's render endpoints: the prompt as this fake's cache tokenizes it."""
+        b, body = self.behaviour, record.body
+        if b.render_latency:
+            await trio.sleep(b.render_latency)
+        if b.render_fail_status is not None and (b.render_fail_count is None or b.render_fail_count > 0):
+            if b.render_fail_count is not None:
+                b.render_fail_count -= 1
+            await respond(b.render_fail_status, _error(f"injected render failure ({b.render_fail_status})",
+                                                       "InternalServerError", b.render_fail_status))
+            return
+        if not isinstance(body, dict):
+            await respond(400, _error("request body must be a JSON object", "BadRequestError", 400))
+            return
+        chat = record.path == "/v1/chat/completions/render"
+        places = (self.kv_state.config.placeholder_tokens if self.kv_state is not None
+                  else DEFAULT_PLACEHOLDER_TOKENS)
+        prompts = [render_chat(body, placeholder_tokens=places)] if chat else render_prompts(body)
+        too_long = [len(p.token_ids) for p in prompts if len(p.token_ids) > b.max_model_len]
+        if not prompts or too_long:
+            message = (f"This model's maximum context length is {b.max_model_len} tokens. However, "
+                       f"your request has {too_long[0]} input tokens." if too_long
+                       else "the request has no prompt")
+            await respond(400, _error(message, "BadRequestError", 400))
+            return
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{record.request_id or next(self._ids)}"
+        answers = [generate_request(p, body, request_id, self.model) for p in prompts]
+        await respond(200, orjson.dumps(answers[0] if chat else answers))
 
     def _generate(self, body: Mapping[str, Any]) -> list[str]:
         limit = self.behaviour.tokens
@@ -458,7 +549,7 @@ class FakeVLLM:
         return [_WORDS[seed[i % len(seed)] % len(_WORDS)] for i in range(max(limit, 0))]
 
     async def _stream(self, request_id: str, body: Mapping[str, Any], words: list[str],
-                      chat: bool, body_chunk: Any,
+                      chat: bool, body_chunk: Any, usage_of: Callable[[int], dict[str, Any]],
                       ticks: AsyncIterator[int] | None = None) -> None:
         b = self.behaviour
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -490,8 +581,8 @@ class FakeVLLM:
                 yield frame(("" if i == 0 else " ") + word, None)
             yield frame(None, "length")
             if usage:
-                yield b"data: " + orjson.dumps({**base, "choices": [], "usage": _usage(
-                    _prompt_len(body, chat), len(words))}) + b"\n\n"
+                yield b"data: " + orjson.dumps({**base, "choices": [],
+                                               "usage": usage_of(len(words))}) + b"\n\n"
             yield b"data: [DONE]\n\n"
 
         count = len(words) + 2 + chat + usage
@@ -532,9 +623,21 @@ def _error(message: str, kind: str, status: int) -> bytes:
                                    "code": status}})
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached is not None:  # vLLM --enable-prompt-tokens-details
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+def _remote(role: str, body: Mapping[str, Any]) -> bool:
+    """A decode whose prompt's KV comes from a prefill (``do_remote_prefill``)."""
+    params = body.get("kv_transfer_params")
+    return role == "decode" and isinstance(params, dict) and bool(params.get("do_remote_prefill"))
+
+
+_RENDER_PATHS = ("/v1/chat/completions/render", "/v1/completions/render")
 
 
 def _int_or_none(value: str | None) -> int | None:

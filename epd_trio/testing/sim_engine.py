@@ -16,7 +16,10 @@ so ``FakeVLLM(engine=SimEngine(...))`` answers through this model instead of fix
   keeps at most ``cache_blocks`` blocks (least recently used out first). A request's cached
   prefix is its leading blocks found there; only the rest costs prefill time. A decode that
   received the prompt's KV from a prefill (``kv_transfer_params`` with ``do_remote_prefill``)
-  costs no prefill at all.
+  costs no prefill at all. The cache is ``prefix_cache.PrefixCache``: given an ``event_sink``,
+  each rank reports what it stores and evicts as vLLM's KV events (``kv_events``), one batch
+  per step, to that callable: the bench can feed an index in-process, ``FakeVLLM`` (with
+  ``KVConfig``) a ``KVEventPublisher``. Without a sink no event is built.
 - **Encoder.** An encoder instance encodes at most ``max_num_seqs`` requests at once; an item
   takes ``encode_miss`` seconds, or ``encode_hit`` when its ``uuid`` is among the last
   ``encoder_cache_items`` it encoded.
@@ -35,10 +38,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
 
 import trio
+
+from .kv_events import EventSink, ExtraKeys
+from .prefix_cache import PrefixCache, chained_hashes, new_seed
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,17 +99,23 @@ class _Seq:
     tokens: trio.MemorySendChannel[int]
     produced: int = 0
     cancelled: bool = False
+    #: Cache its blocks even without prefill (a decode that received them).
+    store: bool = False
+    #: For the events: the prompt's token ids and each block's extra keys.
+    token_ids: Sequence[Hashable] = ()
+    extra_keys: Sequence[ExtraKeys] | None = None
+    hit_limit: int | None = None
+    on_admit: Callable[[int], object] | None = None
 
 
 @dataclass(slots=True)
 class _Rank:
     """One DP rank: its batch, its queue, its prefix cache and their counters."""
 
+    index: int
+    cache: PrefixCache
     running: list[_Seq] = field(default_factory=list)
     waiting: deque[_Seq] = field(default_factory=deque)
-    cache: OrderedDict[int, None] = field(default_factory=OrderedDict)
-    queries: int = 0
-    hits: int = 0
     requests: int = 0
     #: Seconds of steps as modelled, and as they took on the clock (the event loop's lag,
     #: on a busy machine, makes the second larger: the bench reports the overrun).
@@ -111,14 +123,33 @@ class _Rank:
     elapsed: float = 0.0
     wake: trio.Event = field(default_factory=trio.Event)
 
+    @property
+    def queries(self) -> int:
+        """``vllm:prefix_cache_queries``: prompt tokens looked up."""
+        return self.cache.queries
+
+    @property
+    def hits(self) -> int:
+        """``vllm:prefix_cache_hits``: prompt tokens found cached."""
+        return self.cache.hits
+
 
 class SimEngine:
     """The engine of one fake instance: ``dp_size`` ranks (or an encoder), started with
     ``await nursery.start(engine.run)`` by ``FakeVLLM.serve``."""
 
-    def __init__(self, config: EngineConfig | None = None, dp_size: int = 1) -> None:
+    def __init__(self, config: EngineConfig | None = None, dp_size: int = 1, *,
+                 event_sink: EventSink | None = None, seed: int | None = None) -> None:
         self.config = config or EngineConfig()
-        self.ranks = [_Rank() for _ in range(dp_size)]
+        #: Where each step's KV events go (None: none are built).
+        self.event_sink = event_sink
+        #: The block hash seed, random per engine like a vLLM instance's.
+        self.seed = new_seed() if seed is None else seed
+        self.ranks = [
+            _Rank(index, PrefixCache(block_size=self.config.block_tokens,
+                                     capacity=self.config.cache_blocks,
+                                     record_events=event_sink is not None))
+            for index in range(dp_size)]
         self._encoder_cache: OrderedDict[str, None] = OrderedDict()
         self._encoder_places = trio.Semaphore(self.config.max_num_seqs)
         self.encoding = 0
@@ -133,17 +164,24 @@ class SimEngine:
             task_status.started()
 
     async def generate(
-        self, rank: int, words: Sequence[str], tokens: int, *, prefill: bool
+        self, rank: int, words: Sequence[Hashable], tokens: int, *, prefill: bool,
+        store: bool = False, extra_keys: Sequence[ExtraKeys] | None = None,
+        hit_limit: int | None = None, on_admit: Callable[[int], object] | None = None,
     ) -> AsyncIterator[int]:
         """Queue a request on ``rank`` and yield once per token it gets (``tokens`` of them).
 
-        ``prefill=False``: its KV came from elsewhere, it costs no prefill. Leaving early (the
-        client went away) takes it out of the batch at the next step.
+        ``words`` is the prompt, one token each (words, or token ids when events are wanted:
+        they are the events' ``token_ids``). ``prefill=False``: its KV came from elsewhere, it
+        costs no prefill, and it is neither looked up nor cached unless ``store``. ``hit_limit``
+        caps the cached prefix (tokens); ``on_admit`` is told it when the request joins the
+        batch. Leaving early (the client went away) takes it out of the batch at the next step.
         """
         config = self.config
         send, receive = trio.open_memory_channel[int](math.inf)
-        seq = _Seq(len(words), prompt_blocks(words, config.block_tokens), prefill,
-                   max(tokens, 1), send)
+        blocks = chained_hashes(words, config.block_tokens, seed=self.seed, extra_keys=extra_keys)
+        seq = _Seq(len(words), blocks, prefill, max(tokens, 1), send, store=store,
+                   token_ids=words if self.event_sink is not None else (),
+                   extra_keys=extra_keys, hit_limit=hit_limit, on_admit=on_admit)
         state = self.ranks[rank]
         state.requests += 1
         state.waiting.append(seq)
@@ -192,7 +230,10 @@ class SimEngine:
                     continue
                 if seq.prefill:
                     uncached += self._prefill(rank, seq)
+                elif seq.store:
+                    self._admit(rank, seq)
                 rank.running.append(seq)
+            self._flush(rank)
             step = (config.step_base + config.step_per_seq * len(rank.running)
                     + config.prefill_per_token * uncached)
             started = trio.current_time()
@@ -211,23 +252,28 @@ class SimEngine:
 
     def _prefill(self, rank: _Rank, seq: _Seq) -> int:
         """The uncached prompt tokens of ``seq``; its blocks are cached from now on."""
-        cache, config = rank.cache, self.config
-        cached = 0
-        for block in seq.blocks:
-            if block not in cache:
-                break
-            cached += 1
-        for block in seq.blocks:
-            if block in cache:
-                cache.move_to_end(block)
-            else:
-                cache[block] = None
-        while len(cache) > config.cache_blocks:
-            cache.popitem(last=False)
-        hit = cached * config.block_tokens
-        rank.queries += seq.prompt_tokens
-        rank.hits += hit
-        return seq.prompt_tokens - hit
+        return seq.prompt_tokens - self._admit(rank, seq)
+
+    def _admit(self, rank: _Rank, seq: _Seq) -> int:
+        token_ids: Sequence[int] = seq.token_ids  # type: ignore[assignment]  # ints with events
+        hit = rank.cache.admit(seq.blocks, seq.prompt_tokens, token_ids=token_ids,
+                               extra_keys=seq.extra_keys, hit_limit=seq.hit_limit)
+        if seq.on_admit is not None:
+            seq.on_admit(hit)
+        return hit
+
+    def _flush(self, rank: _Rank) -> None:
+        """Publish the step's events as one batch, as vLLM's scheduler does."""
+        if self.event_sink is not None:
+            events = rank.cache.take_events()
+            if events:
+                self.event_sink(rank.index, events)
+
+    def reset_prefix_cache(self) -> None:
+        """Every rank drops its cache (``AllBlocksCleared`` to the sink)."""
+        for rank in self.ranks:
+            rank.cache.clear()
+            self._flush(rank)
 
     def metrics_text(self, model: str, encoder: bool) -> str:
         """The ``GET /metrics`` page (Prometheus text format, as vLLM writes it)."""
