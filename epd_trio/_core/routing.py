@@ -8,7 +8,6 @@ in ``_state/cursors.py``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -21,7 +20,8 @@ K = TypeVar("K", bound=Hashable)
 #: counter value ``k`` maps to slot ``(i0 + k - k0) % len(slots)``. ``(0, 0)`` is plain modulo.
 Epoch = tuple[int, int]
 
-_DP_SUFFIX = re.compile(r"#dp=(?P<n>[^#]*)$")
+#: The keys an instance URL's fragment may carry (``http://p0:8000#dp=2&kv_events=tcp://p0:5557``).
+FRAGMENT_KEYS = ("dp", "kv_events", "kv_events_replay")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,22 +49,91 @@ class Instance:
 
 
 def parse_instance(spec: str) -> Instance:
-    """Parse ``http://host:port`` with an optional ``#dp=N`` suffix (the config file/env syntax)."""
-    return Instance(*split_dp_suffix(spec))
+    """Parse ``http://host:port`` with an optional fragment (the config file/env syntax):
+    ``#dp=N``, and the KV event endpoints ``parse_instance_spec`` returns too."""
+    return parse_instance_spec(spec)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventEndpoints:
+    """Where an instance's engines publish their KV cache events (``--kv-events-config``).
+
+    Rank ``r`` of a DP instance publishes on ``port + r``, as vLLM offsets it, and so does its
+    replay socket; ``replay`` is None where none is configured (a gap is then never filled)."""
+
+    publish: str
+    replay: str | None = None
+
+    def for_rank(self, rank: int | None) -> KvEventEndpoints:
+        """The endpoints of one DP rank's engine (rank None: a DP-1 instance, offset 0)."""
+        offset = rank or 0
+        return KvEventEndpoints(_offset(self.publish, offset),
+                                None if self.replay is None else _offset(self.replay, offset))
+
+
+def parse_instance_spec(spec: str) -> tuple[Instance, KvEventEndpoints | None]:
+    """An instance URL with its fragment: the instance, and its KV event endpoints if named.
+
+    The fragment is ``&``-separated ``key=value`` pairs in any order (``FRAGMENT_KEYS``); an
+    unknown or repeated key is refused by name, so a typo never silently turns a feature off.
+    ``kv_events_replay`` without ``kv_events`` is refused: a replay socket alone feeds nothing.
+    """
+    url, fields = split_fragment(spec)
+    instance = Instance(url, int(fields.get("dp", 1)))
+    publish, replay = fields.get("kv_events"), fields.get("kv_events_replay")
+    if replay is not None and publish is None:
+        raise ValueError(f"'kv_events_replay' needs 'kv_events' beside it: {spec.strip()!r}")
+    return instance, None if publish is None else KvEventEndpoints(publish, replay)
+
+
+def split_fragment(spec: str) -> tuple[str, dict[str, str]]:
+    """``"url#dp=2&kv_events=tcp://h:5557"`` -> ``("url", {"dp": "2", "kv_events": ...})``,
+    every value checked (``dp`` a positive integer, an endpoint ``tcp://host:port``); no
+    fragment means no fields. ``ValueError`` names the key at fault."""
+    spec = spec.strip()
+    url, sep, fragment = spec.partition("#")
+    fields: dict[str, str] = {}
+    if not sep:
+        return spec, fields
+    for pair in fragment.split("&"):
+        key, eq, value = pair.strip().partition("=")
+        key, value = key.strip(), value.strip()
+        if key not in FRAGMENT_KEYS:
+            raise ValueError(f"unknown key {key!r} in the '#' part of {spec!r}: expected "
+                             f"{', '.join(FRAGMENT_KEYS)}")
+        if key in fields:
+            raise ValueError(f"{key!r} given twice in {spec!r}")
+        if key == "dp":
+            if not eq or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"bad '#dp=' in {spec!r}: expected a positive integer")
+        else:
+            check_zmq_endpoint(value, key)
+        fields[key] = value
+    return url.strip(), fields
 
 
 def split_dp_suffix(spec: str) -> tuple[str, int]:
     """``"url#dp=N"`` -> ``("url", N)``; no suffix means ``dp_size`` 1."""
-    spec = spec.strip()
-    dp_size = 1
-    match = _DP_SUFFIX.search(spec)
-    if match:
-        raw = match.group("n").strip()
-        if not raw.isdigit():
-            raise ValueError(f"bad '#dp=' suffix in {spec!r}: expected a positive integer")
-        dp_size = int(raw)
-        spec = spec[: match.start()].strip()
-    return spec, dp_size
+    url, fields = split_fragment(spec)
+    return url, int(fields.get("dp", 1))
+
+
+def check_zmq_endpoint(value: str, name: str) -> str:
+    """A ZMQ endpoint the proxy connects to: ``tcp://host:port``; ``ValueError`` names it."""
+    scheme, sep, rest = value.partition("://")
+    host, colon, port = rest.rpartition(":")
+    if (scheme != "tcp" or not sep or not colon or not host or host == "*" or not port.isdigit()
+            or not 1 <= int(port) <= 65535):
+        raise ValueError(f"{name!r} must be tcp://host:port (a port 1-65535): {value!r}")
+    return value
+
+
+def _offset(endpoint: str, offset: int) -> str:
+    host, _, port = endpoint.rpartition(":")
+    moved = int(port) + offset
+    if moved > 65535:
+        raise ValueError(f"{endpoint} offset by DP rank {offset} is past port 65535")
+    return f"{host}:{moved}"
 
 
 def encoder_rr_assignment(

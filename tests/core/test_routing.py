@@ -1,5 +1,6 @@
 """The routing properties upstream's own tests assert, plus unequal DP sizes (pure functions)."""
 
+import re
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from epd_trio import (
     group_by_target,
     parse_instance,
 )
+from epd_trio._core.routing import KvEventEndpoints, parse_instance_spec
 
 
 @pytest.mark.parametrize("n_encoders", [1, 2, 3, 5])
@@ -128,3 +130,49 @@ def test_parse_instance(spec: str, url: str, dp: int) -> None:
 def test_parse_instance_rejects(spec: str) -> None:
     with pytest.raises(ValueError):
         parse_instance(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, dp, kv",
+    [
+        ("http://p0:8000#kv_events=tcp://p0:5557", 1, KvEventEndpoints("tcp://p0:5557")),
+        ("http://p0:8000#dp=2&kv_events=tcp://p0:5557", 2, KvEventEndpoints("tcp://p0:5557")),
+        # any order, spaces around the pairs, a replay socket beside the publisher
+        ("http://p0:8000# kv_events_replay=tcp://p0:5600 & kv_events=tcp://p0:5557&dp=4", 4,
+         KvEventEndpoints("tcp://p0:5557", "tcp://p0:5600")),
+        ("http://p0:8000", 1, None),
+        ("http://p0:8000#dp=3", 3, None),
+    ],
+)
+def test_parse_instance_spec_reads_every_fragment_key(
+    spec: str, dp: int, kv: KvEventEndpoints | None
+) -> None:
+    assert parse_instance_spec(spec) == (Instance("http://p0:8000", dp), kv)
+    assert parse_instance(spec) == Instance("http://p0:8000", dp)
+
+
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("http://a:1#dq=2", "'dq'"),  # a typo is refused by name, never ignored
+        ("http://a:1#dp=2&dp=3", "'dp' given twice"),
+        ("http://a:1#kv_events=udp://a:5", "'kv_events'"),
+        ("http://a:1#kv_events=tcp://a:70000", "'kv_events'"),
+        ("http://a:1#kv_events=tcp://*:5557", "'kv_events'"),  # vLLM's bind form, not an address
+        ("http://a:1#kv_events=tcp://a", "'kv_events'"),
+        ("http://a:1#kv_events_replay=tcp://a:5", "needs 'kv_events'"),
+        ("http://a:1#dp=2&", "''"),
+    ],
+)
+def test_parse_instance_spec_names_the_key_at_fault(spec: str, named: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(named)):
+        parse_instance_spec(spec)
+
+
+def test_kv_event_endpoints_are_offset_per_rank_as_vllm_does() -> None:
+    kv = KvEventEndpoints("tcp://p0:5557", "tcp://p0:5600")
+    assert kv.for_rank(None) == kv.for_rank(0) == kv
+    assert kv.for_rank(3) == KvEventEndpoints("tcp://p0:5560", "tcp://p0:5603")
+    assert KvEventEndpoints("tcp://h:5557").for_rank(2) == KvEventEndpoints("tcp://h:5559")
+    with pytest.raises(ValueError, match="past port 65535"):
+        KvEventEndpoints("tcp://h:65535").for_rank(1)
