@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .discovery import DnsName, ip_address_of, is_dns_url, parse_dns_url, parse_selector
-from .policies import DEFAULT_POLICY, POLICIES
+from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
@@ -369,7 +369,7 @@ SETTING_CHOICES: dict[str, tuple[str, ...]] = {
     "log_level": ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
     "log_format": ("text", "json"),
     "kv_connector": ("generic", "moriio"),
-    "encode_policy": POLICIES,
+    "encode_policy": ENCODE_POLICIES,
     "prefill_policy": POLICIES,
     "decode_policy": POLICIES,
 }
@@ -502,7 +502,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "prefill_urls": _instances,
     "decode_urls": _instances,
     "encoder_max_batch": _non_negative_int,
-    "encode_policy": _choice(POLICIES),
+    "encode_policy": _choice(ENCODE_POLICIES),
     "prefill_policy": _choice(POLICIES),
     "decode_policy": _choice(POLICIES),
     "size_tiebreak": _bool,

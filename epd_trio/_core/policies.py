@@ -22,6 +22,12 @@ list, never the policy's arithmetic.
   candidate (``Balance``, SGLang's absolute and relative thresholds, judged per request for
   the preferred slot, not fleet-wide: docs/contributing/upstream-notes/routing.md 1.4); a
   miss or an overload goes to ``least_loaded``. Memory is bounded: LRU maps with a size cap.
+- ``precise_cache_aware`` (prefill and decode): what the engines say they hold, not a guess.
+  The shell hands it a ``CachedPrefix``: the tokens of this prompt each slot holds in full
+  blocks, read from the KV index that vLLM's KV cache events feed (a slot whose index is not
+  exact holds nothing there). The slot holding the longest prefix wins, unless overloaded by
+  the same ``Balance`` rule as ``cache_aware``; a miss goes to ``least_loaded``. Without a
+  ``CachedPrefix`` (no tokens: the render call failed or was too slow) it is ``cache_aware``.
 
 No I/O and no trio here; randomness comes from a ``random.Random`` the caller owns.
 """
@@ -36,8 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The policies, in the order the docs list them; ``round_robin`` is the default of every stage.
-POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware", "precise_cache_aware")
 DEFAULT_POLICY = "round_robin"
+#: The encode stage's policies: an encoder holds media, not a prompt's KV blocks.
+ENCODE_POLICIES = POLICIES[:-1]
 
 #: A slot's identity across roster changes: its instance URL and DP rank (None: no DP).
 SlotKey = tuple[str, int | None]
@@ -179,6 +187,36 @@ class PrefixHint:
     #: The first block's text: its ``stable_hash`` (``blocks`` use Python's salted ``hash``)
     #: is where replicas that never saw the prompt agree to send it; hashed only then.
     head: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """What the engines hold of one prompt: its length in tokens and, per slot whose index is
+    exact, the tokens of its leading full blocks there (slots holding none are absent)."""
+
+    prompt_tokens: int
+    held: Mapping[SlotKey, int]
+
+    def uncached(self, slot: SlotKey) -> int:
+        """The prompt's tokens ``slot`` would have to compute (the prefill bypass reads it)."""
+        return self.prompt_tokens - self.held.get(slot, 0)
+
+
+def longest_held(keys: Sequence[SlotKey], loads: Sequence[int], cached: CachedPrefix,
+                 balance: Balance) -> int:
+    """``precise_cache_aware``'s preference: the index of the candidate holding the longest
+    prefix (the least loaded among equals, then rotation order), or -1 for a miss or when
+    that slot is overloaded against the least loaded candidate."""
+    held = cached.held
+    best, best_tokens = -1, 0
+    for index, key in enumerate(keys):
+        tokens = held.get(key, 0)
+        if tokens > best_tokens or (tokens == best_tokens and tokens
+                                    and loads[index] < loads[best]):
+            best, best_tokens = index, tokens
+    if best < 0 or balance.overloaded(loads[best], min(loads)):
+        return -1
+    return best
 
 
 def prefix_hint(text: str) -> PrefixHint:
@@ -348,12 +386,13 @@ class StagePolicy:
 
     def choose(
         self, keys: Sequence[SlotKey], loads: Sequence[int],
-        hint: PrefixHint | str | None = None, sizes: Sizes | None = None,
+        hint: PrefixHint | CachedPrefix | str | None = None, sizes: Sizes | None = None,
     ) -> int:
         """The index (into ``keys``, in rotation order) of the slot to use.
 
-        ``hint`` is the request's ``PrefixHint`` (prefill, decode) or the item's ``uuid``
-        (encode); without one, ``cache_aware`` is ``least_loaded``. ``sizes`` (the work in
+        ``hint`` is the request's ``PrefixHint`` (prefill, decode), what the engines hold of it
+        (``CachedPrefix``, for ``precise_cache_aware``) or the item's ``uuid`` (encode);
+        without one, ``cache_aware`` is ``least_loaded``. ``sizes`` (the work in
         flight per slot, or a function reading it when needed) break ``least_loaded``'s ties,
         and only those.
         """
@@ -365,7 +404,11 @@ class StagePolicy:
         elif name == "power_of_two":
             assert self.rng is not None
             chosen = power_of_two(loads, self.rng)
-        else:
+        elif name == "precise_cache_aware" and isinstance(hint, CachedPrefix):
+            chosen = longest_held(keys, loads, hint, self.balance)
+            if chosen < 0:
+                chosen = least_loaded(loads, sizes)
+        else:  # cache_aware, and precise_cache_aware without the engines' word (no tokens)
             chosen = self._affine(keys, loads, hint, sizes)
         return chosen
 

@@ -7,18 +7,22 @@ from collections import Counter
 
 import pytest
 
-from epd_trio import EncoderCursor, Instance, SlotCursor
+from epd_trio import ConfigError, EncoderCursor, Instance, SlotCursor, settings_from
 from epd_trio._core.failover import fallback_steps, next_slot
 from epd_trio._core.policies import (
+    ENCODE_POLICIES,
     OWNERS_PER_KEY,
+    POLICIES,
     PREFIX_BLOCK_CHARS,
     PREFIX_MAX_BLOCKS,
     AffinityIndex,
     Balance,
+    CachedPrefix,
     PrefixIndex,
     SlotKey,
     StagePolicy,
     least_loaded,
+    longest_held,
     power_of_two,
     prefix_hint,
     prompt_text,
@@ -394,3 +398,44 @@ def test_replicas_place_an_unseen_prompt_alike_and_within_the_balance() -> None:
         three = StagePolicy("cache_aware", Balance(2, 1.5), placement=True)
         loads = [9 if key == first else 0 for key in keys]
         assert keys[three.choose(keys, loads, hint)] != first
+
+
+A, B, C = ("http://a", None), ("http://b", None), ("http://c", 1)
+
+
+@pytest.mark.parametrize(
+    "held, loads, expected",
+    [
+        ({B: 64}, [0, 0, 0], 1),                 # the one slot holding anything
+        ({A: 32, C: 96}, [0, 0, 0], 2),          # the longest prefix, not the first holder
+        ({A: 64, B: 64}, [3, 1, 0], 1),          # equal prefixes: the less loaded holder
+        ({A: 64, B: 64}, [1, 1, 0], 0),          # ... then rotation order
+        ({}, [2, 1, 0], -1),                     # a miss
+        ({A: 96}, [20, 0, 4], -1),               # overloaded (by > 8 and > 1.5x): gives way
+        ({A: 96}, [8, 0, 4], 0),                 # within the absolute margin: kept
+    ],
+)
+def test_longest_held_prefers_the_longest_prefix_within_the_balance(
+    held: dict, loads: list[int], expected: int
+) -> None:
+    cached = CachedPrefix(prompt_tokens=128, held=held)
+    assert longest_held([A, B, C], loads, cached, Balance(8, 1.5)) == expected
+
+
+def test_precise_cache_aware_routes_on_what_the_engines_hold_else_like_cache_aware() -> None:
+    policy = StagePolicy("precise_cache_aware")
+    # held wins over rotation order; a miss goes to the least loaded slot
+    assert policy.choose([A, B, C], [0, 0, 0], CachedPrefix(128, {C: 32})) == 2
+    assert policy.choose([A, B, C], [2, 0, 1], CachedPrefix(128, {})) == 1
+    # without tokens (render failed) it is cache_aware: a prompt seen before goes back
+    hint = prefix_hint("x" * 2000)
+    first = policy.choose([A, B, C], [0, 0, 0], hint)
+    assert policy.choose([A, B, C], [0, 0, 0], hint) == first
+    assert CachedPrefix(128, {A: 96}).uncached(A) == 32
+    assert CachedPrefix(128, {A: 96}).uncached(B) == 128
+
+
+def test_the_encode_stage_takes_no_precise_policy() -> None:
+    assert "precise_cache_aware" in POLICIES and "precise_cache_aware" not in ENCODE_POLICIES
+    with pytest.raises(ConfigError, match="EPD_ENCODE_POLICY"):
+        settings_from({"EPD_DECODE_URLS": "http://d:1", "EPD_ENCODE_POLICY": "precise_cache_aware"})
