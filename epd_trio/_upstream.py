@@ -24,6 +24,7 @@ from ._core.ec_handoff import encoder_transfer_params
 from ._core.errors import (
     ProxyOverloaded,
     UpstreamError,
+    UpstreamRefused,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamTransportError,
@@ -45,6 +46,7 @@ from ._core.routing import Instance, group_by_target
 from ._cursors import EncoderCursor, Usable
 from ._fanout import fan_out
 from ._http import (
+    ConnectRefused,
     ConnectTimeout,
     PoolTimeout,
     TimeoutException,
@@ -122,7 +124,8 @@ class map_upstream_errors:  # used as a function: ``with map_upstream_errors(...
                 instance=instance, connect=isinstance(exc, ConnectTimeout),
             ) from exc
         if isinstance(exc, TransportError):
-            raise UpstreamTransportError(
+            error = UpstreamRefused if isinstance(exc, ConnectRefused) else UpstreamTransportError
+            raise error(
                 f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
                 stage=stage, instance=instance,
             ) from exc
