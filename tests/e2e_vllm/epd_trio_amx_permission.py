@@ -6,7 +6,9 @@ Why: on an x86-64 CPU with AMX (``amx_tile`` in /proc/cpuinfo), Linux lets a pro
 tile data only after ``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``. vLLM's CPU
 attention runs AMX instructions (bf16, block size a multiple of 32) without asking; a process
 whose first forward is one token dies of SIGILL. Elsewhere the call fails (no AMX: EINVAL or
-EOPNOTSUPP) and changes nothing; on other architectures it is not made.
+EOPNOTSUPP) and changes nothing; on other architectures it is not made. With
+``EPD_E2E_AMX_PERMISSION=0`` in the environment it is not made either: that reproduces the bug
+on an AMX CPU (docs/contributing/nixl-first-pull.md).
 
 Standard library only, and nothing here may raise: it runs before every program of the venv.
 """
@@ -21,11 +23,12 @@ XFEATURE_XTILEDATA = 18
 
 #: The process that asked (a forked child inherits the permission and this module's state).
 pid = os.getpid()
-#: The call's result: 0 granted, -1 refused (``errno`` says why); None: not made (not x86-64).
+#: The call's result: 0 granted, -1 refused (``errno`` says why); None: not made (not x86-64,
+#: or switched off).
 result = None
 errno = 0
 
-if os.uname().machine == "x86_64":
+if os.uname().machine == "x86_64" and os.environ.get("EPD_E2E_AMX_PERMISSION") != "0":
     try:
         import ctypes
 

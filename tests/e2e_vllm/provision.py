@@ -186,6 +186,11 @@ def ensure_amx_permission(home: Home, log: Log = print, *, has_amx: bool | None 
     site = site_packages(home)
     if not home.external_venv:
         amx.install(site)
+    if amx.switched_off():
+        log(f"{amx.SWITCH}=0: no vLLM process asks for AMX"
+            + (" (this CPU has AMX: the one-token first forwards will die of SIGILL)"
+               if amx_cpu else ""))
+        return
     try:
         seen = amx.report(home.python, home.server_env(home.run / "tmp"))
     except (RuntimeError, ValueError) as exc:

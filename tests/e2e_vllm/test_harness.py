@@ -268,6 +268,21 @@ def test_the_pth_line_runs_in_the_venvs_spawned_interpreters_too(tmp_path: Path)
     assert said == []
 
 
+def test_the_switch_turns_the_request_off_to_reproduce_the_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EPD_E2E_AMX_PERMISSION=0``: the module still loads but asks nothing, and the harness
+    neither refuses the venv nor hides it, so the suite shows the SIGILL on an AMX CPU."""
+    home = Home(tmp_path, tmp_path / "venv", external_venv=False)
+    bare_venv(home.venv)
+    monkeypatch.setenv(amx.SWITCH, "0")
+    said: list[str] = []
+    ensure_amx_permission(home, said.append, has_amx=True)
+    assert len(said) == 1 and "will die of SIGILL" in said[0]
+    seen = amx.report(home.python, home.server_env(tmp_path / "tmp"))
+    assert all(s["ran"] and s["result"] is None and not s["permitted"] for s in seen.values())
+
+
 def test_a_users_venv_without_the_permission_is_refused_on_an_amx_cpu(tmp_path: Path) -> None:
     """EPD_E2E_VENV is never modified: on a CPU with AMX, a venv whose spawned child lacks the
     permission would fail 13 of 15 tests with "EngineCore encountered an issue", so it is
