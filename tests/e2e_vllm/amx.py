@@ -58,6 +58,9 @@ ARCH_GET_XCOMP_PERM = 0x1022
 XTILEDATA_BIT = 1 << 18
 #: ``0``: no process of the venv asks (to reproduce the bug on an AMX CPU).
 SWITCH = "EPD_E2E_AMX_PERMISSION"
+#: A folder where each process of the venv records what it got (a file per pid): every server
+#: has one, so a test can check that its spawned engine asked (``records``).
+RECORD = "EPD_E2E_AMX_RECORD"
 #: What faulthandler (``PYTHONFAULTHANDLER=1`` in every server's environment) writes before a
 #: process dies of a fatal signal; vLLM itself only logs that its engine "exited unexpectedly".
 FATAL_ERRORS = {"Illegal instruction": "SIGILL", "Segmentation fault": "SIGSEGV",
@@ -100,6 +103,15 @@ def asks_elsewhere(site: Path) -> bool:
     ARCH_REQ_XCOMP_PERM option, like the shared setup.sh's)."""
     return any(MODULE in text or "0x1023" in text
                for text in (p.read_text(errors="replace") for p in site.glob("*.pth")))
+
+
+def records(folder: Path) -> dict[int, tuple[int | None, int]]:
+    """What each process that recorded in ``folder`` got: pid -> (result, errno)."""
+    found: dict[int, tuple[int | None, int]] = {}
+    for path in folder.glob("[0-9]*"):
+        result, errno = path.read_text().split()
+        found[int(path.name)] = (None if result == "None" else int(result), int(errno))
+    return found
 
 
 def report(python: Path, env: dict[str, str]) -> dict[str, dict[str, object]]:

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from . import amx
-from .processes import alive, free_ports, start_ticks, stop_tree, tail
+from .processes import alive, free_ports, start_ticks, stop_tree, tail, tree
 from .provision import VLLM_CLI, Home, Log, ensure_model, ensure_venv
 
 #: Where every server exports its traces (``--otlp-traces-endpoint``): OTLP over HTTP/protobuf
@@ -238,6 +238,26 @@ class Cluster:
                 if not ok:
                     bad.append(name)
         return bad
+
+    def python_processes(self, name: str) -> list[tuple[int, str, bool]]:
+        """The processes of server ``name`` that run the vLLM venv's Python (its API server, its
+        spawned engine, ...): pid, command line, and whether the harness's ``.pth`` line ran in
+        it (``epd_trio_amx_permission`` records each process it ran in, in the server's temp
+        dir; it asks for AMX there unless ``EPD_E2E_AMX_PERMISSION=0``)."""
+        server = self.servers[name]
+        assert server.pid is not None, f"{name} is not running"
+        ran = amx.records(Home.amx_records(Path(server.tmpdir)))
+        python = os.path.realpath(self.home.python)
+        found = []
+        for pid in sorted(tree(server.pid)):
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+                command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+            except OSError:
+                continue  # gone meanwhile
+            if exe == python:
+                found.append((pid, command, pid in ran))
+        return found
 
     def deaths(self) -> list[str]:
         """Why each server that died (not one stopped on purpose) is gone: a process of it

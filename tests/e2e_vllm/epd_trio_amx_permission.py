@@ -37,3 +37,13 @@ if os.uname().machine == "x86_64" and os.environ.get("EPD_E2E_AMX_PERMISSION") !
         errno = ctypes.get_errno()
     except Exception:  # never break the interpreter's start
         result = -1
+
+# Where the harness wants each process's outcome, to check that a server's spawned engine asked
+# too: a file named by the pid, holding "result errno".
+_record = os.environ.get("EPD_E2E_AMX_RECORD")
+if _record:
+    try:
+        with open(os.path.join(_record, str(pid)), "w") as _file:
+            _file.write(f"{result} {errno}\n")
+    except OSError:
+        pass

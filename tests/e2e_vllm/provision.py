@@ -106,9 +106,15 @@ class Home:
             # the "uni" executor's worker inside it: 2 vLLM processes per server, not 3.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "PYTHONFAULTHANDLER": "1",
+            amx.RECORD: str(self.amx_records(tmpdir)),
         })
-        tmpdir.mkdir(parents=True, exist_ok=True)
+        self.amx_records(tmpdir).mkdir(parents=True, exist_ok=True)
         return env
+
+    @staticmethod
+    def amx_records(tmpdir: Path) -> Path:
+        """Where the processes of a server with this ``tmpdir`` record their AMX request."""
+        return tmpdir / "amx-permission"
 
 
 def _stamp_ok(home: Home) -> bool:

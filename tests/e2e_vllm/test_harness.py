@@ -328,6 +328,27 @@ def test_a_server_whose_engine_died_of_sigill_is_named_with_the_amx_permission(
         single.stop()
 
 
+def test_each_python_process_of_a_server_records_its_request(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How the real suite checks that vLLM's spawned engine asked too: each process of the
+    venv writes its outcome into its server's temp dir; one whose venv lacks the line does not."""
+    single = start_single(home, log=lambda _: None)
+    try:
+        ((pid, command, ran),) = single.python_processes("single")
+        assert pid == single.servers["single"].pid and "vllm_cli.py serve" in command and ran
+    finally:
+        single.stop()
+    (site_packages(home) / amx.PTH_NAME).unlink()
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: False)  # else the venv is refused (good)
+    single = start_single(home, log=lambda _: None)
+    try:
+        ((_, _, ran),) = single.python_processes("single")
+        assert not ran
+    finally:
+        single.stop()
+
+
 def test_a_server_killed_by_a_signal_is_named_by_its_log_or_its_exit_status(home: Home) -> None:
     single = start_single(home, log=lambda _: None)
     try:

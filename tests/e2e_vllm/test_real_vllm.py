@@ -216,6 +216,16 @@ def long_text(words: int) -> str:
     return " ".join(f"item{i} of the list," for i in range(words))
 
 
+def assert_every_process_asked(servers: Cluster, name: str) -> int:
+    """The harness's ``.pth`` line, which asks for AMX (issue 30), ran in every process of
+    server ``name`` that runs the vLLM venv's Python, its spawned engine core included (on a
+    CPU without AMX, Linux refuses the request; it was made all the same). How many there are."""
+    processes = servers.python_processes(name)
+    assert any("EngineCore" in command for _, command, _ in processes), processes
+    assert all(ran for *_, ran in processes), processes
+    return len(processes)
+
+
 def assert_alive(servers: Cluster) -> None:
     """No server died: else the failure says of what (a SIGILL names the AMX permission)."""
     deaths = servers.deaths()
@@ -234,6 +244,7 @@ async def test_a_one_token_prompt_as_a_plain_servers_first_request(
     single = await trio.to_thread.run_sync(partial(start_single, log=say))
     try:
         url = single.url("single")
+        processes = assert_every_process_asked(single, "single")
         assert await metric(client, url, "vllm:prompt_tokens_total") == 0  # its first forward
         tokenized = await client.post(url + "/tokenize", json={
             "model": MODEL_NAME, "prompt": "Hello", "add_special_tokens": False})
@@ -248,8 +259,8 @@ async def test_a_one_token_prompt_as_a_plain_servers_first_request(
     finally:
         await trio.to_thread.run_sync(single.stop)
     observe(f"prompt {one_token} (1 token) as a fresh server's first: 200 "
-            f"{first.json()['choices'][0]['text']!r}; CPU "
-            f"{'with' if amx.cpu_has_amx() else 'without'} AMX")
+            f"{first.json()['choices'][0]['text']!r}; its {processes} Python processes (engine "
+            f"core included) asked for AMX; CPU {'with' if amx.cpu_has_amx() else 'without'} AMX")
 
 
 async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
@@ -266,6 +277,8 @@ async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
     prompts = await metric(client, decode, "vllm:prompt_tokens_total")
     if cluster.owned:  # started by this session: nothing has reached decode yet
         assert (pulls, prompts) == (0, 0)
+        for name in cluster.servers:
+            assert_every_process_asked(cluster, name)
     body = chat(text="Hello there, friend.")
     started = trio.current_time()
     async with proxy_for(cluster) as (url, proxy):
