@@ -118,7 +118,8 @@ class Settings:
     health_interval: float = 5.0
     #: Seconds a health probe may take.
     health_timeout: float = 2.0
-    #: Consecutive failures (probes or live transport errors) that take an instance out.
+    #: Consecutive failures (probes or live transport errors) that take an instance out; a
+    #: live request's refused connection (nothing listens) takes it out at once.
     health_threshold: int = 3
     #: Seconds a registered instance that is out of rotation and has stopped registering is
     #: kept before it is forgotten (vLLM re-registers every 30 s: this is 10 missed rounds).

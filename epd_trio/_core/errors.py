@@ -167,6 +167,9 @@ class UpstreamError(ProxyError):
     type = "upstream_error"
     #: The instance itself looks down (refused/reset/unreachable): counts as a failed probe.
     instance_failure: bool = False
+    #: The instance is down for sure (nothing listens: its connection was refused): out of
+    #: the rotation at once, without waiting for ``health_threshold`` failures.
+    instance_down: bool = False
 
     def __init__(
         self, message: str, *, stage: str, instance: str, status: int | None = None
@@ -225,6 +228,14 @@ class UpstreamTransportError(UpstreamError):
 
     status = 502
     instance_failure = True
+
+
+class UpstreamRefused(UpstreamTransportError):
+    """The instance refused the connection: nothing listens on its port. A vLLM whose engine
+    died answers what it had in flight with a 500 ("EngineCore encountered an issue"), then
+    exits (issue 30), so the first refusal evicts it rather than the third."""
+
+    instance_down = True
 
 
 class EncoderHandoffError(UpstreamError):

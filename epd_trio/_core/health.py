@@ -3,10 +3,11 @@
 Every instance in the roster (``_roster.py``: configured or registered) has one
 ``InstanceState``, owned by the proxy's ``Registry``. Routing reads ``live``; the background
 prober (``_upstream/prober.py``) and live requests write to it; ``set_members`` follows roster changes
-and keeps the state (health, counters) of the instances that stay. An instance
-leaves the rotation after ``threshold`` consecutive failures (failed probes, or transport failures
-of live requests: a refused connection is the fastest possible signal that a server died) and
-comes back after one success. Being pure data, the transitions are unit-tested without a clock.
+and keeps the state (health, counters) of the instances that stay. An instance leaves the
+rotation after ``threshold`` consecutive failures (failed probes, or transport failures of live
+requests), or at once when a live request's connection is refused: nothing listens there, the
+surest signal that a server died. It comes back after one success. Being pure data, the
+transitions are unit-tested without a clock.
 """
 
 from __future__ import annotations
@@ -53,10 +54,12 @@ class InstanceState:
         self.live = True
         return changed
 
-    def record_failure(self, threshold: int) -> bool:
-        """One failure; after ``threshold`` in a row, out of the rotation. True when evicted now."""
+    def record_failure(self, threshold: int, *, down: bool = False) -> bool:
+        """One failure; after ``threshold`` in a row, or at once when it shows the instance
+        ``down`` (a refused connection: nothing listens), out of the rotation. True when
+        evicted now."""
         self.consecutive_failures += 1
-        if self.live and self.consecutive_failures >= threshold:
+        if self.live and (down or self.consecutive_failures >= threshold):
             self.live = False
             self.evictions += 1
             return True
@@ -153,8 +156,8 @@ class Registry:
             state.evicted_since = None
             self._changed(state)
 
-    def failed(self, state: InstanceState) -> None:
-        if state.record_failure(self.threshold):
+    def failed(self, state: InstanceState, *, down: bool = False) -> None:
+        if state.record_failure(self.threshold, down=down):
             state.evicted_since = self.clock()
             self._changed(state)
 

@@ -58,7 +58,7 @@ class Accounting:
             state.errors += 1
             self.metrics.instance(state.stage, state.url).errors.inc()
         if error.instance_failure:
-            self.registry.failed(state)
+            self.registry.failed(state, down=error.instance_down)
 
 
 class Leg:

@@ -41,6 +41,10 @@ class ConnectError(TransportError):
     pass
 
 
+class ConnectRefused(ConnectError):
+    """Every attempt to connect was refused: nothing listens there (a server that exited)."""
+
+
 class ReadError(TransportError):
     pass
 
@@ -298,11 +302,22 @@ async def connect(host: str, port: int, *, tls: ssl.SSLContext | None = None,
     except trio.TooSlowError:
         raise ConnectTimeout(f"no connection within {timeout:g} s") from None
     except (OSError, trio.BrokenResourceError) as exc:
-        raise ConnectError(str(exc) or type(exc).__name__) from exc
+        error = ConnectRefused if _all_refused(exc) else ConnectError
+        raise error(str(exc) or type(exc).__name__) from exc
     # Plain TCP: take the socket out of trio's stream and drive it directly.
     sock = socket.socket(fileno=stream.socket.detach())
     sock.setblocking(False)
     return Connection(_Plain(sock))
+
+
+def _all_refused(exc: BaseException) -> bool:
+    """``exc`` is a refusal, or trio's error for a connect whose every attempt was refused (it
+    chains them as an ``ExceptionGroup``)."""
+    if isinstance(exc, ConnectionRefusedError):
+        return True
+    group = exc.__cause__
+    return (isinstance(exc, OSError) and isinstance(group, BaseExceptionGroup)
+            and all(_all_refused(e) for e in group.exceptions))
 
 
 class Connection:

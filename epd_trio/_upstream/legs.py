@@ -24,6 +24,7 @@ from .._core.ec_handoff import encoder_transfer_params
 from .._core.errors import (
     ProxyOverloaded,
     UpstreamError,
+    UpstreamRefused,
     UpstreamStatusError,
     UpstreamTimeout,
     UpstreamTransportError,
@@ -46,6 +47,7 @@ from .._state.cursors import EncoderCursor, Usable
 from .._state.loads import Loads
 from .fanout import fan_out
 from .pool import (
+    ConnectRefused,
     ConnectTimeout,
     PoolTimeout,
     TimeoutException,
@@ -122,7 +124,8 @@ class map_upstream_errors:  # used as a function: ``with map_upstream_errors(...
                 instance=instance, connect=isinstance(exc, ConnectTimeout),
             ) from exc
         if isinstance(exc, TransportError):
-            raise UpstreamTransportError(
+            error = UpstreamRefused if isinstance(exc, ConnectRefused) else UpstreamTransportError
+            raise error(
                 f"{detail}{type(exc).__name__}: {exc or 'connection failed'}",
                 stage=stage, instance=instance,
             ) from exc

@@ -42,6 +42,7 @@ from .._core.routing import Instance
 from .h1 import (
     ConnectError,
     Connection,
+    ConnectRefused,
     ConnectTimeout,
     PoolTimeout,
     TimeoutException,
@@ -357,5 +358,5 @@ class UpstreamClient:
         await self.aclose()
 
 
-__all__ = ["KEEPALIVE_EXPIRY", "ConnectTimeout", "PoolTimeout", "TimeoutException",
+__all__ = ["KEEPALIVE_EXPIRY", "ConnectRefused", "ConnectTimeout", "PoolTimeout", "TimeoutException",
            "TransportError", "UpstreamClient", "UpstreamPool", "UpstreamResponse"]

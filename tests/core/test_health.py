@@ -10,7 +10,7 @@ from epd_trio import Instance, SlotCursor
 from epd_trio._core.health import InstanceState, Registry
 from epd_trio.testing import run_cluster
 
-from helpers import CHAT, chat_body, image
+from helpers import CHAT, chat_body, image, retries
 
 
 def test_threshold_evicts_and_one_success_restores() -> None:
@@ -23,6 +23,14 @@ def test_threshold_evicts_and_one_success_restores() -> None:
     state.record_failure(3)
     state.record_success()
     assert [state.record_failure(3) for _ in range(3)] == [False, False, True]
+
+
+def test_a_failure_that_shows_the_instance_down_evicts_at_once() -> None:
+    state = InstanceState(Instance("http://a:1"), "decode")
+    assert state.record_failure(3) is False
+    assert state.record_failure(3, down=True) is True
+    assert not state.live and state.evictions == 1 and state.consecutive_failures == 2
+    assert state.record_failure(3, down=True) is False  # already out: one eviction
 
 
 def test_registry_panic_mode_and_readiness() -> None:
@@ -128,16 +136,49 @@ async def test_ready_waits_for_one_probe_per_role(client: httpx.AsyncClient) -> 
 async def test_live_transport_failures_count_as_failed_probes(
     client: httpx.AsyncClient,
 ) -> None:
+    """A stream that breaks before its first byte (the server is up, the connection was
+    accepted) counts as one failure: ``health_threshold`` of them take the instance out."""
     async with run_cluster(prefills=1, decodes=2, health_interval=3600,
                            health_threshold=2) as c:
-        dead = c.decodes[0]
+        broken = c.decodes[0]
+        state = c.proxy.registry.state("decode", broken.url)
+        await trio.testing.wait_all_tasks_blocked()  # the first probe round is done
+        broken.behaviour.break_after = 0
+        for _ in range(6):
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(stream=True))
+            assert r.status_code == 200  # each failure fails over to the other decode
+            assert r.text.endswith("data: [DONE]\n\n")
+        assert not state.live and state.errors == 2 and state.sent == 2
+
+
+async def test_a_decode_whose_engine_died_is_evicted_at_its_first_refused_connection(
+    client: httpx.AsyncClient,
+) -> None:
+    """Issue 30: a vLLM whose engine died (SIGILL on an AMX CPU without AMX permission) answers
+    what it had in flight with a 500 ("EngineCore encountered an issue"), then exits. Nothing
+    listens on its port any more, so a refused connection is certain: the first one, on a live
+    request, takes it out of rotation. Waiting for ``health_threshold`` failures would send two
+    more requests there, each costing a prefill re-run for its failover (the probes here are an
+    hour apart, so only live requests can evict it)."""
+    async with run_cluster(prefills=1, decodes=2, health_interval=3600) as c:
+        assert c.settings.health_threshold == 3
+        dead, other = c.decodes
         state = c.proxy.registry.state("decode", dead.url)
         await trio.testing.wait_all_tasks_blocked()  # the first probe round is done
-        dead.stop()
+        dead.behaviour.fail_status = 500  # its engine is gone: a 500 for what it had in flight
+        while not dead.requests():  # the round-robin cursor starts anywhere
+            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            assert r.status_code == 200, r.text  # failed over to the other decode
+        assert state.live and state.errors == 1  # a 500 alone is no proof the server is down
+        dead.stop()  # then its API server exits: connections are refused
+        await trio.testing.wait_all_tasks_blocked()
         for _ in range(6):
             r = await client.post(c.proxy_url + CHAT, json=chat_body())
-            assert r.status_code == 200  # each failure fails over to the other decode
-        assert not state.live and state.errors == 2 and state.sent == 2
+            assert r.status_code == 200, r.text
+        assert not state.live and state.evictions == 1
+        assert (state.sent, state.errors, state.consecutive_failures) == (2, 2, 1)
+        assert len(other.requests()) == 7  # every request was answered by the other decode
+        assert retries(c.proxy) == {"decode": 2}
 
 
 async def test_idle_upstream_connections_close_on_the_keepalive_clock(

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import httpx
 
-from .processes import alive, free_ports, start_ticks, stop_tree, tail
+from . import amx
+from .processes import alive, free_ports, start_ticks, stop_tree, tail, tree
 from .provision import VLLM_CLI, Home, Log, ensure_model, ensure_venv
 
 #: Where every server exports its traces (``--otlp-traces-endpoint``): OTLP over HTTP/protobuf
@@ -107,6 +108,9 @@ class Cluster:
     traces_port: int | None = None
     #: Servers stopped on purpose (``stop([name])``), for ``restart`` to bring back.
     stopped: set[str] = field(default_factory=set)
+    #: Recorded as the home's cluster (``cluster.json``); a ``start_single`` server is not, so
+    #: it runs beside the cluster without replacing or stopping it.
+    recorded: bool = True
     #: The lifeline pipe (write end kept here, read end inherited by each server).
     _lifeline: int | None = field(default=None, repr=False)
     _lifeline_read: int | None = field(default=None, repr=False)
@@ -204,7 +208,8 @@ class Cluster:
                 if fd is not None:
                     os.close(fd)
             self._lifeline = self._lifeline_read = None
-            _state_path(self.home).unlink(missing_ok=True)
+            if self.recorded:
+                _state_path(self.home).unlink(missing_ok=True)
         else:
             self.save()
 
@@ -234,6 +239,45 @@ class Cluster:
                     bad.append(name)
         return bad
 
+    def python_processes(self, name: str) -> list[tuple[int, str, bool]]:
+        """The processes of server ``name`` that run the vLLM venv's Python (its API server, its
+        spawned engine, ...): pid, command line, and whether the harness's ``.pth`` line ran in
+        it (``epd_trio_amx_permission`` records each process it ran in, in the server's temp
+        dir; it asks for AMX there unless ``EPD_E2E_AMX_PERMISSION=0``)."""
+        server = self.servers[name]
+        assert server.pid is not None, f"{name} is not running"
+        ran = amx.records(Home.amx_records(Path(server.tmpdir)))
+        python = os.path.realpath(self.home.python)
+        found = []
+        for pid in sorted(tree(server.pid)):
+            try:
+                exe = os.readlink(f"/proc/{pid}/exe")
+                command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+            except OSError:
+                continue  # gone meanwhile
+            if exe == python:
+                found.append((pid, command, pid in ran))
+        return found
+
+    def deaths(self) -> list[str]:
+        """Why each server that died (not one stopped on purpose) is gone: a process of it
+        killed by a signal (a SIGILL names the missing AMX permission, issue 30), or its engine
+        gone while its API server still runs. Read from the logs, where faulthandler reports
+        the signal (``Home.server_env``), and, for our own children, their exit status."""
+        found = []
+        for name, server in self.servers.items():
+            if name in self.stopped:
+                continue
+            log = Path(server.log)
+            child = self._children.get(name)
+            returncode = child.poll() if child is not None else None
+            if server.alive():
+                text = tail(log, 400)
+                if amx.fatal_signal(text) is None and amx.ENGINE_EXITED not in text:
+                    continue
+            found.append(amx.death_message(name, log, returncode))
+        return found
+
     def keep_logs(self, label: str) -> str:
         """Rename the servers' logs to ``NAME.LABEL.log`` (a retry would overwrite them)."""
         for server in self.servers.values():
@@ -249,6 +293,8 @@ class Cluster:
 
     # -- state ---------------------------------------------------------------------------------
     def save(self) -> None:
+        if not self.recorded:
+            return
         state = {"layout": self.layout, "model": self.model, "ec_dir": self.ec_dir,
                  "traces_port": self.traces_port,
                  # A test session's cluster names its owner: another session must neither
@@ -406,6 +452,36 @@ def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | No
             log(f"{layout} cluster ready in {time.monotonic() - started:.0f} s")
             return cluster
     raise ClusterError("could not start the vLLM cluster:\n" + "\n".join(failures))
+
+
+def start_single(home: Home | None = None, model: str = "vision", *, name: str = "single",
+                 log: Log = print) -> Cluster:
+    """One plain vLLM server (no connector, no traces) on a free port, started and healthy.
+
+    It runs beside the home's cluster: not recorded in ``cluster.json`` (``stop()`` leaves the
+    cluster's record alone), its log is ``run/NAME.log``, and its lifeline ties it to this
+    process. Raises ``ClusterError`` with its log tail when it does not start.
+    """
+    home = home or Home.from_env()
+    with _provisioning(home):
+        ensure_venv(home, log)
+        ensure_model(home, model, log)
+    home.run.mkdir(parents=True, exist_ok=True)
+    (port,) = free_ports(1)
+    server = Server(name, port, [], log=str(home.run / f"{name}.log"),
+                    tmpdir=str(home.run / "tmp" / name))
+    single = Cluster(home, "single", model, {name: server}, None, owned=True, recorded=False)
+    try:
+        single.launch(name)
+        single.wait_ready([name], start_timeout())
+    except ClusterError as exc:
+        tails = single.log_tails()
+        single.stop()
+        raise ClusterError(f"{exc}\n{tails}") from None
+    except BaseException:
+        single.stop()
+        raise
+    return single
 
 
 def main(argv: list[str] | None = None) -> int:

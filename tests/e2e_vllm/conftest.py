@@ -21,13 +21,27 @@ from .cluster import Cluster, recorded_cluster, start_cluster
 from .provision import Home
 
 _OBSERVED = pytest.StashKey[list[str]]()
+#: The suite's first tests, in this order, before any other (issue 30). In each, a fresh vLLM
+#: server's first forward is one token long: a plain server's one-token prompt, then decode's
+#: step after its first KV pull. On a CPU with AMX that is the forward that dies of SIGILL
+#: when the AMX permission is missing (amx.py); any prefill-sized forward before it (every
+#: other test asks decode directly) would hide the bug, since oneDNN asks on that path.
+FIRST = ("test_a_one_token_prompt_as_a_plain_servers_first_request",
+         "test_a_text_request_as_the_clusters_first_request_pulls_its_kv")
 #: Tests that stop one of the session's servers on purpose: they run after every other test,
 #: whatever file they are in, since bringing the server back costs a vLLM start-up.
 STOPS_A_SERVER = ("test_encoder_stopped_fails_media_cleanly_and_text_still_works",)
 
 
+def run_order(name: str) -> int:
+    """Where a test named ``name`` runs: ``FIRST`` in order, the rest, ``STOPS_A_SERVER``."""
+    if name in FIRST:
+        return FIRST.index(name)
+    return len(FIRST) + (name in STOPS_A_SERVER)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.name in STOPS_A_SERVER)  # stable: the rest keep their order
+    items.sort(key=lambda item: run_order(item.name))  # stable: the rest keep their order
 
 
 def _say(config: pytest.Config) -> Callable[[str], None]:
@@ -80,11 +94,27 @@ def vllm_spans(vllm_session: tuple[Cluster, OtlpReceiver]) -> OtlpReceiver:
 
 
 @pytest.fixture
-def cluster(vllm_cluster: Cluster) -> Cluster:
-    """The session's cluster, with any server an earlier test stopped on purpose started again."""
+def cluster(vllm_cluster: Cluster) -> Iterator[Cluster]:
+    """The session's cluster, with any server an earlier test stopped on purpose started again.
+
+    A server that died is not restarted: the test fails at set-up (or, for a death during the
+    test, at tear-down) saying why, e.g. a SIGILL with the missing AMX permission named
+    (issue 30), rather than every later test meeting a refused connection.
+    """
     for name in sorted(vllm_cluster.stopped):
         vllm_cluster.restart(name)
-    return vllm_cluster
+    if deaths := vllm_cluster.deaths():
+        pytest.fail("a vLLM server of the session died before this test:\n" + "\n".join(deaths),
+                    pytrace=False)
+    yield vllm_cluster
+    if deaths := vllm_cluster.deaths():
+        pytest.fail("a vLLM server died during this test:\n" + "\n".join(deaths), pytrace=False)
+
+
+@pytest.fixture
+def say(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Progress lines shown live (a server started by a test itself takes a minute)."""
+    return _say(request.config)
 
 
 @pytest.fixture

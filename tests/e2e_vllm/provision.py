@@ -10,6 +10,11 @@ Everything lives under one home folder (``EPD_E2E_HOME``, default ``~/.cache/epd
 A venv that passed provisioning carries a stamp file with the pins, so later runs reuse it at
 once; one that is missing or incomplete is (re)built in place. A venv named by ``EPD_E2E_VENV``
 is the user's: it is used as it is if it passes the same check, and never modified.
+
+Either way, every vLLM process must be able to use AMX on a CPU that has it (``amx.py``, issue
+30): the harness's own venv gets a ``.pth`` file asking for it (written at every session, into
+a stamped venv too); a user's venv is checked, and refused on an AMX CPU when a child spawned
+as vLLM spawns its engine lacks the permission.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import amx
 
 HERE = Path(__file__).resolve().parent
 VLLM_CLI = HERE / "vllm_cli.py"
@@ -80,7 +87,9 @@ class Home:
 
         Caches and config go under the home, ``TMPDIR`` is the server's own folder (vLLM leaves
         its ZMQ ipc sockets there), everything stays offline, and the CPU platform is forced.
-        One OpenMP thread and no core binding: several servers share two cores.
+        One OpenMP thread and no core binding: several servers share two cores. Faulthandler
+        on: a vLLM process killed by a fatal signal (a SIGILL from AMX, issue 30) says so in
+        the server's log, where vLLM itself only logs that its engine "exited unexpectedly".
         """
         env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
         cache = self.root / "cache"
@@ -92,12 +101,20 @@ class Home:
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
             "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-            # With the "uni" executor: the engine runs in the API server process (2 processes,
-            # not 3), which halves the busy-polling cores of an idle server.
+            # Read only by vLLM's offline LLMEngine: ``vllm serve`` (AsyncLLM) still runs its
+            # engine core in a process of its own, spawned (the CPU platform forces spawn), with
+            # the "uni" executor's worker inside it: 2 vLLM processes per server, not 3.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "PYTHONFAULTHANDLER": "1",
+            amx.RECORD: str(self.amx_records(tmpdir)),
         })
-        tmpdir.mkdir(parents=True, exist_ok=True)
+        self.amx_records(tmpdir).mkdir(parents=True, exist_ok=True)
         return env
+
+    @staticmethod
+    def amx_records(tmpdir: Path) -> Path:
+        """Where the processes of a server with this ``tmpdir`` record their AMX request."""
+        return tmpdir / "amx-permission"
 
 
 def _stamp_ok(home: Home) -> bool:
@@ -147,10 +164,7 @@ def _patch_torchvision(home: Home) -> None:
     """
     subprocess.run([str(home.python), "-m", "pip", "uninstall", "-y", "-q", "torchaudio", "torchcodec"],
                    capture_output=True, check=False)
-    site = subprocess.run(
-        [str(home.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True).stdout.strip()
-    path = Path(site) / "torchvision" / "_meta_registrations.py"
+    path = site_packages(home) / "torchvision" / "_meta_registrations.py"
     source = path.read_text()
     patched = re.sub(
         r'^@torch\.library\.register_fake\(("torchvision::q?nms")\)$',
@@ -159,19 +173,68 @@ def _patch_torchvision(home: Home) -> None:
     path.write_text(patched)
 
 
+def site_packages(home: Home) -> Path:
+    """The venv's site-packages (its ``purelib``), as its own Python says."""
+    return Path(subprocess.run(
+        [str(home.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True).stdout.strip())
+
+
+def ensure_amx_permission(home: Home, log: Log = print, *, has_amx: bool | None = None) -> None:
+    """Every vLLM process of the venv can use AMX where the CPU has it (``amx.py``): the
+    harness's venv gets the ``.pth`` request (into a stamped venv too); a user's venv is checked
+    only, and refused on an AMX CPU when a spawned child lacks the permission.
+
+    ``has_amx``: what the CPU has (default: /proc/cpuinfo); a test passes True to see what an
+    AMX machine would be told.
+    """
+    amx_cpu = amx.cpu_has_amx() if has_amx is None else has_amx
+    site = site_packages(home)
+    if not home.external_venv:
+        amx.install(site)
+    if amx.switched_off():
+        log(f"{amx.SWITCH}=0: no vLLM process asks for AMX"
+            + (" (this CPU has AMX: the one-token first forwards will die of SIGILL)"
+               if amx_cpu else ""))
+        return
+    try:
+        seen = amx.report(home.python, home.server_env(home.run / "tmp"))
+    except (RuntimeError, ValueError) as exc:
+        raise ProvisionError(f"checking the AMX permission in {home.venv}: {exc}") from None
+    wrong = amx.problem(seen, has_amx=amx_cpu, ours=not home.external_venv)
+    if wrong is None:
+        if home.external_venv and not amx_cpu and not amx.asks_elsewhere(site):
+            log(f"EPD_E2E_VENV={home.venv} asks for no AMX permission: fine on this CPU (no "
+                "AMX), but on one with AMX its vLLM engines would die of SIGILL; "
+                + amx.how_to_add(site))
+        return
+    if home.external_venv:
+        raise ProvisionError(
+            f"EPD_E2E_VENV={home.venv}: {wrong}. This CPU has AMX, so vLLM's CPU attention "
+            "would kill its engine with SIGILL at the first one-token forward (issue 30). The "
+            f"venv is yours and is not modified: {amx.how_to_add(site)}")
+    raise ProvisionError(f"{home.venv}: {wrong}, although {amx.PTH_NAME} was written in {site}")
+
+
 def ensure_venv(home: Home, log: Log = print) -> Path:
     """A ready vLLM venv (built on first use: a few minutes, ~3.7 GB); its Python.
 
     Raises ``ProvisionError`` (with the failing step's output) if it cannot be made ready.
     """
     log_path = home.root / "logs" / "provision.log"
-    if _stamp_ok(home):
-        return home.python
-    if home.external_venv:
-        if not home.python.exists():
-            raise ProvisionError(f"EPD_E2E_VENV={home.venv}: no Python at {home.python}")
-        _check(home, log_path)  # the user's venv: checked, never modified
-        return home.python
+    if not _stamp_ok(home):
+        if home.external_venv:
+            if not home.python.exists():
+                raise ProvisionError(f"EPD_E2E_VENV={home.venv}: no Python at {home.python}")
+            _check(home, log_path)  # the user's venv: checked, never modified
+        else:
+            _build(home, log, log_path)
+    ensure_amx_permission(home, log)
+    return home.python
+
+
+def _build(home: Home, log: Log, log_path: Path) -> None:
+    """Create (or complete) the harness's own venv, check it, and stamp it."""
     started = time.monotonic()
     log(f"building the vLLM venv in {home.venv} (a few minutes, ~3.7 GB) ...")
     interpreter = os.environ.get("EPD_E2E_PYTHON") or sys.executable
@@ -185,7 +248,6 @@ def ensure_venv(home: Home, log: Log = print) -> Path:
     _check(home, log_path)
     (home.venv / STAMP).write_text(" ".join([*VLLM_PINS, *NIXL_PINS]) + "\n")
     log(f"vLLM venv ready in {time.monotonic() - started:.0f} s")
-    return home.python
 
 
 def ensure_model(home: Home, kind: str, log: Log = print) -> Path:

@@ -1,5 +1,7 @@
-"""Reproduce the first-KV-pull decode crash without any proxy: start a NIXL prefill and decode,
-send prefill then decode by hand.
+"""Decode's first KV pull without any proxy: start a NIXL prefill and decode, send prefill then
+decode by hand. On a CPU with AMX and a venv that does not ask for AMX in every process, decode's
+engine dies of SIGILL at the one-token step after the pull (issue 30; with the harness's venv,
+set EPD_E2E_AMX_PERMISSION=0; docs/contributing/nixl-first-pull.md).
 
     python repro_first_pull.py MODEL_DIR [--vllm CMD] [--max-model-len N] [--words N] ...
 

@@ -2,7 +2,10 @@
 
 These run in the main suite (no ``vllm_e2e`` marker): they check start-up, the retry and its
 log tails, stopping by PID, restarting, and the lifeline, with a venv whose ``vllm`` is a tiny
-HTTP server, so what the real suite relies on is proven without a multi-GB install.
+HTTP server, so what the real suite relies on is proven without a multi-GB install. So are the
+AMX permission's ``.pth`` line (it runs in a spawned child of the venv), the refusal of a user's
+venv without it on an AMX CPU, the naming of a server that died of SIGILL, and the order that
+makes a fresh server's first forward one token long (issue 30).
 """
 
 from __future__ import annotations
@@ -17,16 +20,35 @@ import venv
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from .cluster import ClusterError, recorded_cluster, start_cluster
+from . import amx
+from .cluster import ClusterError, recorded_cluster, start_cluster, start_single
+from .conftest import FIRST
 from .processes import alive, stop_tree
-from .provision import NIXL_PINS, STAMP, VLLM_PINS, Home
+from .provision import (
+    NIXL_PINS,
+    STAMP,
+    VLLM_PINS,
+    Home,
+    ProvisionError,
+    ensure_amx_permission,
+    site_packages,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 FAKE_VLLM_MAIN = '''
-import http.server, os, sys
+import http.server, multiprocessing, os, signal, sys, threading
+
+ENGINE_DEAD = (b'{"error": {"message": "EngineCore encountered an issue. See stack trace (above) '
+               b'for the root cause.", "type": "InternalServerError", "code": 500}}')
+
+
+def engine_step():
+    os.kill(os.getpid(), signal.SIGILL)  # what an AMX instruction without the permission does
+
 
 def main():
     args = sys.argv[1:]  # serve MODEL --host H --port P ...
@@ -40,19 +62,43 @@ def main():
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
 
+        def do_POST(self):
+            # Like vLLM on an AMX CPU without AMX permission (issue 30): the engine, a spawned
+            # process, dies of SIGILL; the request gets vLLM's 500; then the server exits.
+            engine = multiprocessing.get_context("spawn").Process(target=engine_step)
+            engine.start()
+            engine.join()
+            print("[shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+                  flush=True)
+            self.send_response(500)
+            self.send_header("content-length", str(len(ENGINE_DEAD)))
+            self.end_headers()
+            self.wfile.write(ENGINE_DEAD)
+            self.wfile.flush()
+            threading.Thread(target=server.shutdown).start()
+
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    server.serve_forever()
 '''
+
+
+def bare_venv(path: Path) -> Path:
+    """A real venv of this Python (without pip); its site-packages."""
+    venv.create(path, with_pip=False)
+    (site,) = (path / "lib").glob("python3*/site-packages")
+    return site
 
 
 @pytest.fixture
 def home(tmp_path: Path) -> Iterator[Home]:
-    """A home whose venv (a real one, without pip) holds the stand-in ``vllm`` package."""
+    """A home whose venv (a real one, without pip) holds the stand-in ``vllm`` package and, as
+    a user's venv must on an AMX CPU, the AMX permission's ``.pth`` line."""
     env = tmp_path / "venv"
-    venv.create(env, with_pip=False)
-    (site,) = (env / "lib").glob("python3*/site-packages")
+    site = bare_venv(env)
+    amx.install(site)
     cli = site / "vllm" / "entrypoints" / "cli"
     cli.mkdir(parents=True)
     for package in (site / "vllm", site / "vllm" / "entrypoints", cli):
@@ -194,3 +240,138 @@ def test_a_cluster_owned_by_another_live_session_is_neither_shared_nor_stopped(
         state_path.write_text(json.dumps(state))
     finally:
         cluster.stop()
+
+
+# -- issue 30: AMX permission, SIGILL, and the one-token first forwards -----------------------------
+def test_the_pth_line_runs_in_the_venvs_spawned_interpreters_too(tmp_path: Path) -> None:
+    """What the harness writes into its venv: the request runs at the start of the venv's
+    Python and of a child it spawns, as vLLM spawns its engine (the permission is per process
+    and lost at exec). On a CPU with AMX the child then holds the permission; elsewhere Linux
+    refuses the request, and nothing else changes."""
+    home = Home(tmp_path, tmp_path / "venv", external_venv=False)
+    bare_venv(home.venv)
+    said: list[str] = []
+    ensure_amx_permission(home, said.append)  # writes, then checks (raises if it did not run)
+    site = site_packages(home)
+    assert sorted(p.name for p in site.glob("epd_trio_amx*")) == [amx.PTH_NAME, f"{amx.MODULE}.py"]
+    assert amx.install(site) == []  # a stamped venv: rewritten only when it changed
+    seen = amx.report(home.python, home.server_env(tmp_path / "tmp"))
+    parent, spawned = seen["parent"], seen["spawned"]
+    assert parent["ran"] and spawned["ran"] and parent["pid"] != spawned["pid"]
+    for state in (parent, spawned):
+        if amx.cpu_has_amx():
+            assert (state["result"], state["permitted"]) == (0, True)
+        elif os.uname().machine == "x86_64":  # Linux refuses: no AMX on this CPU
+            assert state["result"] == -1 and state["errno"] != 0 and not state["permitted"]
+        else:
+            assert state["result"] is None
+    assert said == []
+
+
+def test_the_switch_turns_the_request_off_to_reproduce_the_bug(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``EPD_E2E_AMX_PERMISSION=0``: the module still loads but asks nothing, and the harness
+    neither refuses the venv nor hides it, so the suite shows the SIGILL on an AMX CPU."""
+    home = Home(tmp_path, tmp_path / "venv", external_venv=False)
+    bare_venv(home.venv)
+    monkeypatch.setenv(amx.SWITCH, "0")
+    said: list[str] = []
+    ensure_amx_permission(home, said.append, has_amx=True)
+    assert len(said) == 1 and "will die of SIGILL" in said[0]
+    seen = amx.report(home.python, home.server_env(tmp_path / "tmp"))
+    assert all(s["ran"] and s["result"] is None and not s["permitted"] for s in seen.values())
+
+
+def test_a_users_venv_without_the_permission_is_refused_on_an_amx_cpu(tmp_path: Path) -> None:
+    """EPD_E2E_VENV is never modified: on a CPU with AMX, a venv whose spawned child lacks the
+    permission would fail 13 of 15 tests with "EngineCore encountered an issue", so it is
+    refused up front, with the files to add. Without AMX it is used, with a warning."""
+    site = bare_venv(tmp_path / "venv")
+    home = Home(tmp_path / "home", tmp_path / "venv", external_venv=True)
+    with pytest.raises(ProvisionError) as refused:
+        ensure_amx_permission(home, has_amx=True)
+    message = str(refused.value)
+    assert "has no AMX permission" in message and "SIGILL" in message
+    assert amx.PTH_NAME in message and str(amx.MODULE_SOURCE) in message and str(site) in message
+    said: list[str] = []
+    ensure_amx_permission(home, said.append, has_amx=False)
+    assert len(said) == 1 and "would die of SIGILL" in said[0]
+    assert list(site.glob("*amx*")) == []  # checked, never written
+    (site / "other.pth").write_text("import ctypes; ctypes.CDLL(None).syscall(158, 0x1023, 18)\n")
+    said.clear()
+    ensure_amx_permission(home, said.append, has_amx=False)  # another .pth asks: no warning
+    assert said == []
+
+
+def test_a_server_whose_engine_died_of_sigill_is_named_with_the_amx_permission(
+    home: Home,
+) -> None:
+    """The stand-in's engine, a spawned process, dies of a real SIGILL at the first request, as
+    vLLM's does without AMX permission; the server answers vLLM's 500 and exits. The harness
+    reads faulthandler's report in the log (vLLM only says its engine "exited unexpectedly")."""
+    single = start_single(home, log=lambda _: None)
+    try:
+        assert single.deaths() == []
+        response = httpx.post(single.url("single") + "/v1/completions", json={"prompt": [1]},
+                              timeout=60)
+        assert response.status_code == 500 and "EngineCore encountered an issue" in response.text
+        (death,) = single.deaths()
+        assert death.startswith("single: a vLLM process died of SIGILL")
+        log = Path(single.servers["single"].log)
+        assert "Fatal Python error: Illegal instruction" in log.read_text()
+        with_amx = amx.death_message("decode", log, has_amx=True)
+        assert "ARCH_REQ_XCOMP_PERM" in with_amx and amx.PTH_NAME in with_amx
+        assert "not the missing AMX permission" in amx.death_message("decode", log, has_amx=False)
+        assert recorded_cluster(home) is None  # a single server is not the home's cluster
+    finally:
+        single.stop()
+
+
+def test_each_python_process_of_a_server_records_its_request(
+    home: Home, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """How the real suite checks that vLLM's spawned engine asked too: each process of the
+    venv writes its outcome into its server's temp dir; one whose venv lacks the line does not."""
+    single = start_single(home, log=lambda _: None)
+    try:
+        ((pid, command, ran),) = single.python_processes("single")
+        assert pid == single.servers["single"].pid and "vllm_cli.py serve" in command and ran
+    finally:
+        single.stop()
+    (site_packages(home) / amx.PTH_NAME).unlink()
+    monkeypatch.setattr(amx, "cpu_has_amx", lambda: False)  # else the venv is refused (good)
+    single = start_single(home, log=lambda _: None)
+    try:
+        ((_, _, ran),) = single.python_processes("single")
+        assert not ran
+    finally:
+        single.stop()
+
+
+def test_a_server_killed_by_a_signal_is_named_by_its_log_or_its_exit_status(home: Home) -> None:
+    single = start_single(home, log=lambda _: None)
+    try:
+        server = single.servers["single"]
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGILL)  # faulthandler is on in every server: it reports it
+        assert _wait_gone(server.pid, timeout=30)
+        (death,) = single.deaths()
+        assert "died of SIGILL" in death
+        Path(server.log).write_text("")  # no report in the log: the exit status (-4) tells
+        (death,) = single.deaths()
+        assert "died of SIGILL" in death
+    finally:
+        single.stop()
+
+
+def test_the_suite_starts_with_the_one_token_first_forwards() -> None:
+    """The real suite's order (conftest.FIRST), as pytest collects it: the plain server's
+    one-token prompt, then the cluster's first request (a P -> D pull, so decode's first
+    forward is one token), before every test that would send decode a prefill first."""
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "vllm_e2e",
+         "tests/e2e_vllm"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    names = [line.split("::")[-1] for line in collected.splitlines() if "::" in line]
+    assert len(names) > len(FIRST) + 5
+    assert tuple(names[:len(FIRST)]) == FIRST

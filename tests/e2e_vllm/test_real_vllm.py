@@ -23,6 +23,7 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ from epd_trio._upstream.load_scraper import scrape_once
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
 
-from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster
+from . import amx
+from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster, start_single
 from .provision import VLLM_CLI
 from helpers import client_cancels
 from helpers import metric as proxy_metric
@@ -214,22 +216,75 @@ def long_text(words: int) -> str:
     return " ".join(f"item{i} of the list," for i in range(words))
 
 
+def assert_every_process_asked(servers: Cluster, name: str) -> int:
+    """The harness's ``.pth`` line, which asks for AMX (issue 30), ran in every process of
+    server ``name`` that runs the vLLM venv's Python, its spawned engine core included (on a
+    CPU without AMX, Linux refuses the request; it was made all the same). How many there are."""
+    processes = servers.python_processes(name)
+    assert any("EngineCore" in command for _, command, _ in processes), processes
+    assert all(ran for *_, ran in processes), processes
+    return len(processes)
+
+
+def assert_alive(servers: Cluster) -> None:
+    """No server died: else the failure says of what (a SIGILL names the AMX permission)."""
+    deaths = servers.deaths()
+    assert not deaths, "\n".join(deaths)
+
+
 # -- tests -----------------------------------------------------------------------------------------
+# The first two run first (conftest.FIRST): each is a fresh server's first forward, one token.
+async def test_a_one_token_prompt_as_a_plain_servers_first_request(
+    client: httpx.AsyncClient, observe: Observe, say: Callable[[str], None]
+) -> None:
+    """Issue 30 with no proxy and no connector: a plain vLLM server whose first prompt is one
+    token. On a CPU with AMX, that forward runs AMX attention before anything asked Linux for
+    AMX; without the permission (amx.py) the engine dies of SIGILL and the request gets a 500
+    "EngineCore encountered an issue", and the server exits."""
+    single = await trio.to_thread.run_sync(partial(start_single, log=say))
+    try:
+        url = single.url("single")
+        processes = assert_every_process_asked(single, "single")
+        assert await metric(client, url, "vllm:prompt_tokens_total") == 0  # its first forward
+        tokenized = await client.post(url + "/tokenize", json={
+            "model": MODEL_NAME, "prompt": "Hello", "add_special_tokens": False})
+        assert tokenized.status_code == 200, tokenized.text
+        one_token = tokenized.json()["tokens"][:1]
+        body = {"model": MODEL_NAME, "prompt": one_token, "max_tokens": 4, "temperature": 0}
+        first = await client.post(url + COMPLETIONS, json=body)
+        assert_alive(single)
+        assert first.status_code == 200, first.text
+        assert first.json()["usage"]["prompt_tokens"] == 1
+        assert single.healthy() == []
+    finally:
+        await trio.to_thread.run_sync(single.stop)
+    observe(f"prompt {one_token} (1 token) as a fresh server's first: 200 "
+            f"{first.json()['choices'][0]['text']!r}; its {processes} Python processes (engine "
+            f"core included) asked for AMX; CPU {'with' if amx.cpu_has_amx() else 'without'} AMX")
+
+
 async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
     cluster: Cluster, client: httpx.AsyncClient, observe: Observe
 ) -> None:
-    """Issue 23: the very first request a fresh cluster sees is text-only, through P -> D. Its
-    KV pull is decode's first NIXL hand-shake and transfer, with no encoder-cache entry anywhere
-    and nothing run on decode before (the other tests all ask decode directly first)."""
+    """Issues 23 and 30: the very first request a fresh cluster sees is text-only, through
+    P -> D. Its KV pull is decode's first NIXL hand-shake and transfer, with no encoder-cache
+    entry anywhere and nothing run on decode before (the other tests all ask decode directly
+    first), so decode's first forward is the one-token step after the pull: on an AMX CPU
+    without the AMX permission, the SIGILL of issue 30. The counters at 0 prove the order
+    (conftest.FIRST) on a cluster this session started."""
     decode = cluster.url("decode")
     pulls = await metric(client, decode, NIXL_PULLS)
     prompts = await metric(client, decode, "vllm:prompt_tokens_total")
     if cluster.owned:  # started by this session: nothing has reached decode yet
         assert (pulls, prompts) == (0, 0)
+        for name in cluster.servers:
+            assert_every_process_asked(cluster, name)
     body = chat(text="Hello there, friend.")
     started = trio.current_time()
     async with proxy_for(cluster) as (url, proxy):
-        got = await ask(client, url, CHAT, salted(body))
+        response = await client.post(url + CHAT, json=salted(body))
+        assert_alive(cluster)
+        got = generated_text(response, stream=False)
         assert kv_missing(proxy) == 0
         assert proxy.registry.state("encode", cluster.url("encode")).sent == 0
     proxied = trio.current_time() - started

@@ -3,11 +3,13 @@
 What is checked is what a hand-rolled client gets wrong: the request leaves in one write, body
 bytes that one read completed come back as one piece, an interim response is skipped, bytes
 after a response and a server closing mid-body are told apart from a good end, a header that
-would split the request is refused, and https works with the system's trust store.
+would split the request is refused, a port nobody listens on is told apart from other connect
+failures, and https works with the system's trust store.
 """
 
 from __future__ import annotations
 
+import socket
 import ssl
 import subprocess
 from collections.abc import AsyncIterator, Callable
@@ -18,7 +20,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from epd_trio._upstream.h1 import LocalProtocolError, RemoteProtocolError, encode_request
+from epd_trio._upstream.h1 import (
+    ConnectError,
+    ConnectRefused,
+    LocalProtocolError,
+    RemoteProtocolError,
+    _all_refused,
+    connect,
+    encode_request,
+)
 from epd_trio._upstream.pool import UpstreamPool
 
 
@@ -188,6 +198,23 @@ async def test_a_header_that_would_split_the_request_is_refused(headers: dict[st
         assert await (await pool.request(b"GET", b"/x")).aread() == b"ok"
         await pool.aclose()
     assert len(server.requests) == 1
+
+
+async def test_a_port_nobody_listens_on_is_a_refused_connect() -> None:
+    """The proxy evicts an instance at its first refused connection (``health``): the error
+    must say "refused" only when nothing listens, not for every failed connect."""
+    with socket.socket() as bound:  # holds a port, never listens: the kernel answers RST
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(ConnectRefused):
+            await connect("127.0.0.1", bound.getsockname()[1], timeout=10)
+    unreachable = OSError("all attempts to connect failed")
+    unreachable.__cause__ = ExceptionGroup("attempts", [
+        ConnectionRefusedError(111, "refused"), OSError(113, "no route to host")])
+    assert not _all_refused(unreachable)  # one address of several refused: not proof enough
+    refused = OSError("all attempts to connect failed")
+    refused.__cause__ = ExceptionGroup("attempts", [ConnectionRefusedError(111, "refused")] * 2)
+    assert _all_refused(refused)
+    assert issubclass(ConnectRefused, ConnectError)  # still a connect failure everywhere else
 
 
 def test_encode_request_refuses_what_it_cannot_frame() -> None:
