@@ -27,7 +27,14 @@ from .errors import BadRequest, Conflict, RegistrationRefused
 from .moriio import MoriioPeer, MoriioRegistration
 from .names import ROLES, STAGE_OF_ROLE, STAGES
 from .rewrite import json_object
-from .routing import Epoch, Instance, rebase_epoch, slot_keys
+from .routing import (
+    Epoch,
+    Instance,
+    KvEventEndpoints,
+    check_zmq_endpoint,
+    rebase_epoch,
+    slot_keys,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +105,8 @@ class Roster:
             "transfer_mode": self.transfer_mode,
             "names": [list(name) for name in self.names],
             "members": [
-                {"url": m.url, "dp_size": m.instance.dp_size, "role": m.role, "static": m.static,
+                {"url": m.url, "dp_size": m.instance.dp_size, "kv_events": kv_fields(m.instance),
+                 "role": m.role, "static": m.static,
                  "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
                  "moriio": None if m.moriio is None else
                  [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
@@ -116,7 +124,8 @@ class Roster:
             transfer_mode=data["transfer_mode"],
             names=tuple((role, spec) for role, spec in data.get("names", ())),
             members=tuple(
-                Member(Instance(m["url"], m["dp_size"]), m["role"], m["static"],
+                Member(Instance(m["url"], m["dp_size"], kv_endpoints(m.get("kv_events"))),
+                       m["role"], m["static"],
                        tuple(m["ec_zmq_addrs"]), m["registered_at"],
                        None if m["moriio"] is None else MoriioPeer(*m["moriio"]),
                        m.get("source"))
@@ -149,7 +158,8 @@ def parse_registration(raw: bytes, now: float) -> Member:
     """A ``POST /instances`` body as a ``Member``; ``BadRequest`` (400) says what is wrong.
 
     ``{"role": "encode"|"prefill"|"decode"|"prefill_decode", "url": "http://host:port",
-    "dp_size": N (default 1), "ec_zmq_addrs": [...] (default [])}``. Other fields are ignored
+    "dp_size": N (default 1), "ec_zmq_addrs": [...] (default []), "kv_events_endpoint":
+    "tcp://host:port" and "kv_events_replay_endpoint" (both optional)}``. Other fields are ignored
     (a newer vLLM may send more). As vLLM's own proxy does, encoder-cache addresses are accepted
     only from EC consumers (``prefill``, ``prefill_decode``), one per DP rank.
     """
@@ -167,7 +177,44 @@ def parse_registration(raw: bytes, now: float) -> Member:
     if addrs and len(addrs) != dp_size:
         raise BadRequest(f"'ec_zmq_addrs' must hold one address per DP rank: {len(addrs)} "
                          f"given for dp_size {dp_size}")
+    kv = _registered_kv_events(body)
+    if kv is not None:
+        instance = Instance(instance.url, instance.dp_size, kv)
     return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now)
+
+
+def _registered_kv_events(body: Mapping[str, Any]) -> KvEventEndpoints | None:
+    """A registration's ``kv_events_endpoint`` (and ``kv_events_replay_endpoint``): where its
+    engines publish vLLM's KV cache events; ``BadRequest`` names a bad field."""
+    found = {}
+    for field_name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = body.get(field_name)
+        if value is None:
+            continue
+        try:
+            found[field_name] = check_zmq_endpoint(value if isinstance(value, str) else repr(value),
+                                                   field_name)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+    if not found:
+        return None
+    if "kv_events_endpoint" not in found:
+        raise BadRequest("'kv_events_replay_endpoint' needs 'kv_events_endpoint' beside it")
+    return KvEventEndpoints(found["kv_events_endpoint"], found.get("kv_events_replay_endpoint"))
+
+
+def kv_fields(instance: Instance) -> list[str | None] | None:
+    """An instance's KV event endpoints as stored (roster bytes, the shared records)."""
+    kv = instance.kv_events
+    return None if kv is None else [kv.publish, kv.replay]
+
+
+def kv_endpoints(stored: Any) -> KvEventEndpoints | None:
+    """``kv_fields`` read back; anything else is None (an older record has none)."""
+    if (isinstance(stored, list) and len(stored) == 2 and isinstance(stored[0], str)
+            and (stored[1] is None or isinstance(stored[1], str))):
+        return KvEventEndpoints(stored[0], stored[1])
+    return None
 
 
 def _role_and_dp_size(body: Mapping[str, Any]) -> tuple[str, int]:
@@ -274,6 +321,9 @@ def register(
             raise Conflict(f"{member.url} is already known as {known.role}; unregister it "
                            f"(DELETE /instances?url=...) before registering it as {member.role}")
         _check_mix(roster, member)
+        if member.instance.kv_events is None and known.instance.kv_events is not None:
+            # A registration that names no KV event endpoint keeps the one configured.
+            member = replace(member, instance=known.instance)
         refreshed = replace(known, registered_at=member.registered_at,
                             **{name: getattr(member, name) for name in carries})
         members = tuple(refreshed if m is known else m for m in roster.members)

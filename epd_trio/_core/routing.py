@@ -9,7 +9,7 @@ in ``_state/cursors.py``.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 from urllib.parse import urlsplit
 
@@ -25,6 +25,23 @@ FRAGMENT_KEYS = ("dp", "kv_events", "kv_events_replay")
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventEndpoints:
+    """Where an instance's engines publish their KV cache events (``--kv-events-config``).
+
+    Rank ``r`` of a DP instance publishes on ``port + r``, as vLLM offsets it, and so does its
+    replay socket; ``replay`` is None where none is configured (a gap is then never filled)."""
+
+    publish: str
+    replay: str | None = None
+
+    def for_rank(self, rank: int | None) -> KvEventEndpoints:
+        """The endpoints of one DP rank's engine (rank None: a DP-1 instance, offset 0)."""
+        offset = rank or 0
+        return KvEventEndpoints(_offset(self.publish, offset),
+                                None if self.replay is None else _offset(self.replay, offset))
+
+
+@dataclass(frozen=True, slots=True)
 class Instance:
     """One vLLM server: its base URL and how many data-parallel ranks it serves.
 
@@ -34,6 +51,10 @@ class Instance:
 
     url: str
     dp_size: int = 1
+    #: Where its engines publish vLLM's KV cache events, when it says so itself (its URL's
+    #: ``#kv_events=``, its registration). Not part of its identity: the same server is the
+    #: same instance whichever endpoint it names.
+    kv_events: KvEventEndpoints | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
@@ -54,23 +75,6 @@ def parse_instance(spec: str) -> Instance:
     return parse_instance_spec(spec)[0]
 
 
-@dataclass(frozen=True, slots=True)
-class KvEventEndpoints:
-    """Where an instance's engines publish their KV cache events (``--kv-events-config``).
-
-    Rank ``r`` of a DP instance publishes on ``port + r``, as vLLM offsets it, and so does its
-    replay socket; ``replay`` is None where none is configured (a gap is then never filled)."""
-
-    publish: str
-    replay: str | None = None
-
-    def for_rank(self, rank: int | None) -> KvEventEndpoints:
-        """The endpoints of one DP rank's engine (rank None: a DP-1 instance, offset 0)."""
-        offset = rank or 0
-        return KvEventEndpoints(_offset(self.publish, offset),
-                                None if self.replay is None else _offset(self.replay, offset))
-
-
 def parse_instance_spec(spec: str) -> tuple[Instance, KvEventEndpoints | None]:
     """An instance URL with its fragment: the instance, and its KV event endpoints if named.
 
@@ -79,11 +83,11 @@ def parse_instance_spec(spec: str) -> tuple[Instance, KvEventEndpoints | None]:
     ``kv_events_replay`` without ``kv_events`` is refused: a replay socket alone feeds nothing.
     """
     url, fields = split_fragment(spec)
-    instance = Instance(url, int(fields.get("dp", 1)))
     publish, replay = fields.get("kv_events"), fields.get("kv_events_replay")
     if replay is not None and publish is None:
         raise ValueError(f"'kv_events_replay' needs 'kv_events' beside it: {spec.strip()!r}")
-    return instance, None if publish is None else KvEventEndpoints(publish, replay)
+    kv = None if publish is None else KvEventEndpoints(publish, replay)
+    return Instance(url, int(fields.get("dp", 1)), kv), kv
 
 
 def split_fragment(spec: str) -> tuple[str, dict[str, str]]:

@@ -35,7 +35,7 @@ from .errors import BadRequest, Conflict
 from .moriio import MoriioPeer
 from .names import ROLES, STAGES
 from .policies import SlotKey
-from .roster import EVERY_FIELD, Member, Roster, changed_members, register
+from .roster import EVERY_FIELD, Member, Roster, changed_members, kv_endpoints, kv_fields, register
 from .routing import Instance, slot_keys
 
 #: The record layout this version writes; a record with another ``v`` is skipped, not guessed at.
@@ -123,6 +123,7 @@ def encode_record(record: Record) -> bytes:
     m = record.member
     return orjson.dumps({
         "v": RECORD_VERSION, "url": m.url, "role": m.role, "dp_size": m.instance.dp_size,
+        "kv_events": kv_fields(m.instance),
         "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
         "moriio": None if m.moriio is None else
         [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
@@ -157,7 +158,8 @@ def decode_record(raw: bytes | str, *, url: str | None = None) -> Record:
             if mode not in ("READ", "WRITE"):
                 raise MalformedEntry(f"bad MoRIIO transfer mode {mode!r}")
             peer = MoriioPeer(address, dp, tp)
-        member = Member(Instance(data["url"], data["dp_size"]), role, ec_zmq_addrs=tuple(addrs),
+        instance = Instance(data["url"], data["dp_size"], kv_endpoints(data.get("kv_events")))
+        member = Member(instance, role, ec_zmq_addrs=tuple(addrs),
                         registered_at=float(at), moriio=peer)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, MalformedEntry):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import orjson
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from epd_trio import EncoderCursor, Instance, SlotCursor
 from epd_trio._core.errors import BadRequest
 from epd_trio._core.moriio import MoriioPeer, MoriioRegistration
+from epd_trio._core.names import STAGES
 from epd_trio._core.roster import (
     Conflict,
     Member,
@@ -26,7 +28,14 @@ from epd_trio._core.roster import (
     static_roster,
     unregister,
 )
-from epd_trio._core.routing import rebase_epoch, rebase_position, slot_keys
+from epd_trio._core.routing import (
+    KvEventEndpoints,
+    parse_instance,
+    rebase_epoch,
+    rebase_position,
+    slot_keys,
+)
+from epd_trio._core.shared_state import Record, decode_record, encode_record
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
 
@@ -304,3 +313,33 @@ def test_a_static_instance_stays_static_whichever_path_refreshes_it() -> None:
     member = roster.find(URL)
     assert member is not None and member.static and member.moriio is not None
     assert member.ec_zmq_addrs == EC
+
+
+def test_a_registration_names_its_kv_event_endpoints_and_they_travel_with_the_roster() -> None:
+    body = {"role": "prefill", "url": "http://p0:8000", "dp_size": 2,
+            "kv_events_endpoint": "tcp://p0:5557", "kv_events_replay_endpoint": "tcp://p0:5600"}
+    member = parse_registration(orjson.dumps(body), 1.0)
+    assert member.instance.kv_events == KvEventEndpoints("tcp://p0:5557", "tcp://p0:5600")
+    roster, _ = register(Roster(), member, dict.fromkeys(STAGES, 0))
+    again = Roster.from_bytes(roster.to_bytes())  # the workers' shared memory
+    assert again.members[0].instance.kv_events == member.instance.kv_events
+    record = decode_record(encode_record(Record(member)))  # the replicas' shared records
+    assert record.member.instance.kv_events == member.instance.kv_events
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"kv_events_endpoint": "tcp://p0:99999"}, "'kv_events_endpoint'"),
+    ({"kv_events_endpoint": 5557}, "'kv_events_endpoint'"),
+    ({"kv_events_replay_endpoint": "tcp://p0:5600"}, "needs 'kv_events_endpoint'"),
+])
+def test_a_bad_kv_event_endpoint_is_a_400_naming_the_field(fields: dict, named: str) -> None:
+    body = {"role": "decode", "url": "http://d0:8000", **fields}
+    with pytest.raises(BadRequest, match=re.escape(named)):
+        parse_registration(orjson.dumps(body), 1.0)
+
+
+def test_a_static_instances_kv_events_survive_its_own_registration() -> None:
+    static = static_roster((), (parse_instance("http://p0:8000#kv_events=tcp://p0:5557"),), ())
+    plain = parse_registration(orjson.dumps({"role": "prefill", "url": "http://p0:8000"}), 1.0)
+    roster, _ = register(static, plain, dict.fromkeys(STAGES, 0))
+    assert roster.members[0].instance.kv_events == KvEventEndpoints("tcp://p0:5557")
