@@ -145,7 +145,6 @@ class Pipeline:
         path = PATH_OF_KIND[kind]
         account = self._accounting.begin(path, request_id, trace_context)
         resources.callback(account.finish)
-        stage = "encode"
         try:
             request = parse_request(raw_body, kind)
             if request.dropped:
@@ -163,7 +162,6 @@ class Pipeline:
                 raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
             with_prefill = registry.has("prefill")
             encode = bool(items) and registry.has("encode")
-            stage = "prefill" if with_prefill else "decode"
             attempts = 0
             if self._peer is not None and not with_prefill:
                 raise NoInstance("MoRIIO needs a prefill instance: none is registered")  # noqa: TRY301
@@ -173,7 +171,7 @@ class Pipeline:
             async def attempt(slot: Slot) -> Reply:
                 """One attempt from the client's body: encode (again, on a retry: the handles
                 belong to the attempt and its consumer), prefill, decode."""
-                nonlocal attempts, stage
+                nonlocal attempts
                 leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
                 attempts += 1
                 # The decode slot is counted from its choice (this attempt starts right after
@@ -199,7 +197,6 @@ class Pipeline:
                 return reply
 
             async def legs(slot: Slot, leg_id: str) -> Reply:
-                nonlocal stage
                 # The consumer slot is chosen before the encoders are called (as upstream):
                 # a push consumer's address goes on the encoder sub-requests.
                 first_prefill: Slot | None = None
@@ -209,27 +206,17 @@ class Pipeline:
                         raise NoInstance("no prefill instance is configured or registered")  # noqa: TRY301
                 consumer_body = body
                 if encode:
-                    stage = "encode"
                     consumer_body = await self._encode(account, body, request.media, items,
                                                        leg_id, first_prefill or slot)
                 if self._peer is not None:
-                    stage = "prefill"
-
-                    def at(name: str) -> None:
-                        nonlocal stage
-                        stage = name
-
                     return await self._moriio(account, slot, consumer_body, body, request.stream,
-                                              path, request_id, resources, prefills_tried, hint,
-                                              at)
+                                              path, request_id, resources, prefills_tried, hint)
                 decode_body: dict[str, Any] = consumer_body
                 if first_prefill is not None:
-                    stage = "prefill"
                     # Decode after a prefill gets the client's body (items with their uuid):
                     # it is no encoder-cache consumer, and vLLM wants embeds values there.
                     decode_body = await self._prefill(account, consumer_body, body, path,
                                                       leg_id, first_prefill, hint)
-                stage = "decode"
                 return await self._decode(account, slot, decode_body, request.stream, path,
                                           leg_id, resources)
 
@@ -245,7 +232,7 @@ class Pipeline:
                 also_retry=("prefill",) if self._peer is not None
                 and self._transfer_mode() == "WRITE" else ())
         except BaseException as exc:
-            account.failed(stage, exc)  # a cancellation is counted by stage
+            account.failed(exc)  # a cancellation is counted by the stage the client waited on
             raise
         reply.headers["x-request-id"] = request_id
         account.replied()
@@ -325,7 +312,6 @@ class Pipeline:
         self, account: RequestAccount, slot: Slot, body: dict[str, Any],
         decode_base: dict[str, Any], stream: bool, path: str, client_id: str,
         resources: AsyncExitStack, prefills_tried: set[Slot], hint: PrefixHint | None = None,
-        at: Callable[[str], None] = lambda stage: None,
     ) -> Reply:
         """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
 
@@ -336,8 +322,9 @@ class Pipeline:
         cancels decode and the attempt fails (the caller fails over, choosing another
         prefill). The attempt succeeds only once decode's first bytes *and* prefill's answer are
         in, so no prefill failure can reach a client already answered (in WRITE mode prefill
-        answers first: decode cannot generate before the KV is written). ``at`` is told the
-        stage under way (a cancellation is counted by it).
+        answers first: decode cannot generate before the KV is written). The WRITE prefill
+        runs ``beside`` its decode: the stage the client waits on (a cancellation is counted by
+        it) stays decode's.
         """
         peer = self._peer
         assert peer is not None
@@ -360,9 +347,10 @@ class Pipeline:
 
         loads = self._routes.loads
 
-        async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any]) -> Answer:
+        async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any],
+                               beside: bool = False) -> Answer:
             with loads.held("prefill", (prefill[0].url, prefill[1])), \
-                    account.leg("prefill", prefill) as leg:
+                    account.leg("prefill", prefill, beside=beside) as leg:
                 answer = await post_json(
                     self._pools(prefill[0]), stage="prefill", instance=prefill[0], path=path,
                     body=prefill_body, headers=leg.traced(upstream_headers(leg_id, prefill[1])),
@@ -387,7 +375,6 @@ class Pipeline:
                 account.kv_missing()
             decode_body = build_decode_body(
                 decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
-            at("decode")
             return await self._decode(account, slot, decode_body, stream, path, leg_id,
                                       resources)
 
@@ -402,10 +389,9 @@ class Pipeline:
         # failed attempt closes its stream at once, not when the client's request ends.
         attempt_resources = AsyncExitStack()
         committed = False
-        at("decode")  # both legs run; decode is the one the client waits on
         try:
             _, reply = await fan_out([
-                partial(prefill_call, prefill, leg_id, prefill_body),
+                partial(prefill_call, prefill, leg_id, prefill_body, beside=True),
                 partial(self._decode, account, slot, decode_body, stream, path, leg_id,
                         attempt_resources, lambda: committed),
             ])
