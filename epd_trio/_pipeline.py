@@ -1,61 +1,57 @@
-"""One client request's path: encode -> prefill -> decode (docs/discussion/protocol.md), given what it needs.
+"""One client request's path: encode -> hand-off -> decode (docs/discussion/protocol.md).
 
 Like Hypercorn's ``H11Protocol`` beside its ``TCPServer``, the ``Pipeline`` holds the request
 logic and is handed its I/O and state: the connection pools (``pools``), the routing cursors
 (``routes``), the health view (``registry``: who is usable), the failover rules (from the
 settings) and one observer (``accounting``) that every upstream leg reports to. It owns nothing
 long-lived: the ``Proxy`` builds it once and keeps the roster, the lifecycle and the admin
-routes. Stages run in order; each is skipped when the layout has no such stage (no encoders,
-or a request without media: no encode stage; no prefill instances: decode does the whole
-request).
+routes.
+
+Each client request is one ``RequestRun``, as each HTTP stream is one ``HTTPStream`` in
+Hypercorn: the object carries the request's state (its parsed body, its attempts, its decode
+slot's load, its open stream) where closures over ``nonlocal`` variables used to, and its stage
+is recorded on its account as each leg opens (``RequestAccount.stage``). An attempt reads
+encode -> hand-off -> decode; the hand-off is a strategy chosen per attempt (``_handoff``):
+decode alone (no prefill instances), prefill then decode (the generic ``kv_transfer_params``
+hand-off, MoRIIO READ), or both at once (MoRIIO WRITE). Stages are skipped when the layout has
+no such stage (no encoders, or a request without media: no encode stage).
 
 Failure rules (docs/discussion/guarantees.md): encoder and prefill attempts fail over to another
 instance (``max_attempts``); a decode that fails before its first byte is retried on another
 decode slot, re-running prefill since its KV handle belongs to the failed attempt
 (``decode_retries``); nothing is retried once a byte reached the client, and a 4xx is never
 retried. Cancellation (the client left) is never caught: it closes every open leg.
+
+Resource handling: a request registers one clean-up with the web layer's resources
+(``RequestRun.close``): it closes the decode stream if one is open, releases the decode leg and
+slot, and finishes the account, in that order, whatever happened before.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
-
-import trio
+from typing import Any, TypeVar
 
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
-from ._core.moriio import (
-    MoriioPeer,
-    decode_kv_params,
-    moriio_request_id,
-    new_transfer_id,
-    prefill_kv_params,
-)
-from ._core.names import PATH_OF_KIND, RequestKind
-from ._core.policies import PrefixHint, prefix_hint, prompt_text
-from ._core.rewrite import (
-    build_decode_body,
-    build_prefill_body,
-    kv_transfer_params_of,
-    parse_request,
-    upstream_headers,
-    with_item_uuids,
-)
+from ._core.moriio import MoriioPeer
+from ._core.names import PATH_OF_KIND, RequestKind, Stage
+from ._core.policies import prefix_hint, prompt_text
+from ._core.rewrite import parse_request, upstream_headers, with_item_uuids
 from ._core.routing import Instance
-from ._observe.accounting import Accounting, RequestAccount
+from ._handoff import HandOff, choose_handoff
+from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
-from ._state.cursors import EncoderCursor, SlotCursor, Usable, choose_slot
+from ._state.cursors import EncoderCursor, SlotCursor, choose_slot
 from ._state.loads import DECODE_TOKENS, Loads
-from ._upstream.fanout import fan_out
 from ._upstream.legs import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 from ._upstream.pool import UpstreamPool
 
@@ -63,6 +59,7 @@ from ._upstream.pool import UpstreamPool
 #: the roster's first MoRIIO registration fixed.
 PeerOf = Callable[[Instance], MoriioPeer | None]
 ModeOf = Callable[[], str | None]
+T = TypeVar("T")
 
 log = logging.getLogger("epd_trio")
 
@@ -100,8 +97,11 @@ def requested_tokens(body: dict[str, Any]) -> int:
     return 0
 
 
+
+
 class Pipeline:
-    """Runs one request through its stages (see the module docstring)."""
+    """Runs each request through its stages (see the module docstring); what every request
+    shares: settings, pools, cursors, health, accounting and the MoRIIO roster views."""
 
     def __init__(
         self,
@@ -115,20 +115,24 @@ class Pipeline:
         transfer_mode: ModeOf | None = None,
         ec_zmq_addrs: Callable[[Instance], tuple[str, ...]] | None = None,
     ) -> None:
-        self._settings = settings
+        self.settings = settings
         #: A push (Mooncake) encoder-cache consumer's addresses, one per DP rank.
-        self._ec_addrs = ec_zmq_addrs or (lambda inst: ())
+        self.ec_addrs = ec_zmq_addrs or (lambda inst: ())
         #: MoRIIO: legs go only to instances that registered over ZMQ (their address is in the
         #: request id); None for the generic hand-off.
-        self._peer: PeerOf | None = (
+        self.peer: PeerOf | None = (
             (moriio_peer or (lambda inst: None)) if settings.kv_connector == "moriio" else None)
-        self._transfer_mode: ModeOf = transfer_mode or (lambda: None)
-        self._pools = pools
-        self._routes = routes
-        self._registry = registry
-        self._accounting = accounting
-        self._stage_failover = Failover(max_attempts=settings.max_attempts)
-        self._decode_failover = Failover(max_attempts=1 + settings.decode_retries)
+        self.transfer_mode: ModeOf = transfer_mode or (lambda: None)
+        peer = self.peer
+        #: Which instances a leg may go to at all: with MoRIIO, only those whose ZMQ address is
+        #: known (the connector finds its peer in the request id); None: any.
+        self.routable = None if peer is None else (lambda inst: peer(inst) is not None)
+        self.pools = pools
+        self.routes = routes
+        self.registry = registry
+        self.accounting = accounting
+        self.stage_failover = Failover(max_attempts=settings.max_attempts)
+        self.decode_failover = Failover(max_attempts=1 + settings.decode_retries)
 
     async def run(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
@@ -143,323 +147,246 @@ class Pipeline:
         anything the client must be told.
         """
         path = PATH_OF_KIND[kind]
-        account = self._accounting.begin(path, request_id, trace_context)
-        resources.callback(account.finish)
-        stage = "encode"
+        account = self.accounting.begin(path, request_id, trace_context)
+        run = RequestRun(self, account, path, request_id)
+        resources.push_async_callback(run.close)
         try:
-            request = parse_request(raw_body, kind)
-            if request.dropped:
-                log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
-                          request_id, ", ".join(request.dropped))
-            account.trace.stream = request.stream
-            account.trace.model = request.body["model"]
-            body, items = with_item_uuids(request)
-            routes = self._routes
-            hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
-                routes.prefills.policy.name, routes.decodes.policy.name) else None)
-            size = requested_tokens(body) if self._settings.size_tiebreak else 0
-            registry = self._registry
-            if not registry.has("decode"):
-                raise NoInstance("no decode instance is configured or registered yet")  # noqa: TRY301
-            with_prefill = registry.has("prefill")
-            encode = bool(items) and registry.has("encode")
-            stage = "prefill" if with_prefill else "decode"
-            attempts = 0
-            if self._peer is not None and not with_prefill:
-                raise NoInstance("MoRIIO needs a prefill instance: none is registered")  # noqa: TRY301
-            prefills_tried: set[Slot] = set()
-            prefills = routes.prefills
-
-            async def attempt(slot: Slot) -> Reply:
-                """One attempt from the client's body: encode (again, on a retry: the handles
-                belong to the attempt and its consumer), prefill, decode."""
-                nonlocal attempts, stage
-                leg_id = request_id if not attempts else f"{request_id}-retry{attempts}"
-                attempts += 1
-                # The decode slot is counted from its choice (this attempt starts right after
-                # it, with no checkpoint between), through the prefill, until the stream ends.
-                key = (slot[0].url, slot[1])
-                release = routes.loads.take("decode", key)
-                if size:
-                    release_count = release
-                    release_size = routes.loads.take(DECODE_TOKENS, key, size)
-
-                    def release() -> None:
-                        release_count()
-                        release_size()
-                try:
-                    reply = await legs(slot, leg_id)
-                except BaseException:
-                    release()
-                    raise
-                if reply.stream is None:
-                    release()
-                else:
-                    resources.callback(release)
-                return reply
-
-            async def legs(slot: Slot, leg_id: str) -> Reply:
-                nonlocal stage
-                # The consumer slot is chosen before the encoders are called (as upstream):
-                # a push consumer's address goes on the encoder sub-requests.
-                first_prefill: Slot | None = None
-                if with_prefill and self._peer is None:
-                    first_prefill = await self._next_slot(prefills, "prefill", hint, ())
-                    if first_prefill is None:
-                        raise NoInstance("no prefill instance is configured or registered")  # noqa: TRY301
-                consumer_body = body
-                if encode:
-                    stage = "encode"
-                    consumer_body = await self._encode(account, body, request.media, items,
-                                                       leg_id, first_prefill or slot)
-                if self._peer is not None:
-                    stage = "prefill"
-
-                    def at(name: str) -> None:
-                        nonlocal stage
-                        stage = name
-
-                    return await self._moriio(account, slot, consumer_body, body, request.stream,
-                                              path, request_id, resources, prefills_tried, hint,
-                                              at)
-                decode_body: dict[str, Any] = consumer_body
-                if first_prefill is not None:
-                    stage = "prefill"
-                    # Decode after a prefill gets the client's body (items with their uuid):
-                    # it is no encoder-cache consumer, and vLLM wants embeds values there.
-                    decode_body = await self._prefill(account, consumer_body, body, path,
-                                                      leg_id, first_prefill, hint)
-                stage = "decode"
-                return await self._decode(account, slot, decode_body, request.stream, path,
-                                          leg_id, resources)
-
-            decodes = routes.decodes
-            first = await self._next_slot(decodes, "decode", hint, ())
-            if first is None:  # the last decode instance left while this request started
-                raise NoInstance("no decode instance is configured or registered")  # noqa: TRY301
-            reply = await with_failover(
-                self._decode_failover, "decode", first, attempt,
-                partial(self._next_slot, decodes, "decode", hint, any_slot=True),
-                account.retried,
-                # MoRIIO WRITE: prefill runs beside decode, with no failover of its own.
-                also_retry=("prefill",) if self._peer is not None
-                and self._transfer_mode() == "WRITE" else ())
+            reply = await run.reply(kind, raw_body)
         except BaseException as exc:
-            account.failed(stage, exc)  # a cancellation is counted by stage
+            account.failed(exc)  # a cancellation is counted by the stage the client waited on
             raise
         reply.headers["x-request-id"] = request_id
         account.replied()
         return reply
 
-    async def _next_slot(
-        self, cursor: SlotCursor, stage: str, hint: PrefixHint | None, tried: Collection[Slot],
-        any_slot: bool = False,
-    ) -> Slot | None:
+    def handoff(self, with_prefill: bool) -> HandOff:
+        """The hand-off of an attempt, on the roster as it is now (``choose_handoff``)."""
+        moriio = self.peer is not None
+        return choose_handoff(moriio=moriio, with_prefill=with_prefill,
+                              transfer_mode=self.transfer_mode() if moriio else None)
+
+
+class RequestRun:
+    """One client request in the pipeline: its parsed body, its attempts, and what it holds
+    until the web layer closes its resources (the decode slot's load, the decode leg, the
+    open stream). Its helpers are the legs every hand-off is made of (``_handoff``)."""
+
+    __slots__ = ("_decode_load", "_decode_size", "account", "attempts", "body", "committed",
+                 "encode", "hint", "items", "path", "pipeline", "prefills_tried", "relay",
+                 "request", "request_id", "size", "stream_leg", "with_prefill")
+
+    def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
+                 request_id: str) -> None:
+        self.pipeline = pipeline
+        self.account = account
+        #: The client-facing path, the same on every upstream leg.
+        self.path = path
+        #: The request's one id (the client's ``x-request-id`` or the proxy's). Each attempt's
+        #: legs carry a ``leg_id`` made from it (MoRIIO: one naming both peers instead).
+        self.request_id = request_id
+        self.attempts = 0
+        #: MoRIIO WRITE's prefill slots that failed, avoided by the next attempt (made at the
+        #: first failure).
+        self.prefills_tried: set[Slot] | None = None
+        #: Whether the open stream is the client's: False while a MoRIIO WRITE attempt is not
+        #: yet committed (closing its stream is then no client leaving).
+        self.committed = True
+        self.relay: StreamRelay | None = None
+        self.stream_leg: Leg | None = None
+        self._decode_load: Callable[[], None] | None = None
+        self._decode_size: Callable[[], None] | None = None
+
+    async def reply(self, kind: RequestKind, raw_body: bytes) -> Reply:
+        """Parse and validate the body, then decode with failover: each attempt on its own
+        decode slot (``attempt``)."""
+        self.request = request = parse_request(raw_body, kind)
+        if request.dropped:
+            log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
+                      self.request_id, ", ".join(request.dropped))
+        account = self.account
+        account.trace.stream = request.stream
+        account.trace.model = request.body["model"]
+        #: The client's body with each item's uuid (what decode gets after a prefill).
+        self.body, self.items = body, items = with_item_uuids(request)
+        pipeline = self.pipeline
+        routes = pipeline.routes
+        self.hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
+            routes.prefills.policy.name, routes.decodes.policy.name) else None)
+        self.size = requested_tokens(body) if pipeline.settings.size_tiebreak else 0
+        registry = pipeline.registry
+        if not registry.has("decode"):
+            raise NoInstance("no decode instance is configured or registered yet")
+        self.with_prefill = registry.has("prefill")
+        self.encode = bool(items) and registry.has("encode")
+        handoff = pipeline.handoff(self.with_prefill)
+        first = await self.next_slot("decode", ())
+        if first is None:  # the last decode instance left while this request started
+            raise NoInstance("no decode instance is configured or registered")
+        return await with_failover(
+            pipeline.decode_failover, "decode", first, self.attempt,
+            partial(self.next_slot, "decode", any_slot=True), account.retried,
+            also_retry=handoff.also_retry)
+
+    async def attempt(self, slot: Slot) -> Reply:
+        """One attempt from the client's body on the decode ``slot``: encode (again, on a
+        retry: the handles belong to the attempt and its consumer), hand-off, decode."""
+        attempts = self.attempts
+        leg_id = self.request_id if not attempts else f"{self.request_id}-retry{attempts}"
+        self.attempts = attempts + 1
+        handoff = self.pipeline.handoff(self.with_prefill)
+        # The decode slot is counted from its choice (this attempt starts right after it,
+        # with no checkpoint between), through the prefill, until the stream ends.
+        loads, key = self.pipeline.routes.loads, (slot[0].url, slot[1])
+        self._decode_load = loads.take("decode", key)
+        if self.size:
+            self._decode_size = loads.take(DECODE_TOKENS, key, self.size)
+        try:
+            reply = await handoff.run(self, slot, leg_id)
+        except BaseException:
+            self._release_decode()
+            raise
+        if reply.stream is None:
+            self._release_decode()
+        return reply
+
+    async def next_slot(self, stage: Stage, tried: Collection[Slot],
+                        any_slot: bool = False) -> Slot | None:
         """``choose_slot`` on this stage's health view and the instances a leg may go to."""
-        return await choose_slot(cursor, self._registry.usable(stage), hint, tried,
-                                 routable=self._routable(), any_slot=any_slot)
+        pipeline = self.pipeline
+        routes = pipeline.routes
+        cursor = routes.decodes if stage == "decode" else routes.prefills
+        return await choose_slot(cursor, pipeline.registry.usable(stage), self.hint, tried,
+                                 routable=pipeline.routable, any_slot=any_slot)
 
-    def _routable(self) -> Usable | None:
-        """Which instances a leg may go to at all: with MoRIIO, only those whose ZMQ address is
-        known (the connector finds its peer in the request id); None: any."""
-        peer = self._peer
-        if peer is None:
-            return None
-        return lambda inst: peer(inst) is not None
+    def moriio_peer(self, instance: Instance) -> MoriioPeer | None:
+        """``instance``'s MoRIIO side (None: it is not registered over ZMQ)."""
+        peer = self.pipeline.peer
+        return None if peer is None else peer(instance)
 
-    async def _prefill(
-        self, account: RequestAccount, body: dict[str, Any], decode_base: dict[str, Any],
-        path: str, request_id: str, first: Slot, hint: PrefixHint | None,
-    ) -> dict[str, Any]:
-        """Prefill ``body`` on ``first`` (with failover); ``decode_base`` with the KV handle."""
-        prefill_body = build_prefill_body(body)
-        loads = self._routes.loads
+    def prefill_failed(self, slot: Slot) -> None:
+        """A MoRIIO WRITE prefill failed at ``slot``: the next attempt chooses another."""
+        if self.prefills_tried is None:
+            self.prefills_tried = set()
+        self.prefills_tried.add(slot)
 
-        async def attempt(slot: Slot) -> Answer:
-            instance, rank = slot
-            with loads.held("prefill", (instance.url, rank)), \
-                    account.leg("prefill", slot) as leg:
-                answer = await post_json(
-                    self._pools(instance), stage="prefill", instance=instance, path=path,
-                    body=prefill_body, headers=leg.traced(upstream_headers(request_id, rank)),
-                    deadline=self._settings.prefill_timeout,
-                )
-                leg.answered(answer.status)
-                return answer
+    async def prefill_failover(self, first: Slot, attempt: Callable[[Slot], Awaitable[T]]) -> T:
+        """``attempt`` on ``first``, failing over to other prefill slots."""
+        return await with_failover(self.pipeline.stage_failover, "prefill", first, attempt,
+                                   partial(self.next_slot, "prefill"), self.account.retried)
 
-        prefills = self._routes.prefills
-        response = await with_failover(self._stage_failover, "prefill", first, attempt,
-                                       partial(self._next_slot, prefills, "prefill", hint),
-                                       account.retried)
-        params = kv_transfer_params_of(response.content)
-        if params is None:
-            account.kv_missing()
-        return build_decode_body(decode_base, params)
-
-    async def _encode(
-        self, account: RequestAccount, body: dict[str, Any], media: tuple[tuple[int, int], ...],
-        items: list[dict[str, Any]], request_id: str, consumer: Slot,
-    ) -> dict[str, Any]:
-        """Encode every item; the consumer leg's body (``ec_handoff.consumer_body``).
+    async def encoded(self, leg_id: str, consumer: Slot) -> dict[str, Any]:
+        """The body of the consumer leg (on ``consumer``): the client's, or, with an encode
+        stage, every item encoded and the hand-off written in (``ec_handoff.consumer_body``).
 
         A push (Mooncake) consumer, one that registered ``ec_zmq_addrs``, gets the encoders'
         output at the address of the DP rank its leg was routed to: that address and a fresh
         transfer id per item go on the encoder sub-requests."""
-        addrs = self._ec_addrs(consumer[0])
+        body = self.body
+        if not self.encode:
+            return body
+        pipeline, items, account = self.pipeline, self.items, self.account
+        settings = pipeline.settings
+        addrs = pipeline.ec_addrs(consumer[0])
         rank = consumer[1] or 0
         consumer_zmq = addrs[rank] if rank < len(addrs) else None
         transfer_ids = [uuid.uuid4().hex for _ in items] if consumer_zmq else []
         calls = await run_encoder_fanout(
-            self._pools, self._routes.encoders, body=body, items=items,
-            request_id=request_id, max_batch=self._settings.encoder_max_batch,
-            deadline=self._settings.encode_timeout, usable=self._registry.usable("encode"),
-            failover=self._stage_failover, observer=account, loads=self._routes.loads,
+            pipeline.pools, pipeline.routes.encoders, body=body, items=items,
+            request_id=leg_id, max_batch=settings.encoder_max_batch,
+            deadline=settings.encode_timeout, usable=pipeline.registry.usable("encode"),
+            failover=pipeline.stage_failover, observer=account, loads=pipeline.routes.loads,
             consumer_zmq=consumer_zmq, transfer_ids=transfer_ids)
         account.encoded(calls)
         handoff = match_reports(
             [EncoderReport(c.instance.url, c.item_indices, c.ec_transfer_params) for c in calls],
             [item["uuid"] for item in items], transfer_ids)
-        return consumer_body(body, media, handoff, rewrite=self._settings.ec_rewrite)
+        return consumer_body(body, self.request.media, handoff,
+                             rewrite=settings.ec_rewrite)
 
-    async def _moriio(
-        self, account: RequestAccount, slot: Slot, body: dict[str, Any],
-        decode_base: dict[str, Any], stream: bool, path: str, client_id: str,
-        resources: AsyncExitStack, prefills_tried: set[Slot], hint: PrefixHint | None = None,
-        at: Callable[[str], None] = lambda stage: None,
-    ) -> Reply:
-        """One attempt over MoRIIO: both legs carry the id naming both peers' ZMQ addresses.
-
-        READ: prefill first (with its own failover; each attempt gets a fresh id and transfer
-        id), then decode with the prefill's handle. WRITE: decode allocates its blocks and
-        tells the prefill, which pushes the KV, so the two legs run concurrently in one
-        nursery. Upstream fires that prefill and never looks at it; here a prefill failure
-        cancels decode and the attempt fails (the caller fails over, choosing another
-        prefill). The attempt succeeds only once decode's first bytes *and* prefill's answer are
-        in, so no prefill failure can reach a client already answered (in WRITE mode prefill
-        answers first: decode cannot generate before the KV is written). ``at`` is told the
-        stage under way (a cancellation is counted by it).
-        """
-        peer = self._peer
-        assert peer is not None
-        decode_instance = slot[0]
-        decode_peer = peer(decode_instance)
-        if decode_peer is None:  # it left the roster since it was chosen
-            raise NoInstance(f"decode instance {decode_instance.url} is no longer registered")
-        prefills = self._routes.prefills
-        settings = self._settings
-
-        def legs(prefill: Slot) -> tuple[str, str, MoriioPeer, dict[str, Any]]:
-            prefill_peer = peer(prefill[0])
-            if prefill_peer is None:
-                raise NoInstance(f"prefill instance {prefill[0].url} is no longer registered")
-            leg_id, transfer_id = moriio_request_id(prefill_peer, decode_peer), new_transfer_id()
-            log.debug("request %s: MoRIIO legs %s, transfer %s", client_id, leg_id, transfer_id)
-            prefill_body = {**build_prefill_body(body),
-                            "kv_transfer_params": prefill_kv_params(transfer_id, decode_peer)}
-            return leg_id, transfer_id, prefill_peer, prefill_body
-
-        loads = self._routes.loads
-
-        async def prefill_call(prefill: Slot, leg_id: str, prefill_body: dict[str, Any]) -> Answer:
-            with loads.held("prefill", (prefill[0].url, prefill[1])), \
-                    account.leg("prefill", prefill) as leg:
+    async def post(self, stage: Stage, slot: Slot, body: dict[str, Any], leg_id: str, *,
+                   beside: bool = False) -> Answer:
+        """One leg answered with one body (a prefill, or a decode not streamed): open the leg,
+        post, note its status. A prefill's load is held here, for its leg; a decode's is its
+        attempt's. ``beside``: the leg runs beside the one the client waits on."""
+        instance, rank = slot
+        pipeline = self.pipeline
+        prefill = stage == "prefill"
+        release = pipeline.routes.loads.take(stage, (instance.url, rank)) if prefill else None
+        try:
+            with self.account.leg(stage, slot, beside=beside) as leg:
                 answer = await post_json(
-                    self._pools(prefill[0]), stage="prefill", instance=prefill[0], path=path,
-                    body=prefill_body, headers=leg.traced(upstream_headers(leg_id, prefill[1])),
-                    deadline=settings.prefill_timeout)
+                    pipeline.pools(instance), stage=stage, instance=instance, path=self.path,
+                    body=body, headers=leg.traced(upstream_headers(leg_id, rank)),
+                    deadline=(pipeline.settings.prefill_timeout if prefill
+                              else pipeline.settings.decode_timeout))
                 leg.answered(answer.status)
                 return answer
+        finally:
+            if release is not None:
+                release()
 
-        if self._transfer_mode() != "WRITE":
-            async def read_attempt(prefill: Slot) -> tuple[Slot, str, str, MoriioPeer, Answer]:
-                leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)
-                answer = await prefill_call(prefill, leg_id, prefill_body)
-                return prefill, leg_id, transfer_id, prefill_peer, answer
-
-            first = await self._next_slot(prefills, "prefill", hint, ())
-            if first is None:
-                raise NoInstance("no MoRIIO prefill instance is registered")
-            prefill, leg_id, transfer_id, prefill_peer, answer = await with_failover(
-                self._stage_failover, "prefill", first, read_attempt,
-                partial(self._next_slot, prefills, "prefill", hint), account.retried)
-            handle = kv_transfer_params_of(answer.content)
-            if handle is None:
-                account.kv_missing()
-            decode_body = build_decode_body(
-                decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1], handle or {}))
-            at("decode")
-            return await self._decode(account, slot, decode_body, stream, path, leg_id,
-                                      resources)
-
-        prefill = (await self._next_slot(prefills, "prefill", hint, prefills_tried)
-                   or await self._next_slot(prefills, "prefill", hint, ()))
-        if prefill is None:
-            raise NoInstance("no MoRIIO prefill instance is registered")
-        leg_id, transfer_id, prefill_peer, prefill_body = legs(prefill)
-        decode_body = build_decode_body(
-            decode_base, decode_kv_params(transfer_id, prefill_peer, prefill[1]))
-        # The decode stream's resources belong to this attempt until both legs succeeded: a
-        # failed attempt closes its stream at once, not when the client's request ends.
-        attempt_resources = AsyncExitStack()
-        committed = False
-        at("decode")  # both legs run; decode is the one the client waits on
-        try:
-            _, reply = await fan_out([
-                partial(prefill_call, prefill, leg_id, prefill_body),
-                partial(self._decode, account, slot, decode_body, stream, path, leg_id,
-                        attempt_resources, lambda: committed),
-            ])
-        except BaseException as exc:
-            if getattr(exc, "stage", None) == "prefill":
-                prefills_tried.add(prefill)
-            with trio.CancelScope(shield=True):
-                await attempt_resources.aclose()
-            raise
-        committed = True
-        resources.push_async_callback(attempt_resources.aclose)
-        return reply
-
-    async def _decode(
-        self, account: RequestAccount, slot: Slot, body: dict[str, Any], stream: bool, path: str,
-        request_id: str, resources: AsyncExitStack,
-        committed: Callable[[], bool] = lambda: True,
-    ) -> Reply:
-        """Decode on ``slot``. ``committed``: whether an abandoned stream counts as the client
-        leaving (a MoRIIO WRITE attempt that fails over closes a stream the client never saw)."""
+    async def decode(self, slot: Slot, body: dict[str, Any], leg_id: str) -> Reply:
+        """Decode on ``slot``: its answer, or its stream once its first bytes are in (then
+        the run holds it, its leg and its slot until ``close``)."""
+        if not self.request.stream:
+            answer = await self.post("decode", slot, body, leg_id)
+            self.account.read_usage(answer.content)
+            return Reply(answer.status, {"content-type": answer.content_type},
+                         body=answer.content)
         instance, rank = slot
-
-        def abandoned() -> None:
-            if committed():
-                leg.client_left()
-
-        settings = self._settings
-        with account.leg("decode", slot) as leg:
-            headers = leg.traced(upstream_headers(request_id, rank))
-            if not stream:
-                response = await post_json(
-                    self._pools(instance), stage="decode", instance=instance, path=path,
-                    body=body, headers=headers, deadline=settings.decode_timeout,
-                )
-                leg.answered(response.status)
-                account.read_usage(response.content)
-                return Reply(response.status, {"content-type": response.content_type},
-                             body=response.content)
+        settings = self.pipeline.settings
+        with self.account.leg("decode", slot) as leg:
             relay = await open_stream(
-                self._pools(instance), stage="decode", instance=instance, path=path, body=body,
-                headers=headers, deadline=settings.decode_timeout,
-                idle_timeout=settings.stream_idle_timeout, on_error=leg.stream_failed,
-                on_abandon=abandoned,
+                self.pipeline.pools(instance), stage="decode", instance=instance,
+                path=self.path, body=body, headers=leg.traced(upstream_headers(leg_id, rank)),
+                deadline=settings.decode_timeout, idle_timeout=settings.stream_idle_timeout,
+                on_error=leg.stream_failed, on_abandon=self._abandoned,
             )
             leg.answered(relay.response.status)
             # The first bytes are here: from now on the request belongs to this decode
-            # instance, and the leg stays in flight until the web layer closes the request's
-            # resources (the stream is over, or the client left).
-            resources.callback(leg.hold())
-        if account.spans.recording:  # after the stream is closed: its usage, from its tail
-            resources.callback(lambda: account.read_usage(relay.tail))
-        resources.push_async_callback(relay.aclose)
+            # instance, and the leg stays in flight until the stream is closed.
+            leg.hold()
+            self.relay, self.stream_leg = relay, leg
         return Reply(
             relay.response.status,
             {"content-type": "text/event-stream", "cache-control": "no-cache"},
             stream=relay,
         )
+
+    def _abandoned(self) -> None:
+        """The stream was closed before its end: the client left, unless the stream was a
+        MoRIIO WRITE attempt's that failed over (the client never saw it)."""
+        if self.committed and self.stream_leg is not None:
+            self.stream_leg.client_left()
+
+    async def close_stream(self) -> None:
+        """Close the open decode stream, if any (safe under cancellation); its usage read
+        (for a recorded span), its leg released."""
+        relay, leg = self.relay, self.stream_leg
+        if relay is None or leg is None:
+            return
+        self.relay = None  # the leg stays: an unfinished stream's close tells it (_abandoned)
+        try:
+            await relay.aclose()
+        finally:
+            self.stream_leg = None
+            self.account.read_usage(relay.tail)
+            leg.release()
+
+    async def close(self) -> None:
+        """The request is over (its reply sent, or its client gone): the one clean-up it
+        leaves with the web layer's resources (the module docstring's order)."""
+        try:
+            await self.close_stream()
+        finally:
+            self._release_decode()
+            self.account.finish()
+
+    def _release_decode(self) -> None:
+        """The decode slot's load (and size) given back."""
+        load, size = self._decode_load, self._decode_size
+        self._decode_load = self._decode_size = None
+        if load is not None:
+            load()
+        if size is not None:
+            size()

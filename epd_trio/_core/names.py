@@ -8,10 +8,13 @@ prefill. A **request kind** is which OpenAI endpoint a client called.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
+#: A stage's name: a plain string (a metrics label, a log field, a span attribute as it is),
+#: which a type checker holds to these three.
+Stage = Literal["encode", "prefill", "decode"]
 #: The stages of a request, in order; each has its own cursor, health view and metrics.
-STAGES = ("encode", "prefill", "decode")
+STAGES: tuple[Stage, ...] = get_args(Stage)
 #: The roles an instance may be configured or registered with.
 ROLES = (*STAGES, "prefill_decode")
 #: The stage each role serves.

@@ -6,6 +6,13 @@ and a handful of request events (``replied``, ``failed``, ``finish``...) its end
 carries the request's ``RequestTrace`` itself, so nothing travels in a context variable and a
 child task of the encoder fan-out reports to the same account as its parent.
 
+The account also knows the request's **stage**: the stage of the last leg opened, recorded as
+the leg opens. A cancellation (the client left before the reply) is counted by it. Why here and
+not in the pipeline: the legs are where a request moves from stage to stage, so the stage
+cannot drift from them (it was a variable the pipeline set by hand in seven places). The one
+exception is a leg that runs *beside* the one the client waits on (MoRIIO WRITE's prefill,
+concurrent with its decode): it is opened with ``beside=True`` and leaves the stage alone.
+
 Why one object and not hooks per caller: an attempt's in-flight count, its health verdict, its
 metrics and its trace entry must move together. When they were kept by a failover hook for two
 stages, by a context manager for the third and by hand for a stream, the three drifted (a
@@ -25,6 +32,7 @@ import trio
 from .._core.errors import ProxyError, UpstreamError, UpstreamStatusError
 from .._core.failover import Slot, is_retryable
 from .._core.health import InstanceState, Registry
+from .._core.names import Stage
 from .._core.routing import Instance
 from .._core.trace import Attempt, AttemptNumbers, RequestTrace, outcome_of
 from .._core.tracing import usage_of
@@ -120,7 +128,7 @@ class Leg:
 class RequestAccount:
     """One client request's accounting (a ``LegObserver`` for the stages)."""
 
-    __slots__ = ("_numbers", "acc", "spans", "trace")
+    __slots__ = ("_numbers", "acc", "spans", "stage", "trace")
 
     def __init__(self, acc: Accounting, trace: RequestTrace, spans: RequestSpans) -> None:
         self.acc = acc
@@ -129,10 +137,18 @@ class RequestAccount:
         self.spans = spans
         #: Each leg's attempt number (failovers and re-runs show in its span).
         self._numbers = AttemptNumbers()
+        #: The stage the client waits on: the last leg's, set as it opens (the first stage
+        #: until then).
+        self.stage: Stage = "encode"
 
     @contextmanager
-    def leg(self, stage: str, slot: Slot) -> Iterator[Leg]:
-        """Count one upstream call: in flight while it runs, its outcome fed to health."""
+    def leg(self, stage: Stage, slot: Slot, *, beside: bool = False) -> Iterator[Leg]:
+        """Count one upstream call: in flight while it runs, its outcome fed to health.
+
+        The request is in ``stage`` from now on, unless the leg runs ``beside`` the one the
+        client waits on (which then keeps the stage)."""
+        if not beside:
+            self.stage = stage
         instance, rank = slot
         acc, url = self.acc, instance.url
         state = acc.registry.state_for(stage, instance)
@@ -210,11 +226,11 @@ class RequestAccount:
         trace = self.trace
         trace.outcome, trace.status, trace.cancelled_stage = "cancelled", 499, stage
 
-    def failed(self, stage: str, exc: BaseException) -> None:
-        """The request ended without a reply: cancelled (in ``stage``) or an error."""
+    def failed(self, exc: BaseException) -> None:
+        """The request ended without a reply: cancelled (in its ``stage``) or an error."""
         trace = self.trace
         if isinstance(exc, trio.Cancelled):
-            self.client_cancelled(stage)
+            self.client_cancelled(self.stage)
         elif isinstance(exc, ProxyError):
             trace.outcome, trace.status, trace.error = outcome_of(exc), exc.status, exc.message
             if isinstance(exc, UpstreamError) and exc.status >= 500:

@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from epd_trio import Instance
-from epd_trio._core.health import InstanceState
+from epd_trio._core.health import InstanceState, Registry
+from epd_trio._observe.accounting import Accounting
 from epd_trio._observe.metrics import ProxyMetrics
 from epd_trio.testing import FakeVLLM, run_cluster
 
@@ -224,3 +225,30 @@ async def test_no_created_series_are_exported(client: httpx.AsyncClient) -> None
         assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
         text = (await client.get(c.proxy_url + "/metrics")).text
         assert "epd_trio_requests_total" in text and "_created" not in text
+
+
+async def test_a_cancellation_counts_at_the_stage_of_the_last_leg_opened_not_a_leg_beside(
+) -> None:
+    """The account records the request's stage as each leg opens; a leg beside the one the
+    client waits on (MoRIIO WRITE's prefill, beside its decode) leaves it alone."""
+    prefill, decode = Instance("http://p:1"), Instance("http://d:1")
+    registry = Registry.from_stages({"prefill": [prefill], "decode": [decode]})
+    metrics = ProxyMetrics()
+    account = Accounting(registry, metrics, request_log=False).begin(COMPLETIONS, "r1")
+    assert account.stage == "encode"  # the first stage, until a leg opens
+    with account.leg("prefill", (prefill, None)):
+        assert account.stage == "prefill"
+    with account.leg("decode", (decode, None)), account.leg("prefill", (prefill, None),
+                                                            beside=True):
+        assert account.stage == "decode"
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        try:
+            await trio.lowlevel.checkpoint()
+        except trio.Cancelled as exc:
+            account.failed(exc)
+            raise
+    cancels = {stage: metrics.registry.get_sample_value(
+        "epd_trio_client_cancellations_total", {"stage": stage}) for stage in ("prefill", "decode")}
+    assert cancels == {"prefill": 0.0, "decode": 1.0}
+    assert account.trace.cancelled_stage == "decode"
