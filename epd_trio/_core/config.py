@@ -69,6 +69,28 @@ class Settings:
     #: ``cache_aware``: keys remembered per stage and worker (512-character prompt blocks, or
     #: media uuids), least recently used first out; a few MiB at the default.
     cache_size: int = 65_536
+    #: ``precise_cache_aware`` and the prefill bypass: where an instance that names no KV event
+    #: endpoint of its own (its URL's ``#kv_events=``, its registration's
+    #: ``kv_events_endpoint``) publishes vLLM's KV cache events: its own host at this port, DP
+    #: rank r at port + r, as vLLM offsets it. 0: such instances publish nothing the proxy reads.
+    kv_events_port: int = 0
+    #: ... and its replay socket (vLLM's ``replay_endpoint``), offset alike, where the publisher
+    #: comes from ``kv_events_port``; 0: none, so events lost are never asked again (the slot is
+    #: rebuilt from new events instead).
+    kv_events_replay_port: int = 0
+    #: Where ``precise_cache_aware`` renders a request into its token ids (vLLM's
+    #: ``/v1/chat/completions/render``: ``vllm serve --enable-scale-out`` or ``vllm launch
+    #: render``). Empty: on the instances of the stage being routed.
+    render_urls: tuple[Instance | DnsName, ...] = ()
+    #: Seconds a render call may take; slower (or failed) renders route that request by
+    #: ``cache_aware`` instead, never fail it.
+    render_timeout: float = 0.5
+    #: Skip the prefill leg when the chosen decode slot already holds all but at most this many
+    #: of the prompt's tokens in its KV cache (vllm-router's ``pd_uncached_token_threshold``);
+    #: decode is then chosen first. 0: off.
+    pd_uncached_token_threshold: int = 0
+    #: Blocks the KV index keeps per slot, oldest out first (about 100 bytes each).
+    kv_index_blocks: int = 1_000_000
     #: Seconds between two scrapes of each instance's ``/metrics`` for its running and waiting
     #: requests (load other proxies and clients create); 0 = off, the proxy's own counts only.
     load_scrape_interval: float = 0.0
@@ -477,6 +499,13 @@ def _port(raw: Any) -> int:
     return value
 
 
+def _optional_port(raw: Any) -> int:
+    value = _non_negative_int(raw)
+    if value > 65535:
+        raise ValueError(f"expected a port in 1..65535 (0: none), got {raw!r}")
+    return value
+
+
 def _name(raw: Any) -> str:
     value = str(raw).strip()
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", value) or len(value) > 63:
@@ -511,6 +540,12 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cache_balance_rel": _factor,
     "cache_threshold": _fraction,
     "cache_size": _positive_int,
+    "kv_events_port": _optional_port,
+    "kv_events_replay_port": _optional_port,
+    "render_urls": _instances,
+    "render_timeout": _seconds,
+    "pd_uncached_token_threshold": _non_negative_int,
+    "kv_index_blocks": _positive_int,
     "load_scrape_interval": _non_negative_seconds,
     "connect_timeout": _seconds,
     "encode_timeout": _seconds,
@@ -590,9 +625,13 @@ def unknown_settings(environ: Mapping[str, str]) -> list[tuple[str, str | None]]
     return found
 
 
+#: The URL lists whose flag is the role's name (``--decode``); other lists keep theirs whole.
+ROLE_URL_FIELDS = frozenset({"encode_urls", "prefill_urls", "decode_urls"})
+
+
 def flag_name(field: str) -> str:
     """The command-line flag of a setting (``--decode`` for the URL lists, else ``--field``)."""
-    if field.endswith("_urls"):
+    if field in ROLE_URL_FIELDS:
         return "--" + field.removesuffix("_urls")
     return "--" + field.replace("_", "-")
 
