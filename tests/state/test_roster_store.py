@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 import pytest
 
@@ -11,12 +9,7 @@ from epd_trio import Instance, Settings
 from epd_trio._proxy import Proxy
 from epd_trio._state.roster_store import RosterFull, SharedRoutingState
 
-
-def second_view(state: SharedRoutingState) -> SharedRoutingState:
-    """What a spawned worker gets: the same shared memory, its own per-process part."""
-    other: Any = SharedRoutingState.__new__(SharedRoutingState)
-    other.__setstate__(state.__getstate__())
-    return other
+from helpers import second_view
 
 
 def registration(role: str, url: str) -> bytes:
