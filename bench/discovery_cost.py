@@ -1,7 +1,7 @@
 """What discovery costs: ``python -m bench.discovery_cost [--instances 64]``.
 
 Two figures. (1) Applying one answer to the roster, as every DNS round and every Kubernetes
-event does (``Proxy.discovered``): an unchanged answer (the common case) is checked on the
+event does (``Membership.discovered``): an unchanged answer (the common case) is checked on the
 process's own roster, without a lock; a changed one goes through the roster store, in one
 process or through the shared memory of ``epd-trio serve --workers N``, where it runs under the
 lock the routing counters also take (time other workers' requests may wait). (2) One DNS round
@@ -42,7 +42,7 @@ def apply_cost(instances: int, repeat: int) -> dict[str, float]:
     for store_name in ("local", "shared"):
         store = (LocalRosterStore(CursorCounters.local()) if store_name == "local"
                  else SharedRoutingState())
-        store.attach(Roster(), lambda roster: None)
+        store.attach(Roster())
         store.update(lambda r, c: replace_source(r, "dns", "decode", same, c))
         for answer_name, answers in (("one replaced", (other, same)),):
             flip = iter(answers * (repeat * 5 + 1))

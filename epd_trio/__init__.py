@@ -10,8 +10,9 @@ may import only the rooms below it that its ``__init__`` names; ``tests/test_lay
     _admission   whether a client request may start now
     _upstream    every call to vLLM and the connection pools under it
     _replicas    what replicas share through Redis
-    _membership  who is in the roster: registrations, discovery, MoRIIO, expiry
-    (top level)  the owner (_proxy), one request's pipeline (_pipeline) and its hand-offs
+    _membership  who is in the roster: its one owner (registrations, discovery, MoRIIO, expiry)
+    (top level)  the owner of the request path (_proxy, which pulls the roster from
+                 _membership), one request's pipeline (_pipeline) and its hand-offs
                  (_handoff), the composition root (_app), settings (_environment), and the
                  public modules below
     _web         HTTP in, the owner's answers out

@@ -71,7 +71,7 @@ def _describe(cluster: Cluster) -> str:
 
     s = cluster.settings
     moriio = (f", MoRIIO {cluster.proxy.roster.transfer_mode} mode, registered over ZMQ on "
-              f"{cluster.proxy.moriio_endpoint}" if s.kv_connector == "moriio" else "")
+              f"{cluster.proxy.membership.moriio_endpoint}" if s.kv_connector == "moriio" else "")
     return "\n".join([
         f"epd_trio demo: proxy on {cluster.proxy_url} (layout {layout_name(cluster.proxy.roster)}"
         f"{moriio}, fake vLLM backends)",

@@ -18,6 +18,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_trio._core.names import PATH_OF_KIND
+from epd_trio._state.roster_store import SharedRoutingState
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioSide, TransferFabric, moriio_address
 from epd_trio.testing.process import read_until, stop_process
@@ -25,6 +26,14 @@ from epd_trio.testing.process import read_until, stop_process
 #: The client-facing paths the tests call.
 CHAT = PATH_OF_KIND["chat"]
 COMPLETIONS = PATH_OF_KIND["completions"]
+
+
+def second_view(state: SharedRoutingState) -> SharedRoutingState:
+    """What a spawned worker of ``epd-trio serve`` gets: the same shared memory, its own
+    per-process part (two workers in one test process)."""
+    other: Any = SharedRoutingState.__new__(SharedRoutingState)
+    other.__setstate__(state.__getstate__())
+    return other
 
 
 def image(n: int) -> dict[str, Any]:

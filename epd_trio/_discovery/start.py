@@ -2,8 +2,8 @@
 
 Each source has ``run(task_status=...)``: it finds its instances once, reports started, then
 follows them until cancelled, handing each whole answer to ``apply(source, role, instances)``
-(``Proxy.discovered``). The proxy starts them in its background nursery, in the one process
-of ``epd-trio serve --workers N`` that runs them.
+(``Membership.discovered``). The membership starts them in the proxy's background nursery, in
+the one process of ``epd-trio serve --workers N`` that runs them.
 """
 
 from __future__ import annotations

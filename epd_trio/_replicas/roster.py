@@ -15,7 +15,7 @@ then registered ones by URL: every replica orders them alike), and each stage wh
 changed restarts at a random offset (``reseeded``), as it does at start.
 
 Synchronous and without I/O, like the other stores: the sync task calls it from the same
-event loop, and the cursors read ``current()`` without a lock.
+event loop, and the roster owner pulls ``seen`` from it (``_membership/roster_owner``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .._core.counters import CursorCounters
 from .._core.names import STAGES
 from .._core.roster import Member, Roster, changed_members
 from .._core.shared_state import Record, merge, records_of, reseeded, to_local_time
-from .._state.roster_store import Change, Listener
+from .._state.roster_store import Change
 
 T = TypeVar("T")
 log = logging.getLogger("epd_trio")
@@ -58,7 +58,6 @@ class ReplicatedRoster:
         self._wall = wall
         self._rng = rng or random.Random()
         self._roster = Roster()
-        self._listener: Listener | None = None
         #: The shared members as this replica knows them (registration times on local clocks).
         self._records: dict[str, Record] = {}
         self._pending: dict[str, Pending] = {}
@@ -71,14 +70,19 @@ class ReplicatedRoster:
         self._skipped: dict[str, str] = {}
         #: Called when a write is queued (the sync task's wake-up).
         self.on_pending: Callable[[], None] | None = None
+        #: Called when the view changed (the roster owner's wake-up, for whoever waits on a
+        #: change; the roster itself is pulled at the owner's next point, not handed over).
+        self.on_change: Callable[[], None] | None = None
         #: Whether the shared roster has been read once (``/ready`` waits for it).
         self.loaded = False
 
     # -- RosterStore -----------------------------------------------------------------------------
-    def attach(self, initial: Roster, listener: Listener) -> None:
-        self._listener = listener
+    @property
+    def seen(self) -> Roster:
+        return self._roster
+
+    def attach(self, initial: Roster) -> None:
         self._roster = reseeded(Roster(), initial, self._values(), self._offset, every_stage=True)
-        listener(self._roster)
 
     def update(self, change: Change[T]) -> T:
         values = self._values()
@@ -102,8 +106,8 @@ class ReplicatedRoster:
             self.on_pending()
         return result
 
-    def poll(self) -> None:
-        return None
+    def look(self) -> Roster:
+        return self._roster
 
     def current(self) -> Roster:
         return self._roster
@@ -213,7 +217,7 @@ class ReplicatedRoster:
     # -- internals ------------------------------------------------------------------------------
     def _install(self, values: Mapping[str, int], statics_from: Roster | None = None) -> None:
         """Rebuild the view from the records (and the static members of ``statics_from``, by
-        default the current view); tell the listener when routing changed."""
+        default the current view); wake the owner when routing changed."""
         old = self._roster
         merged, skipped = merge(statics_from or old, self._records, values)
         for url, why in skipped:
@@ -223,8 +227,8 @@ class ReplicatedRoster:
         new = changed_members(old, merged.members, values, merged.transfer_mode)
         new = reseeded(old, new, values, self._offset)
         self._roster = new
-        if new.version != old.version and self._listener is not None:
-            self._listener(new)
+        if new.version != old.version and self.on_change is not None:
+            self.on_change()
 
     def _values(self) -> dict[str, int]:
         return {stage: getattr(self._counters, stage).fetch_add(0) for stage in STAGES}

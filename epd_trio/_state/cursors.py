@@ -4,11 +4,19 @@ The arithmetic lives in ``_core/routing.py``; these classes only hold the positi
 read-and-advance one indivisible step per request. One proxy owns one ``EncoderCursor`` and two
 ``SlotCursor`` objects (prefill and decode each have their own counter: docs/discussion/protocol.md,
 "Decision"; a shared one would pin prefill slot i to decode slot i).
+
+A cursor routes over the instance list of one roster version. Its counter step may belong to a
+newer one (another worker of ``epd-trio serve`` changed the roster; the shared counter's step
+recorded that roster as data), so after each step a cursor given a ``Follow`` compares the
+step's version with its list's and, when they differ, has the owner pull before it maps the
+value: the pull is the cursor's own explicit call, at one known point, and nothing updates a
+cursor from inside its counter step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import trio
@@ -31,6 +39,25 @@ def _no_load(keys: Sequence[SlotKey]) -> list[int]:
     return [0] * len(keys)
 
 
+@dataclass(frozen=True, slots=True)
+class Follow:
+    """How a cursor keeps its list with its counter: ``version()`` is the roster version the
+    last counter step's value belongs to (what the roster store recorded in that step, no
+    I/O); ``pull()`` has the roster's owner follow that version, which ``update``s this cursor
+    (and the other cursors, the health states and the pools) before the value is mapped."""
+
+    version: Callable[[], int]
+    pull: Callable[[], None]
+
+
+def _catch_up(follow: Follow | None, version: int) -> bool:
+    """After a counter step: pull when the step's roster is not the list's; True when pulled."""
+    if follow is None or follow.version() == version:
+        return False
+    follow.pull()
+    return True
+
+
 class EncoderCursor:
     """Global round-robin position over the encoders, persisting across requests.
 
@@ -50,10 +77,11 @@ class EncoderCursor:
     def __init__(
         self, encoders: Sequence[Instance], start: int = 0, counter: Counter | None = None,
         *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
-        global_cursor: GlobalCursor | None = None,
+        global_cursor: GlobalCursor | None = None, follow: Follow | None = None,
     ) -> None:
         """``global_cursor``: where a request's items start, when several replicas share one
-        rotation (the position is then taken over the encoders in their shared order)."""
+        rotation (the position is then taken over the encoders in their shared order).
+        ``follow``: the roster's owner, asked after each counter step (see the module)."""
         self._encoders = tuple(encoders)
         self._global = global_cursor
         self._policy = policy if policy is not None else StagePolicy()
@@ -61,7 +89,9 @@ class EncoderCursor:
         self._counter = counter if counter is not None else LocalCounter(start)
         self._next = start
         self._epoch: Epoch = (0, 0)
-        self._generation = 0
+        self._follow = follow
+        #: The roster version ``_encoders`` belongs to (-1: none followed yet).
+        self._version = -1
         self._lock = trio.Lock()
 
     @property
@@ -78,18 +108,23 @@ class EncoderCursor:
         k0, i0 = self._epoch
         return (i0 + self._next - k0) % len(self._encoders) if self._encoders else 0
 
-    def update(self, encoders: Sequence[Instance], epoch: Epoch | None = None) -> None:
+    def update(
+        self, encoders: Sequence[Instance], epoch: Epoch | None = None, version: int | None = None
+    ) -> None:
         """Change the encoder list; the rotation continues where it stood.
 
         ``epoch`` is where it continues (the proxy passes the one its roster computed, so that
         every worker process agrees); by default it is computed here from the counter.
+        ``version`` is the roster version of ``encoders`` (what ``Follow.version`` is compared
+        with).
         """
         encoders = tuple(encoders)
         if epoch is None:
             epoch = rebase_epoch(self._epoch, slot_keys(self._encoders, dp=False),
                                  slot_keys(encoders, dp=False), self._counter.fetch_add(0))
         self._encoders, self._epoch = encoders, epoch
-        self._generation += 1
+        if version is not None:
+            self._version = version
 
     async def assign(
         self, count: int, usable: Usable | None = None, uuids: Sequence[str] = ()
@@ -105,11 +140,10 @@ class EncoderCursor:
             candidates = _usable(self._encoders, usable)
             if not candidates:
                 raise LookupError("no usable encoder")
-            generation = self._generation
-            # Taking the counter is also where a worker process notices that another one
-            # changed the instance list (the shared counter syncs it): re-read it then.
             start = self._counter.fetch_add(count)
-            if generation != self._generation:
+            # The value may belong to a newer roster than this list (another worker changed
+            # it): follow that roster now, so the value is mapped over its own list.
+            if _catch_up(self._follow, self._version):
                 candidates = _usable(self._encoders, usable)
                 if not candidates:
                     raise LookupError("no usable encoder")
@@ -157,7 +191,9 @@ class SlotCursor:
         self, instances: Sequence[Instance], counter: Counter | None = None,
         *, policy: StagePolicy | None = None, loads: LoadView = _no_load,
         sizes: LoadView | None = None, global_cursor: GlobalCursor | None = None,
+        follow: Follow | None = None,
     ) -> None:
+        """``follow``: the roster's owner, asked after each counter step (see the module)."""
         self._policy = policy if policy is not None else StagePolicy()
         #: Shared by the replicas (``choose_slot`` takes a position from it per decision).
         self.global_cursor = global_cursor
@@ -170,7 +206,9 @@ class SlotCursor:
             int, tuple[list[tuple[int, int | None]], tuple[SlotKey, ...]]] = {}
         self._counter = counter if counter is not None else LocalCounter()
         self._epoch: Epoch = (0, 0)
-        self._generation = 0
+        self._follow = follow
+        #: The roster version ``_instances`` belongs to (-1: none followed yet).
+        self._version = -1
 
     @property
     def instances(self) -> tuple[Instance, ...]:
@@ -180,7 +218,9 @@ class SlotCursor:
     def slot_count(self) -> int:
         return len(self._slots)
 
-    def update(self, instances: Sequence[Instance], epoch: Epoch | None = None) -> None:
+    def update(
+        self, instances: Sequence[Instance], epoch: Epoch | None = None, version: int | None = None
+    ) -> None:
         """Change the instance list; the rotation continues where it stood (see
         ``EncoderCursor.update``)."""
         instances = tuple(instances)
@@ -190,7 +230,8 @@ class SlotCursor:
         self._instances, self._slots, self._epoch = instances, dp_slots(instances), epoch
         self._key_of = _keys_of(instances, self._slots)
         self._rotations = {}
-        self._generation += 1
+        if version is not None:
+            self._version = version
 
     def _candidates(
         self, usable: Usable | None, exclude: Collection[tuple[Instance, int | None]]
@@ -248,9 +289,8 @@ class SlotCursor:
         slots = self._candidates(usable, exclude)
         if not slots:
             raise LookupError("no usable instance for this stage")
-        generation = self._generation
-        k = self._counter.fetch_add(1)  # may sync a changed instance list (see EncoderCursor)
-        if generation != self._generation:
+        k = self._counter.fetch_add(1)
+        if _catch_up(self._follow, self._version):  # the value's roster first (see the module)
             slots = self._candidates(usable, exclude)
             if not slots:
                 raise LookupError("no usable instance for this stage")

@@ -8,11 +8,19 @@ cross-process lock. A change (register, unregister, forget) is made under that l
 current shared roster, with the counters' values of that instant (the new epochs are computed
 from them), and bumps the version. A worker notices a change where it already takes the lock:
 when it advances a routing counter (one more word read under the lock it holds anyway; the
-serialized roster is copied out only when the version moved). So the counter value a request
-gets and the instance list it is routed over always belong together, and every worker maps the
-same counter value to the same instance: round-robin stays exact across workers and changes.
-``poll()`` (one unlocked word read) lets the routes that do not take a counter (``/health``,
-``GET /instances``, the layout decision) see changes too.
+serialized roster is copied out only when the version moved). That step records the roster as
+data (``seen``) and calls nobody: the cursor that took the value asks ``seen``'s version
+afterwards and, when its list is older, has the owner pull that roster before it maps the
+value (``_state/cursors``, ``_membership/roster_owner``). So the counter value a request gets
+and the instance list it is routed over always belong together, and every worker maps the same
+counter value to the same instance: round-robin stays exact across workers and changes.
+``look()`` (one unlocked word read) lets the points that take no counter (the top of a
+request or a route, a housekeeping round) see changes too.
+
+Why no listener: a store that pushed each new roster into the proxy called it from inside a
+counter step, in the middle of a cursor's decision, so the cursors had to re-check what had
+changed under them. A store that only records what it saw is read like h11's
+``next_event()``: at points its owner chose.
 
 Why shared memory and not a file: the counters already live there, a change has to be atomic
 with them, and nothing outlives the runner (no stale file after a crash). The roster is small
@@ -40,19 +48,26 @@ from .loads import LoadTable, LocalLoadTable, SharedLoadTable
 T = TypeVar("T")
 #: A change: the current roster and the counters' values -> the new roster and a result.
 Change = Callable[[Roster, Mapping[str, int]], tuple[Roster, T]]
-Listener = Callable[[Roster], None]
 
 DEFAULT_CAPACITY = 1 << 20
 
 
 class RosterStore(Protocol):
-    """Holds the current roster; tells its listener (the proxy) about every new version."""
+    """Holds the current roster and the newest one this process has seen; tells nobody.
 
-    def attach(self, initial: Roster, listener: Listener) -> None: ...
+    ``seen`` costs nothing (an attribute); ``look()`` refreshes it (for the shared store, one
+    unlocked word read, and a copy only when the version moved); ``current()`` is the roster
+    as it is now, registration times included (it may take the lock).
+    """
+
+    @property
+    def seen(self) -> Roster: ...
+
+    def attach(self, initial: Roster) -> None: ...
 
     def update(self, change: Change[T]) -> T: ...
 
-    def poll(self) -> None: ...
+    def look(self) -> Roster: ...
 
     def current(self) -> Roster: ...
 
@@ -69,26 +84,26 @@ def routing_state(
 
 
 class LocalRosterStore:
-    """The roster of a single process: changes apply at once, nothing to poll."""
+    """The roster of a single process: a change is seen at once, nothing to look for."""
 
     def __init__(self, counters: CursorCounters) -> None:
         self._counters = counters
         self._roster = Roster()
-        self._listener: Listener | None = None
 
-    def attach(self, initial: Roster, listener: Listener) -> None:
-        self._roster, self._listener = initial, listener
+    @property
+    def seen(self) -> Roster:
+        return self._roster
+
+    def attach(self, initial: Roster) -> None:
+        self._roster = initial
 
     def update(self, change: Change[T]) -> T:
         values = {role: getattr(self._counters, role).fetch_add(0) for role in STAGES}
-        new, result = change(self._roster, values)
-        old, self._roster = self._roster, new
-        if new.version != old.version and self._listener is not None:
-            self._listener(new)
+        self._roster, result = change(self._roster, values)
         return result
 
-    def poll(self) -> None:
-        return None
+    def look(self) -> Roster:
+        return self._roster
 
     def current(self) -> Roster:
         return self._roster
@@ -103,8 +118,8 @@ _LENGTH = _VERSION + 1
 class SharedRoutingState:
     """Counters + roster in shared memory (created by the runner before spawning the workers).
 
-    Pickled into each spawned worker; the per-process part (the roster it last saw, its
-    listener) is not pickled and starts empty there.
+    Pickled into each spawned worker; the per-process part (the roster it last saw) is not
+    pickled and starts empty there.
     """
 
     def __init__(self, context: BaseContext | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
@@ -119,7 +134,6 @@ class SharedRoutingState:
     def _init_local(self) -> None:
         self._initial = Roster()
         self._seen: Roster = self._initial
-        self._listener: Listener | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_lock": self._lock, "_words": self._words, "_blob": self._blob,
@@ -134,11 +148,16 @@ class SharedRoutingState:
         return CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in STAGES))
 
     # -- RosterStore ---------------------------------------------------------------------------
-    def attach(self, initial: Roster, listener: Listener) -> None:
+    @property
+    def seen(self) -> Roster:
+        """The newest roster this process has seen: by its own change, by ``look``, or
+        captured by a counter step of this process (the version its value belongs to)."""
+        return self._seen
+
+    def attach(self, initial: Roster) -> None:
         """``initial`` is version 0 (the static configuration, the same in every worker)."""
         self._initial = self._seen = initial
-        self._listener = listener
-        self.poll()  # a worker started after a change
+        self.look()  # a worker started after a change
 
     def update(self, change: Change[T]) -> T:
         with self._lock:
@@ -153,21 +172,22 @@ class SharedRoutingState:
                 self._blob[: len(raw)] = raw
                 self._words[_LENGTH] = len(raw)
                 self._words[_VERSION] = new.version
-        self._deliver(new)
+        self._seen = new
         return result
 
-    def poll(self) -> None:
-        if self._words[_VERSION] != self._seen.version:  # one unlocked word read
+    def look(self) -> Roster:
+        """``seen``, refreshed: one unlocked word read; the lock and a copy only when another
+        worker changed the roster since."""
+        if self._words[_VERSION] != self._seen.version:
             with self._lock:
-                roster = self._read_locked()
-            self._deliver(roster)
+                self._seen = self._read_locked()
+        return self._seen
 
     def current(self) -> Roster:
         """The shared roster as it is now (registration times included)."""
         with self._lock:
-            roster = self._read_locked()
-        self._deliver(roster)
-        return roster
+            self._seen = self._read_locked()
+        return self._seen
 
     # -- internals -------------------------------------------------------------------------------
     def _read_locked(self) -> Roster:
@@ -175,6 +195,8 @@ class SharedRoutingState:
         return Roster.from_bytes(self._blob[:length]) if length else self._initial
 
     def _fetch_add(self, index: int, n: int) -> int:
+        """The counter's old value; the roster it belongs to is ``seen`` afterwards (copied in
+        the same locked step when another worker changed it, then only parsed: data, no call)."""
         raw = None
         words = self._words
         with self._lock:
@@ -183,14 +205,8 @@ class SharedRoutingState:
             if words[_VERSION] != self._seen.version:
                 raw = self._blob[: words[_LENGTH]]
         if raw is not None:
-            self._deliver(Roster.from_bytes(raw))
+            self._seen = Roster.from_bytes(raw) if raw else self._initial
         return old
-
-    def _deliver(self, roster: Roster) -> None:
-        changed = roster.version != self._seen.version
-        self._seen = roster
-        if changed and self._listener is not None:
-            self._listener(roster)
 
 
 class _SharedCounter(Counter):

@@ -151,11 +151,11 @@ async def run_moriio_cluster(
             await nursery.start(fake.serve, host)
         config = replace(config, encode_urls=tuple(Instance(f.url) for f in e))
         async with serve_proxy(config, host=host, port=proxy_port, tracing=tracing) as (url, proxy):
-            assert proxy.moriio_endpoint is not None
+            assert proxy.membership.moriio_endpoint is not None
             for fake in (*p, *d):
                 assert fake.moriio is not None
                 await nursery.start(MoriioStandIn(
-                    proxy.moriio_endpoint, "P" if fake.role == "prefill" else "D",
+                    proxy.membership.moriio_endpoint, "P" if fake.role == "prefill" else "D",
                     fake.url.removeprefix("http://"), fake.moriio.zmq_address,
                     dp_size=fake.dp_size, tp_size=fake.moriio.tp_size,
                     transfer_mode=mode).run)

@@ -36,6 +36,7 @@ from epd_trio._core.routing import (
     slot_keys,
 )
 from epd_trio._core.shared_state import Record, decode_record, encode_record
+from epd_trio._state.cursors import Follow
 
 ZERO = {"encode": 0, "prefill": 0, "decode": 0}
 
@@ -121,26 +122,56 @@ async def test_encoder_cursor_continues_after_a_registration() -> None:
     assert [i.url for i in await cursor.assign(1)] == [e[0].url]
 
 
-async def test_encoder_cursor_sees_a_change_made_during_its_counter_step() -> None:
-    """In a worker, taking the shared counter can apply another worker's change: the request
-    must then be routed over the new list (and the epoch that came with it)."""
+class Recording:
+    """A counter whose step records the roster version its value belongs to, as the shared
+    counter does (``pending``: another worker's change, captured by the next step)."""
+
+    def __init__(self) -> None:
+        self.value, self.version = 0, 0
+        self.pending: int | None = None
+
+    def fetch_add(self, n: int) -> int:
+        old, self.value = self.value, self.value + n
+        if self.pending is not None:
+            self.version, self.pending = self.pending, None
+        return old
+
+
+async def test_encoder_cursor_pulls_the_roster_its_counter_step_belongs_to() -> None:
+    """In a worker, taking the shared counter can capture another worker's change: the cursor
+    pulls it before mapping the value, so the request is routed over the new list (and the
+    epoch that came with it); with no change, nothing is pulled."""
     e = [Instance(f"http://e{i}:1") for i in range(3)]
+    counter, pulled = Recording(), []
 
-    class Syncing:
-        value = 0
-        pending: list[Instance] | None = None
+    def pull() -> None:  # the owner following the version the step recorded
+        pulled.append(counter.version)
+        cursor.update(e, (0, 1), counter.version)  # another worker's change, at counter 0
 
-        def fetch_add(self, n: int) -> int:
-            old, self.value = self.value, self.value + n
-            if self.pending is not None:
-                cursor.update(self.pending, (old, 1))  # another worker's change, at counter old
-                self.pending = None
-            return old
-
-    counter = Syncing()
-    cursor = EncoderCursor(e[:1], counter=counter)
-    counter.pending = e
+    cursor = EncoderCursor((), counter=counter, follow=Follow(lambda: counter.version, pull))
+    cursor.update(e[:1], (0, 0), version=0)
+    counter.pending = 1
     assert [i.url for i in await cursor.assign(2)] == [e[1].url, e[2].url]
+    assert pulled == [1]
+    assert [i.url for i in await cursor.assign(1)] == [e[0].url]
+    assert pulled == [1]
+
+
+def test_slot_cursor_pulls_the_roster_its_counter_step_belongs_to() -> None:
+    """The same rule for prefill and decode: the value is mapped over the list it belongs to."""
+    d = [Instance(f"http://d{i}:1") for i in range(3)]
+    counter, pulled = Recording(), []
+
+    def pull() -> None:
+        pulled.append(counter.version)
+        cursor.update(d, (0, 2), counter.version)
+
+    cursor = SlotCursor((), counter=counter, follow=Follow(lambda: counter.version, pull))
+    cursor.update(d[:1], (0, 0), version=0)
+    assert cursor.next() == (d[0], None) and pulled == []
+    counter.pending = 1
+    assert cursor.next() == (d[0], None)  # value 1 over the new list, from d2 at 0: d0
+    assert cursor.next() == (d[1], None) and pulled == [1]
 
 
 # -- registration bodies ------------------------------------------------------------------------

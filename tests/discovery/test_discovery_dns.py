@@ -60,12 +60,12 @@ def settings_for(spec: str, server: Dnsmasq, **extra: Any) -> Settings:
 
 
 def decode_urls(proxy: Proxy) -> list[str]:
-    proxy._store.poll()
+    proxy.sync()
     return [inst.url for inst in proxy.roster.of("decode")]
 
 
 def discovery_of(proxy: Proxy) -> DnsDiscovery:
-    (source,) = proxy.discovery
+    (source,) = proxy.membership.discovery
     assert isinstance(source, DnsDiscovery)
     return source
 

@@ -52,7 +52,7 @@ class Roles:
 
     def __init__(self) -> None:
         self.store = LocalRosterStore(CursorCounters.local())
-        self.store.attach(Roster(), lambda roster: None)
+        self.store.attach(Roster())
 
     def apply(self, source: str, role: str, found: Sequence[Discovered]) -> tuple[list[str], list[str]]:
         return self.store.update(lambda r, c: replace_source(r, source, role, found, c))
@@ -298,12 +298,12 @@ def proxy_settings(fake: FakeKubeApi, port: int, **extra: Any) -> Settings:
 
 
 def discovery_of(proxy: Proxy) -> KubernetesDiscovery:
-    (found,) = [s for s in proxy.discovery if isinstance(s, KubernetesDiscovery)]
+    (found,) = [s for s in proxy.membership.discovery if isinstance(s, KubernetesDiscovery)]
     return found
 
 
 def decode_urls(proxy: Proxy) -> list[str]:
-    proxy._store.poll()
+    proxy.sync()
     return [inst.url for inst in proxy.roster.of("decode")]
 
 
@@ -329,7 +329,7 @@ async def test_discovered_pods_serve_traffic_and_leave_without_a_failure(
         assert all(len(d.requests()) == 2 for d in decodes)
         fake.put(make_pod("d0", POD_ADDRESSES[0], DECODE, ready=False))
         with trio.fail_after(10):
-            await found.wait_until(lambda: len(proxy.roster.of("decode")) == 1)
+            await found.wait_until(lambda: len(decode_urls(proxy)) == 1)
         statuses += [(await client.post(CHAT, json=chat_body())).status_code for _ in range(4)]
         assert len(decodes[0].requests()) == 2 and len(decodes[1].requests()) == 6
         assert set(statuses) == {200}

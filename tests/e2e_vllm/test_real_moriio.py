@@ -86,10 +86,10 @@ async def test_vllms_own_heartbeat_registers_with_the_proxy() -> None:
     proxy = Proxy(Settings(kv_connector="moriio", moriio_registration="127.0.0.1:0"))
     async with trio.open_nursery() as nursery:
         await proxy.start(nursery)
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         heartbeat = await trio.lowlevel.open_process(
-            [sys.executable, str(folder / "moriio_heartbeat.py"), f"tcp://{proxy.moriio_endpoint}",
+            [sys.executable, str(folder / "moriio_heartbeat.py"), f"tcp://{proxy.membership.moriio_endpoint}",
              "0.1", "100"], stdin=subprocess.PIPE)
         assert heartbeat.stdin is not None
         try:

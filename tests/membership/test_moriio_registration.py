@@ -42,8 +42,8 @@ async def running_proxy(
 
 
 def stand_in(proxy: Proxy, n: int, role: str = "P", **extra: Any) -> MoriioStandIn:
-    assert proxy.moriio_endpoint is not None
-    return MoriioStandIn(proxy.moriio_endpoint, role, f"127.0.0.{n}:{8000 + n}",  # type: ignore[arg-type]
+    assert proxy.membership.moriio_endpoint is not None
+    return MoriioStandIn(proxy.membership.moriio_endpoint, role, f"127.0.0.{n}:{8000 + n}",  # type: ignore[arg-type]
                          moriio_address(f"127.0.0.{n}", 6300 + n, 61000 + n), **extra)
 
 
@@ -98,7 +98,7 @@ async def test_http_and_moriio_registrations_of_one_url_keep_each_others_fields(
         assert entry["source"] == "moriio" and entry["zmq_address"] == beat.zmq_address
         assert entry["ec_zmq_addrs"] == ec
         version = proxy.roster.version
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         seen = listener.received
         beat.beat()  # a MoRIIO heartbeat after the HTTP registration
@@ -118,11 +118,12 @@ async def test_a_silent_instance_leaves_after_the_ttl_and_a_beating_one_stays(
         await nursery.start(silent.run)
         await nursery.start(beating.run)
         await proxy.wait_roster(lambda r: len(r.members) == 2)
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         for beats in range(3):  # 9 s of virtual time, in heartbeats of 3 s
             mock_clock.jump(3.0)
             await listener.wait_until(lambda b=beats: listener.received >= 3 + b)
+        proxy.sync()  # the listener changed the roster: pull, as a request would
         assert len(proxy.roster.members) == 2
         mock_clock.jump(3.0)  # 12 s: past the TTL for the silent one only
         await proxy.wait_roster(lambda r: urls(r) == ["http://127.0.0.2:8002"])
@@ -141,9 +142,10 @@ async def test_the_first_mode_is_locked_in_and_the_other_refused_at_error_level(
         await nursery.start(stand_in(proxy, 2, "D", transfer_mode="READ").run)
         await nursery.start(stand_in(proxy, 3, "D", transfer_mode="WRITE").run)
         await proxy.wait_roster(lambda r: len(r.members) == 2)
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         await listener.wait_until(lambda: listener.received >= 3)
+        proxy.sync()  # the listener changed the roster: pull, as a request would
         assert urls(proxy.roster) == ["http://127.0.0.1:8001", "http://127.0.0.3:8003"]
         refused = [r for r in caplog.records if "127.0.0.2:8002" in r.getMessage()]
         assert [r.levelno for r in refused] == [logging.ERROR]
@@ -178,9 +180,10 @@ async def test_malformed_traffic_is_dropped_and_registration_goes_on(
         await proxy.wait_roster(lambda r: (m := r.find(url_of(bad))) is not None
                                 and m.moriio is not None and m.moriio.tp_size == 2)
         await proxy.wait_roster(lambda r: r.find(url_of(good)) is not None)
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         assert listener.dropped == len(garbage)
+        proxy.sync()  # the listener changed the roster: pull, as a request would
         assert proxy.roster.find("http://127.0.0.1:8002") is None  # never registered
         dropped = [r for r in caplog.records if "registration dropped" in r.getMessage()]
         assert len(dropped) == len(garbage)  # one line each: all different reasons
@@ -203,7 +206,7 @@ async def test_a_flood_of_garbage_costs_one_log_line_and_serving_goes_on(
         assert flood.send(msgpack.packb({**flood.payload(), "tp_size": 3}))
         await proxy.wait_roster(lambda r: r.members[0].moriio is not None
                                 and r.members[0].moriio.tp_size == 3)
-        listener = proxy.moriio_listener
+        listener = proxy.membership.moriio_listener
         assert listener is not None
         assert listener.dropped == 800
         lines = [r for r in caplog.records if "registration dropped" in r.getMessage()]
@@ -213,7 +216,7 @@ async def test_a_flood_of_garbage_costs_one_log_line_and_serving_goes_on(
 
 async def test_a_registration_port_in_use_stops_start_up_with_a_clear_error() -> None:
     async with running_proxy() as first:
-        taken = first.moriio_endpoint
+        taken = first.membership.moriio_endpoint
         assert taken is not None
         proxy = Proxy(Settings(kv_connector="moriio", moriio_registration=taken))
         async with trio.open_nursery() as nursery:

@@ -620,7 +620,7 @@ async def test_no_moriio_instance_expires_while_the_store_is_unreachable_for_lon
                                 moriio_registration="127.0.0.1:0", moriio_ttl=ttl,
                                 state_timeout=0.5) as fleet, \
                     trio.open_nursery() as beating:
-                heard = fleet[0][1].moriio_endpoint
+                heard = fleet[0][1].membership.moriio_endpoint
                 assert heard is not None
                 beats = {}
                 for role, fake in (("P", prefill), ("D", decode)):

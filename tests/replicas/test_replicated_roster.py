@@ -29,8 +29,9 @@ def make(static: Roster | None = None, seed: int = 1) -> tuple[ReplicatedRoster,
     clocks = Clocks()
     store = ReplicatedRoster(CursorCounters.local(), clock=lambda: clocks.local,
                              wall=lambda: clocks.wall, rng=random.Random(seed))
-    seen: list[Roster] = []
-    store.attach(static or Roster(), seen.append)
+    store.attach(static or Roster())
+    seen: list[Roster] = []  # the view at each wake-up of its owner (who then pulls it)
+    store.on_change = lambda: seen.append(store.seen)
     return store, seen, clocks
 
 
@@ -93,7 +94,7 @@ def test_a_delete_from_another_replica_removes_a_static_instance_too() -> None:
     before = len(seen)
     store.apply_delete("http://s:1")
     assert [i.url for i in store.current().of("decode")] == ["http://t:1"]
-    assert len(seen) == before + 1  # routing changed: the proxy was told
+    assert len(seen) == before + 1  # routing changed: the owner was woken
 
 
 def test_a_snapshot_replaces_the_registered_members_but_pending_writes_win() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 import pytest
 
@@ -11,12 +9,7 @@ from epd_trio import Instance, Settings
 from epd_trio._proxy import Proxy
 from epd_trio._state.roster_store import RosterFull, SharedRoutingState
 
-
-def second_view(state: SharedRoutingState) -> SharedRoutingState:
-    """What a spawned worker gets: the same shared memory, its own per-process part."""
-    other: Any = SharedRoutingState.__new__(SharedRoutingState)
-    other.__setstate__(state.__getstate__())
-    return other
+from helpers import second_view
 
 
 def registration(role: str, url: str) -> bytes:
@@ -32,10 +25,10 @@ async def test_a_registration_reaches_the_other_worker_exactly() -> None:
     assert a.register(registration("encode", urls[0]))
     assert not a.register(registration("encode", urls[0]))  # idempotent, through the same area
     assert b.roster.version == 0 and not b.registry.has("decode")  # b has not looked yet
-    b._store.poll()  # what every request does first: one word read
+    b.sync()  # what every request does first: one word read
     assert b.roster.version == a.roster.version == 2 and b.registry.has("decode")
     assert a.register(registration("encode", urls[1]))
-    # b has not polled since: taking the counter is where it notices, so the counter value
+    # b has not pulled since: taking the counter is where it notices, so the counter value
     # and the instance list it routes over belong together, and both workers share one rotation.
     picks = []
     for proxy in (b, a, b, b, a):
@@ -47,7 +40,7 @@ async def test_a_registration_reaches_the_other_worker_exactly() -> None:
     picks = [(await p.encoders.assign(1))[0].url for p in (a, b, a, a)]
     assert picks == [urls[1], urls[2], urls[0], urls[1]]
     assert a.unregister(urls[1] + "/") and not b.unregister(urls[1])
-    b._store.poll()
+    b.sync()
     assert [i.url for i in b.roster.of("encode")] == [urls[0], urls[2]]
 
 
