@@ -162,6 +162,7 @@ class Feed:
         if seq == 0:
             self.expected = 1
             return Step(Action.APPLY, Reset.FRESH)
+        self.gaps += 1  # seq 0 .. seq - 1 were missed
         if self.has_replay:
             self._start_replay(0, held=seq)
             # After a restart our entries describe the old process: drop them now, not after

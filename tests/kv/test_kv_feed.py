@@ -20,7 +20,7 @@ SCENARIOS = {
     ], {}),
     "started late, no replay": (False, [
         ("received", 5, LOST), ("received", 6, APPLY),
-    ], {"losses": 1}),
+    ], {"losses": 1, "gaps": 1}),
     "a gap, no replay": (False, [
         ("received", 0, FRESH), ("received", 1, APPLY), ("received", 3, LOST), ("received", 4, APPLY),
     ], {"gaps": 1, "losses": 1}),
@@ -30,7 +30,7 @@ SCENARIOS = {
     ], {"restarts": 1}),
     "a restart seen late, no replay": (False, [
         ("received", 0, FRESH), ("received", 5, LOST), ("received", 3, LOST), ("received", 4, APPLY),
-    ], {"restarts": 1, "gaps": 1, "losses": 2}),
+    ], {"restarts": 1, "gaps": 2, "losses": 2}),
     "late start, the replay holds everything": (True, [
         ("begin", None, 0), ("replayed", 0, FRESH), ("replayed", 1, APPLY), ("replayed", 2, APPLY),
         ("replay_ended", None, SKIP), ("received", 2, SKIP), ("received", 3, APPLY),
@@ -46,7 +46,7 @@ SCENARIOS = {
         ("begin", None, 0), ("replay_ended", None, EMPTY), ("received", 2, REPLAY),
         ("replayed", 0, FRESH), ("replayed", 1, APPLY), ("replayed", 2, APPLY),
         ("replay_ended", None, SKIP), ("received", 3, APPLY),
-    ], {"replays": 2, "duplicates": 1}),
+    ], {"replays": 2, "duplicates": 1, "gaps": 1}),
     "a gap the replay fills": (True, [
         ("begin", None, 0), ("replay_ended", None, EMPTY), ("received", 0, FRESH),
         ("received", 1, APPLY), ("received", 4, REPLAY), ("replayed", 2, APPLY),
@@ -76,7 +76,7 @@ SCENARIOS = {
         ("received", 1, Step(Action.REPLAY, Reset.LOST)),  # our entries are the old process's
         ("replayed", 0, FRESH), ("replayed", 1, APPLY), ("replay_ended", None, SKIP),
         ("received", 2, APPLY),
-    ], {"restarts": 1, "replays": 2, "duplicates": 1}),
+    ], {"restarts": 1, "replays": 2, "duplicates": 1, "gaps": 1}),
     "a batch that does not decode": (False, [
         ("received", 0, FRESH), ("malformed", None, Step(Action.SKIP, Reset.LOST)),
         ("received", 1, APPLY),
