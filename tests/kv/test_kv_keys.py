@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from kv_helpers import BLOCK, prompt
 
+import epd_trio._kv.keys as keys_module
 from epd_trio._kv.keys import (
     ROOT_KEY,
     MediaFeature,
@@ -88,13 +89,17 @@ def test_request_keys_refuses_a_block_size_of_zero() -> None:
 
 def test_keys_are_the_same_in_another_process_with_another_hash_seed() -> None:
     """str and bytes hashes are salted per process; our keys must not be (a shared index)."""
-    code = ("import json; from epd_trio._kv.keys import MediaFeature, request_keys; "
-            "print(json.dumps(request_keys(list(range(40)), 4, lora_name='sql', cache_salt='s', "
-            "media=[MediaFeature('img', 5, 9)])))")
+    # keys.py alone (it imports only the standard library and msgpack), not the whole package.
+    code = ("import importlib.util, json, sys; "
+            "spec = importlib.util.spec_from_file_location('keys', sys.argv[1]); "
+            "keys = sys.modules['keys'] = importlib.util.module_from_spec(spec); "
+            "spec.loader.exec_module(keys); "
+            "print(json.dumps(keys.request_keys(list(range(40)), 4, lora_name='sql', "
+            "cache_salt='s', media=[keys.MediaFeature('img', 5, 9)])))")
     here = request_keys(list(range(40)), 4, lora_name="sql", cache_salt="s",
                         media=[MediaFeature("img", 5, 9)])
     for seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                             text=True, check=True).stdout
+        out = subprocess.run([sys.executable, "-c", code, keys_module.__file__], env=env,
+                             capture_output=True, text=True, check=True).stdout
         assert json.loads(out) == here
