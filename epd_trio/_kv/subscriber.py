@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -113,9 +113,7 @@ class SlotSubscriber:
                     log.error("KV events of %s: cannot subscribe to %s: %s", self.source.slot,
                               self.source.endpoint, refused)
                     await trio.sleep_forever()
-                start = self.feed.begin()
-                if start is not None:
-                    self._follow(await self._replay(start), None)
+                await self._catch_up()
                 await self._receive_loop(sub)
         finally:
             sub.close(linger=0)
@@ -124,6 +122,17 @@ class SlotSubscriber:
     def stop(self) -> None:
         """End ``run`` (at once if it has not started yet)."""
         self._scope.cancel()
+
+    async def _catch_up(self) -> None:
+        """Start: ask the replay socket (if any) for all it holds, from seq 0."""
+        start = self.feed.begin()
+        if start is None:
+            return
+        try:
+            self._follow(await self._replay(start), None)
+        except Exception:  # a bug: as in the receive loop
+            log.exception("KV events of %s: unexpected error in the first replay", self.source.slot)
+            self._recover()
 
     async def _receive_loop(self, sub: zmq.Socket[bytes]) -> None:
         fd = sub.getsockopt(zmq.FD)
@@ -327,11 +336,11 @@ class KvEvents:
                 await self._nursery.start(subscriber.run)
         self._changed()
 
-    def match(self, keys: list[int]) -> dict[Slot, int]:
+    def match(self, keys: Sequence[int]) -> dict[Slot, int]:
         """``KvIndex.match`` at this owner's time."""
         return self.index.match(keys, self._clock())
 
-    def speculate(self, slot: Slot, keys: list[int]) -> None:
+    def speculate(self, slot: Slot, keys: Sequence[int]) -> None:
         """``KvIndex.speculate`` at this owner's time."""
         self.index.speculate(slot, keys, self._clock())
 
