@@ -58,6 +58,7 @@ DEFAULT_MAX_BLOCKS_PER_SLOT = 262_144
 DEFAULT_REBUILD_WINDOW = 30.0
 DEFAULT_SPECULATION_TTL = 2.0
 DEFAULT_MEDIA = frozenset({"GPU", None})
+_MAX_MEMO_MASKS = 4096
 
 
 class Trust(enum.Enum):
@@ -119,6 +120,7 @@ class KvIndex:
         self._expiries: deque[tuple[float, _Slot, Sequence[int]]] = deque()
         self._exact = 0                          # bitmask of the exact slots
         self._next_promotion = float("inf")
+        self._slots_of_mask: dict[int, tuple[Slot, ...]] = {}
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class KvIndex:
         state = _Slot(slot, bit)
         self._slots[slot] = state
         self._by_bit[bit] = state
+        self._slots_of_mask.clear()
 
     def drop_slot(self, slot: Slot) -> None:
         """Forget a slot (it left the roster, or its subscriber stopped). Unknown: nothing."""
@@ -140,6 +143,7 @@ class KvIndex:
         self._exact &= ~(1 << state.bit)
         del self._by_bit[state.bit]
         self._free_bits.append(state.bit)
+        self._slots_of_mask.clear()
 
     def slots(self) -> list[Slot]:
         return list(self._slots)
@@ -302,11 +306,25 @@ class KvIndex:
         return matched
 
     def _record(self, matched: dict[Slot, int], bits: int, depth: int) -> None:
-        tokens = depth * self.block_size
-        while bits:
-            low = bits & -bits
-            matched[self._by_bit[low.bit_length() - 1].slot] = tokens
-            bits ^= low
+        slots = self._slots_of_mask.get(bits)
+        if slots is None:
+            slots = self._slots_of(bits)
+        matched.update(dict.fromkeys(slots, depth * self.block_size))
+
+    def _slots_of(self, bits: int) -> tuple[Slot, ...]:
+        # Memoised: the same few masks (all slots, the slots of one instance...) recur in every
+        # decision, and building the tuple bit by bit cost more than the key walk. Cleared when
+        # a bit changes owner; bounded (16 slots make 65536 masks).
+        if len(self._slots_of_mask) >= _MAX_MEMO_MASKS:
+            self._slots_of_mask.clear()
+        slots = []
+        rest = bits
+        while rest:
+            low = rest & -rest
+            slots.append(self._by_bit[low.bit_length() - 1].slot)
+            rest ^= low
+        self._slots_of_mask[bits] = found = tuple(slots)
+        return found
 
     def speculate(self, slot: Slot, keys: Sequence[int], now: float) -> None:
         """The request with these keys was routed to ``slot``: count them held there until a
