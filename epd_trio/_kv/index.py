@@ -26,12 +26,15 @@ only the hit):
   (``lost``: entries dropped). Only exact slots report matches; the others count as holding
   nothing, so a policy can tell "no slot holds it" from "no slot is known".
 - Rebuild: a degraded slot indexes the blocks stored after the loss (and sees their removal),
-  so it never over-counts; what it misses are blocks cached before the loss and still hit,
-  which vLLM does not report again. It becomes exact after ``rebuild_window`` seconds without a
-  further loss: by then the prefixes in current use have mostly been stored again or evicted,
-  and an under-count is the only remaining error. The window restarts at each loss; 30 s by
-  default, about the turnover of a busy engine's cache, and configurable. (A rebuild that is
-  exact at once would take resetting the engine's prefix cache: not the proxy's call.)
+  so it never over-counts. What it misses are blocks cached before the loss: vLLM reports a
+  block when it is stored, not when it is hit, so a prefix that stays hot (a shared system
+  prompt) stays missing, with every block chained after it (orphans), until the engine evicts
+  and recomputes it. No window makes such a slot exact; ``rebuild_window`` (30 s by default,
+  configurable, a guess rather than a measurement) only bounds how long the slot is ignored
+  entirely, after which it counts as exact and under-counts those prefixes: routing then leans
+  away from it for them, never towards it wrongly. The window restarts at each loss. The cure
+  is not to lose events: configure the replay endpoint (vLLM keeps 10,000 batches), or reset
+  the engine's prefix cache, which is not the proxy's call.
 - Speculation: after routing a request to a slot, ``speculate`` marks its keys held there for
   ``speculation_ttl`` (2 s by default, beyond an event's usual delay) so a burst of one prefix
   follows the first request before the engine reports the blocks. A real BlockStored of the key
