@@ -36,7 +36,7 @@ only the hit):
   is not to lose events: configure the replay endpoint (vLLM keeps 10,000 batches), or reset
   the engine's prefix cache, which is not the proxy's call.
 - Speculation: after routing a request to a slot, ``speculate`` marks its keys held there for
-  ``speculation_ttl`` (2 s by default, beyond an event's usual delay) so a burst of one prefix
+  ``speculation_ttl`` (2 s by default, the issue's figure) so a burst of one prefix
   follows the first request before the engine reports the blocks. A real BlockStored of the key
   replaces it; expiry, ``lost``, ``fresh``, AllBlocksCleared and dropping the slot remove it.
 
