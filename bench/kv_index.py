@@ -93,7 +93,7 @@ def decisions(args: argparse.Namespace) -> dict[str, object]:
         cpu_begin = cpu_clock()
         begin = clock()
         matched = index.match(keys, 1.0)
-        best = max(matched.items(), key=lambda item: item[1]) if matched else None
+        best = max(matched, key=matched.__getitem__) if matched else None  # the longest match
         end = clock()
         cpu_timings.append((cpu_clock() - cpu_begin) / 1000)
         timings.append((end - begin) / 1000)
