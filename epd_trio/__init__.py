@@ -8,6 +8,7 @@ may import only the rooms below it that its ``__init__`` names; ``tests/test_lay
     _observe     metrics, request logs and traces, fed from one account per leg
     _discovery   instances found by DNS names and Kubernetes selectors
     _admission   whether a client request may start now
+    _kv          the KV index fed by vLLM's KV cache events
     _upstream    every call to vLLM and the connection pools under it
     _replicas    what replicas share through Redis
     _membership  who is in the roster: its one owner (registrations, discovery, MoRIIO, expiry)

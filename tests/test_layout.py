@@ -163,6 +163,7 @@ IMPORT_RULES: dict[str, set[str]] = {
     "_observe": {"_core"},
     "_discovery": {"_core"},
     "_admission": {"_core"},
+    "_kv": {"_core"},
     "_upstream": {"_core", "_state"},
     "_replicas": {"_core", "_state", "_observe"},
     "_membership": {"_core", "_state", "_upstream", "_observe", "_discovery", "_replicas"},

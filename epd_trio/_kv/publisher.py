@@ -144,7 +144,7 @@ class KvEventPublisher:
         self.replays_served += 1
 
     def _drain(self, sock: zmq.Socket[bytes], handle: _Handler) -> None:
-        # Drain before any wait: zmq.FD signals edges only (see _moriio_listener.py).
+        # Drain before any wait: zmq.FD signals edges only (see _membership/moriio_listener.py).
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)

@@ -4,7 +4,7 @@ Per slot, a SUB socket connected to the engine's PUB (``wire.rank_endpoint``: th
 port plus the DP rank), subscribed to the configured topic, and, when the engine has one, a
 DEALER to its replay ROUTER. ``feed.Feed`` decides what each batch means; this module only moves
 frames and applies the steps to the shared ``index.KvIndex``. pyzmq has no trio integration, so
-each socket is driven from its ``zmq.FD`` as ``_moriio_listener.py`` does: drain while
+each socket is driven from its ``zmq.FD`` as ``_membership/moriio_listener.py`` does: drain while
 ``zmq.EVENTS`` says ``POLLIN``, then wait on the (edge-triggered) descriptor. No thread: the
 index is touched only on the loop, so it needs no lock.
 
