@@ -48,6 +48,7 @@ from ._core.policies import prefix_hint, prompt_text
 from ._core.rewrite import parse_request, upstream_headers, with_item_uuids
 from ._core.routing import Instance
 from ._handoff import HandOff, choose_handoff
+from ._kv_routing import KvRouting
 from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
 from ._state.cursors import EncoderCursor, SlotCursor, choose_slot
@@ -114,8 +115,18 @@ class Pipeline:
         moriio_peer: PeerOf | None = None,
         transfer_mode: ModeOf | None = None,
         ec_zmq_addrs: Callable[[Instance], tuple[str, ...]] | None = None,
+        kv: KvRouting | None = None,
     ) -> None:
         self.settings = settings
+        #: The KV index and the render call (``precise_cache_aware``, the prefill bypass).
+        self.kv = kv
+        #: The stages routed on the index, and those whose policy wants a prompt hint.
+        policies = {"prefill": settings.prefill_policy, "decode": settings.decode_policy}
+        self.precise = frozenset(stage for stage, name in policies.items()
+                                 if name == "precise_cache_aware" and kv is not None)
+        self.hinted = bool(self.precise) or "cache_aware" in policies.values()
+        #: Decode alone when its slot holds all but this many of the prompt's tokens (0: off).
+        self.bypass_threshold = settings.pd_uncached_token_threshold
         #: A push (Mooncake) encoder-cache consumer's addresses, one per DP rank.
         self.ec_addrs = ec_zmq_addrs or (lambda inst: ())
         #: MoRIIO: legs go only to instances that registered over ZMQ (their address is in the
@@ -172,7 +183,7 @@ class RequestRun:
     open stream). Its helpers are the legs every hand-off is made of (``_handoff``)."""
 
     __slots__ = ("_decode_load", "_decode_size", "account", "attempts", "body", "committed",
-                 "encode", "hint", "items", "path", "pipeline", "prefills_tried", "relay",
+                 "encode", "hint", "items", "kv", "path", "pipeline", "prefills_tried", "relay",
                  "request", "request_id", "size", "stream_leg", "with_prefill")
 
     def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
@@ -209,9 +220,10 @@ class RequestRun:
         #: The client's body with each item's uuid (what decode gets after a prefill).
         self.body, self.items = body, items = with_item_uuids(request)
         pipeline = self.pipeline
-        routes = pipeline.routes
-        self.hint = (prefix_hint(prompt_text(body)) if "cache_aware" in (
-            routes.prefills.policy.name, routes.decodes.policy.name) else None)
+        self.hint = prefix_hint(prompt_text(body)) if pipeline.hinted else None
+        #: What the engines hold of this prompt (None: no index, or no render in time).
+        self.kv = (None if pipeline.kv is None
+                   else await pipeline.kv.lookup(self.path, body, self.request_id))
         self.size = requested_tokens(body) if pipeline.settings.size_tiebreak else 0
         registry = pipeline.registry
         if not registry.has("decode"):
@@ -233,7 +245,7 @@ class RequestRun:
         attempts = self.attempts
         leg_id = self.request_id if not attempts else f"{self.request_id}-retry{attempts}"
         self.attempts = attempts + 1
-        handoff = self.pipeline.handoff(self.with_prefill)
+        handoff = self.pipeline.handoff(self.with_prefill and not self._bypass(slot))
         # The decode slot is counted from its choice (this attempt starts right after it,
         # with no checkpoint between), through the prefill, until the stream ends.
         loads, key = self.pipeline.routes.loads, (slot[0].url, slot[1])
@@ -255,8 +267,27 @@ class RequestRun:
         pipeline = self.pipeline
         routes = pipeline.routes
         cursor = routes.decodes if stage == "decode" else routes.prefills
-        return await choose_slot(cursor, pipeline.registry.usable(stage), self.hint, tried,
+        kv = self.kv if stage in pipeline.precise else None
+        slot = await choose_slot(cursor, pipeline.registry.usable(stage),
+                                 self.hint if kv is None else kv.cached, tried,
                                  routable=pipeline.routable, any_slot=any_slot)
+        if kv is not None and slot is not None and pipeline.kv is not None:
+            pipeline.kv.decided(stage, (slot[0].url, slot[1]), kv, self.account)
+        return slot
+
+    def _bypass(self, slot: Slot) -> bool:
+        """Whether this attempt skips the prefill leg: its decode slot already holds all but
+        ``EPD_PD_UNCACHED_TOKEN_THRESHOLD`` of the prompt (the index says so only for an exact
+        slot). Not with MoRIIO, whose decode waits for a prefill's transfer."""
+        pipeline, kv = self.pipeline, self.kv
+        if (not pipeline.bypass_threshold or kv is None or not self.with_prefill
+                or pipeline.peer is not None):
+            return False
+        key = (slot[0].url, slot[1])
+        if key not in kv.cached.held or kv.cached.uncached(key) > pipeline.bypass_threshold:
+            return False
+        self.account.prefill_bypassed()
+        return True
 
     def moriio_peer(self, instance: Instance) -> MoriioPeer | None:
         """``instance``'s MoRIIO side (None: it is not registered over ZMQ)."""

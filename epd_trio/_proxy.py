@@ -32,6 +32,7 @@ from ._core.names import ROLES, STAGES, RequestKind
 from ._core.policies import Balance, StagePolicy
 from ._core.roster import Roster, layout_name
 from ._core.routing import Instance
+from ._kv_routing import KvRouting
 from ._membership.roster_owner import Membership
 from ._observe.accounting import Accounting
 from ._observe.metrics import ProxyMetrics
@@ -89,7 +90,8 @@ class Proxy:
             counters, store, load_table = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
-        self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated)
+        self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated,
+                                    kv_index=reads_kv_index(settings))
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
         #: In-flight requests per stage and slot: what the load-aware policies read.
@@ -121,8 +123,13 @@ class Proxy:
                                   sizes=(partial(self.loads.read, DECODE_TOKENS)
                                          if settings.size_tiebreak else None),
                                   global_cursor=cursor_of["decode"], follow=follow)
+        #: The KV index and the render call, when a policy or the prefill bypass reads them.
+        self.kv: KvRouting | None = None
+        if reads_kv_index(settings):
+            self.kv = KvRouting(settings, pools=self.client, metrics=self.metrics,
+                                render_targets=self._render_targets)
         self.pipeline = Pipeline(
-            settings, pools=self.client,
+            settings, pools=self.client, kv=self.kv,
             routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
             registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log,
@@ -163,6 +170,21 @@ class Proxy:
         for client in (self._upstream, self._probe_client):
             if client is not None:
                 client.follow(m.instance for m in roster.members)
+        if self.kv is not None:
+            self.kv.follow(roster)
+
+    def _render_targets(self) -> list[Instance]:
+        """Where a request is rendered into token ids: ``EPD_RENDER_URLS``, else the live
+        instances of the stages the index routes (prefill first: it renders the prompt anyway)."""
+        listed = self.settings.listed("render")
+        if listed:
+            return list(listed)
+        for stage in ("prefill", "decode"):
+            usable = self.registry.usable(stage)
+            found = [inst for inst in self.roster.of(stage) if usable(inst)]
+            if found:
+                return found
+        return []
 
     async def wait_roster(self, predicate: Callable[[Roster], bool]) -> None:
         """Wait until ``predicate(roster)`` holds (pulled and re-checked at each change the
@@ -216,6 +238,10 @@ class Proxy:
                   "worker_pid": os.getpid(), "instances": listing, "dns_names": names}
         if self.state is not None:
             report.update(replica=self.state.replica_id, state=self.state.describe())
+        if self.kv is not None:
+            # Each worker's own view, like health: every process subscribes on its own.
+            report["kv_index"] = [{"url": url, "rank": rank, **entry}
+                                  for (url, rank), entry in self.kv.report().items()]
         return report
 
     def client(self, instance: Instance) -> UpstreamPool:
@@ -267,6 +293,8 @@ class Proxy:
                     self.registry, interval=self.settings.health_interval,
                     before_round=self.sync))
                 nursery.start_soon(self._housekeeping)
+                if self.kv is not None:
+                    await nursery.start(self.kv.run)
                 if self.state is not None:
                     await nursery.start(self.state.run)
                 if self.settings.load_scrape_interval > 0:
@@ -293,6 +321,8 @@ class Proxy:
             self.membership.expire(self.registry.evicted())
             self.sync()  # a housekeeping round pulls: what expired leaves before the reaping
             await self.reap_clients()
+            if self.kv is not None:
+                self.kv.publish_stats()
 
     async def aclose(self) -> None:
         self.membership.close()
@@ -365,6 +395,12 @@ class Proxy:
         targets = [(m.role, m.instance) for m in self.roster.members]
         return await run_profile(action, raw_body, targets, self.client,
                                  deadline=self.settings.profile_timeout)
+
+
+def reads_kv_index(settings: Settings) -> bool:
+    """Whether a policy or the prefill bypass reads the KV index (else none is made)."""
+    return (settings.pd_uncached_token_threshold > 0 or "precise_cache_aware" in (
+        settings.prefill_policy, settings.decode_policy))
 
 
 def stage_policy(settings: Settings, stage: str) -> StagePolicy:

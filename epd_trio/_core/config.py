@@ -81,7 +81,7 @@ class Settings:
     #: Where ``precise_cache_aware`` renders a request into its token ids (vLLM's
     #: ``/v1/chat/completions/render``: ``vllm serve --enable-scale-out`` or ``vllm launch
     #: render``). Empty: on the instances of the stage being routed.
-    render_urls: tuple[Instance | DnsName, ...] = ()
+    render_urls: tuple[Instance, ...] = ()
     #: Seconds a render call may take; slower (or failed) renders route that request by
     #: ``cache_aware`` instead, never fail it.
     render_timeout: float = 0.5
@@ -91,6 +91,9 @@ class Settings:
     pd_uncached_token_threshold: int = 0
     #: Blocks the KV index keeps per slot, oldest out first (about 100 bytes each).
     kv_index_blocks: int = 1_000_000
+    #: The engines' KV cache block size in tokens (``vllm serve --block-size``): the index keys
+    #: a prompt by its full blocks of this size, and skips events of another size.
+    kv_block_size: int = 16
     #: Seconds between two scrapes of each instance's ``/metrics`` for its running and waiting
     #: requests (load other proxies and clients create); 0 = off, the proxy's own counts only.
     load_scrape_interval: float = 0.0
@@ -330,6 +333,14 @@ def _instances(raw: Any) -> tuple[Instance | DnsName, ...]:
     return parsed
 
 
+def _plain_instances(raw: Any) -> tuple[Instance, ...]:
+    """URLs of instances named one by one (no DNS name to expand)."""
+    parsed = _instances(raw)
+    if any(not isinstance(item, Instance) for item in parsed):
+        raise ValueError("expected http:// or https:// URLs (DNS names are not expanded here)")
+    return parsed  # type: ignore[return-value]
+
+
 def _non_negative_int(raw: Any) -> int:
     value = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
     if value is None and isinstance(raw, str) and raw.strip().isdigit():
@@ -542,10 +553,11 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cache_size": _positive_int,
     "kv_events_port": _optional_port,
     "kv_events_replay_port": _optional_port,
-    "render_urls": _instances,
+    "render_urls": _plain_instances,
     "render_timeout": _seconds,
     "pd_uncached_token_threshold": _non_negative_int,
     "kv_index_blocks": _positive_int,
+    "kv_block_size": _positive_int,
     "load_scrape_interval": _non_negative_seconds,
     "connect_timeout": _seconds,
     "encode_timeout": _seconds,

@@ -120,6 +120,12 @@ class RequestTrace:
     retries: int = 0
     #: Prefill answered without ``kv_transfer_params`` (decode recomputed the prefill).
     kv_missing: bool = False
+    #: Routed on the KV index: ``{stage: (the chosen slot's trust state, its cached tokens)}``,
+    #: and the prompt's tokens (0: no lookup, or none in time).
+    kv_decisions: dict[str, tuple[str, int]] | None = None
+    prompt_tokens: int = 0
+    #: Decode alone: its slot held all but EPD_PD_UNCACHED_TOKEN_THRESHOLD of the prompt.
+    prefill_bypassed: bool = False
     #: ``perf_counter()`` when the reply's first bytes were ready (None: no reply yet).
     first_byte: float | None = None
     #: None until something other than success happened (see ``OUTCOMES``).
@@ -199,6 +205,12 @@ def request_fields(trace: RequestTrace, finished: float) -> dict[str, Any]:
     }
     if trace.kv_missing:
         fields["kv_transfer_params_missing"] = True
+    if trace.kv_decisions:
+        fields["kv_index"] = {"prompt_tokens": trace.prompt_tokens, **{
+            stage: {"trust": trust, "cached_tokens": tokens}
+            for stage, (trust, tokens) in trace.kv_decisions.items()}}
+    if trace.prefill_bypassed:
+        fields["prefill_bypassed"] = True
     if trace.cancelled_stage is not None:
         fields["cancelled_stage"] = trace.cancelled_stage
     if trace.error is not None:

@@ -202,6 +202,21 @@ class RequestAccount:
         if self.spans.recording:
             self.trace.usage = usage_of(data)
 
+    def prefill_bypassed(self) -> None:
+        """This attempt goes to decode alone (it holds the prompt: ``EPD_PD_UNCACHED_TOKEN_
+        THRESHOLD``)."""
+        self.acc.metrics.prefill_bypassed()
+        self.trace.prefill_bypassed = True
+
+    def kv_decided(self, stage: str, trust: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A slot of ``stage`` was chosen on the KV index (its trust state and cached tokens)."""
+        self.acc.metrics.kv_decision(stage, trust, prompt_tokens, cached_tokens)
+        trace = self.trace
+        trace.prompt_tokens = prompt_tokens
+        if trace.kv_decisions is None:
+            trace.kv_decisions = {}
+        trace.kv_decisions[stage] = (trust, cached_tokens)
+
     def kv_missing(self) -> None:
         """Prefill answered without ``kv_transfer_params`` (decode recomputes the prefill)."""
         self.acc.metrics.kv_missing()

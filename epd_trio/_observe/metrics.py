@@ -45,6 +45,8 @@ from .._core.names import STAGES
 from .._core.trace import outcome_of
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: The KV index's trust states, as its metrics and ``GET /instances`` name them.
+TRUST_STATES = ("exact", "degraded", "fallback")
 
 # No ``*_created`` series: one per counter and histogram child, they double the series count and
 # say only when the process started counting, which ``process_start_time_seconds`` already does.
@@ -53,6 +55,12 @@ disable_created_metrics()
 #: Seconds; prefill of a long prompt and a long generation take minutes, so the buckets go to 10.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                    120.0, 300.0, 600.0)
+
+#: Seconds of a render call (bounded by EPD_RENDER_TIMEOUT, 0.5 s by default).
+FAST_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+#: Seconds of the proxy's own lookup: tens of microseconds.
+DECISION_BUCKETS = (1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3)
+
 
 class _Off:
     """Stands in for every metric and child when metrics are disabled."""
@@ -68,6 +76,9 @@ class _Off:
 
     def set(self, value: float) -> None:
         pass
+
+    def remove(self, *_: Any) -> None:
+        return None
 
     def observe(self, amount: float) -> None:
         pass
@@ -97,8 +108,11 @@ class ProxyMetrics:
         enabled: bool = True,
         instances: Iterable[InstanceState] = (),
         shared_state: bool = False,
+        kv_index: bool = False,
     ) -> None:
-        """``shared_state``: export the state store's metrics (only with ``EPD_STATE_URL``)."""
+        """``shared_state``: export the state store's metrics (only with ``EPD_STATE_URL``);
+        ``kv_index``: the KV index's and the render call's (only when a policy or the prefill
+        bypass reads the index)."""
         self.enabled = enabled
         self.multiprocess = enabled and bool(os.environ.get(MULTIPROC_ENV))
         self.registry: CollectorRegistry | None = None
@@ -170,6 +184,42 @@ class ProxyMetrics:
             Counter, "epd_trio_global_cursor_fallbacks",
             "Routing decisions that used the replica's own cursor instead of the global one",
             ["stage"])
+        kv_metric = metric if kv_index else (lambda *_, **__: _OFF)
+        self._render = kv_metric(
+            Histogram, "epd_trio_kv_render_seconds",
+            "Render calls (a request's token ids from vLLM), by outcome (ok, error, timeout)",
+            ["outcome"], buckets=FAST_BUCKETS)
+        self._lookup = kv_metric(
+            Histogram, "epd_trio_kv_lookup_seconds",
+            "The proxy's own cost of one KV index lookup: block keys and the prefix match",
+            buckets=DECISION_BUCKETS)
+        self._kv_prompt = kv_metric(
+            Counter, "epd_trio_kv_prompt_tokens",
+            "Prompt tokens of the decisions made on the KV index, by stage", ["stage"])
+        self._kv_cached = kv_metric(
+            Counter, "epd_trio_kv_predicted_cached_tokens",
+            "Of those, the tokens the chosen slot held in full blocks, by stage", ["stage"])
+        self._kv_decisions = kv_metric(
+            Counter, "epd_trio_kv_decisions",
+            "Decisions made on the KV index, by stage and the chosen slot's trust state",
+            ["stage", "trust"])
+        self._bypassed = kv_metric(
+            Counter, "epd_trio_prefill_bypassed",
+            "Requests sent to decode alone: it held all but EPD_PD_UNCACHED_TOKEN_THRESHOLD "
+            "of the prompt")
+        self._kv_blocks = kv_metric(
+            Gauge, "epd_trio_kv_index_blocks", "Blocks the KV index holds for the slot",
+            ["upstream", "rank"], multiprocess_mode="livemax")
+        self._kv_trust = kv_metric(
+            Gauge, "epd_trio_kv_slot_trust",
+            "1 for the slot's trust state (exact, degraded, fallback), 0 for the others",
+            ["upstream", "rank", "state"], multiprocess_mode="livemax")
+        self._kv_counts = {name: kv_metric(
+            Gauge, f"epd_trio_kv_{name}", doc, ["upstream", "rank"], multiprocess_mode="livemax")
+            for name, doc in (("events", "KV cache events applied to the slot's index"),
+                              ("gaps", "Sequence gaps seen in the slot's events"),
+                              ("replays", "Replays asked of the slot's replay socket"))}
+        self._kv_slots: set[tuple[str, str]] = set()
         # Children cached by label values (see "Cost" above).
         self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
         #: The instances in the roster now (``set_members``).
@@ -239,6 +289,40 @@ class ProxyMetrics:
 
     def client_cancelled(self, stage: str) -> None:
         self._per_stage[stage][2].inc()
+
+    def rendered(self, outcome: str, seconds: float) -> None:
+        self._render.labels(outcome).observe(seconds)
+
+    def looked_up(self, seconds: float) -> None:
+        self._lookup.observe(seconds)
+
+    def kv_decision(self, stage: str, trust: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self._kv_decisions.labels(stage, trust).inc()
+        self._kv_prompt.labels(stage).inc(prompt_tokens)
+        self._kv_cached.labels(stage).inc(cached_tokens)
+
+    def prefill_bypassed(self) -> None:
+        self._bypassed.inc()
+
+    def kv_slots(self, slots: Iterable[tuple[str, str, str, int, dict[str, int]]]) -> None:
+        """Every followed slot's index state: ``(url, rank, trust, blocks, counts)``; the series
+        of slots no longer followed are removed (not on the hot path: housekeeping)."""
+        seen = set()
+        for url, rank, trust, blocks, counts in slots:
+            seen.add((url, rank))
+            self._kv_blocks.labels(url, rank).set(blocks)
+            for state in TRUST_STATES:
+                self._kv_trust.labels(url, rank, state).set(1 if state == trust else 0)
+            for name, gauge in self._kv_counts.items():
+                gauge.labels(url, rank).set(counts.get(name, 0))
+        for url, rank in self._kv_slots - seen:
+            with contextlib.suppress(KeyError):
+                self._kv_blocks.remove(url, rank)
+                for gauge in self._kv_counts.values():
+                    gauge.remove(url, rank)
+                for state in TRUST_STATES:
+                    self._kv_trust.remove(url, rank, state)
+        self._kv_slots = seen
 
     def kv_missing(self) -> None:
         self._kv_missing.inc()

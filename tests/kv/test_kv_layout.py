@@ -10,7 +10,7 @@ from test_layout import imported_modules
 import epd_trio._kv
 
 KV = pathlib.Path(epd_trio._kv.__file__).parent
-PURE = {"wire", "keys", "index", "feed"}
+PURE = {"wire", "keys", "index", "feed", "prompt"}
 SHELL = {"subscriber", "publisher"}
 #: Third-party modules each kind may import besides the standard library.
 PURE_THIRD_PARTY = {"msgpack"}
