@@ -281,6 +281,39 @@ def documented_metrics() -> dict[str, tuple[str, set[str]]]:
 
 #: The families only a replica with a shared state store exports (their own table).
 STATE_METRICS = ("epd_trio_state_", "epd_trio_global_cursor_")
+#: The KV index's families (only with precise_cache_aware or the prefill bypass on).
+KV_METRICS = ("epd_trio_kv_", "epd_trio_prefill_bypassed")
+
+
+async def test_metrics_page_lists_what_the_kv_index_adds(client: httpx.AsyncClient) -> None:
+    async with run_cluster(prefills=1, decodes=1, prefill_policy="precise_cache_aware") as c:
+        metrics = c.proxy.metrics  # a sample of each family, to read its labels from
+        metrics.rendered("ok", 0.01)
+        metrics.looked_up(2e-5)
+        metrics.kv_decision("prefill", "exact", 64, 32)
+        metrics.prefill_bypassed()
+        metrics.kv_slots([("http://p0:8000", "", "exact", 3,
+                           {"events": 1, "gaps": 0, "replays": 0})])
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    check_family_rows(text, KV_METRICS)
+
+
+def check_family_rows(text: str, prefixes: tuple[str, ...]) -> None:
+    """The families of ``text`` under ``prefixes`` are exactly the page's, with its labels."""
+    exported = {name: kind for name, kind in re.findall(r"^# TYPE (epd_trio_\w+) (\w+)$", text,
+                                                        flags=re.M)
+                if name.startswith(prefixes)}
+    documented = {name: row for name, row in documented_metrics().items()
+                  if name.startswith(prefixes)}
+    assert set(documented) == set(exported)
+    labels: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels.setdefault(sample.name, set()).update(set(sample.labels) - {"le"})
+    for name, (kind, doc_labels) in documented.items():
+        assert kind == exported[name]
+        seen = [labels[name + suffix] for suffix in SAMPLE_SUFFIXES[kind] if name + suffix in labels]
+        assert seen and seen[0] == doc_labels, (name, seen, doc_labels)
 
 
 async def test_metrics_page_lists_what_a_replica_with_a_state_store_adds(
@@ -293,20 +326,7 @@ async def test_metrics_page_lists_what_a_replica_with_a_state_store_adds(
             await c.proxy.state.roster_loaded.wait()
         c.proxy.metrics.global_cursor_fallback("decode")  # a sample to read the label from
         text = (await client.get(c.proxy_url + "/metrics")).text
-    exported = {name: kind for name, kind in re.findall(r"^# TYPE (epd_trio_\w+) (\w+)$", text,
-                                                        flags=re.M)
-                if name.startswith(STATE_METRICS)}
-    documented = {name: row for name, row in documented_metrics().items()
-                  if name.startswith(STATE_METRICS)}
-    assert set(documented) == set(exported)
-    labels: dict[str, set[str]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels.setdefault(sample.name, set()).update(sample.labels)
-    for name, (kind, doc_labels) in documented.items():
-        assert kind == exported[name]
-        seen = [labels[name + suffix] for suffix in SAMPLE_SUFFIXES[kind] if name + suffix in labels]
-        assert seen and seen[0] == doc_labels, (name, seen, doc_labels)
+    check_family_rows(text, STATE_METRICS)
 
 
 async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClient) -> None:
@@ -333,7 +353,7 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
                 if not (name.endswith("_created") and kind == "gauge" and any(
                     other in types for other in (name[:-8], name[:-8] + "_total")))}
     documented = {name: row for name, row in documented_metrics().items()
-                  if not name.startswith(STATE_METRICS)}
+                  if not name.startswith(STATE_METRICS + KV_METRICS)}
     assert set(documented) == set(exported), (
         f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
         f"on the page but not exported: {sorted(set(documented) - set(exported))}")
