@@ -9,6 +9,8 @@ holds the prompt; ``GET /instances`` and ``/metrics`` say what each slot and dec
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -24,7 +26,7 @@ from epd_trio.testing.cluster import serve_proxy
 from epd_trio.testing.fake_kv import KVConfig
 from epd_trio.testing.kv_publisher import KVEventPublisher
 
-from helpers import metric
+from helpers import instances_listing, metric, server_process
 
 BLOCK = 4
 #: 40 words: with the fake's chat template, ten full blocks of four tokens.
@@ -168,3 +170,57 @@ async def test_the_prefill_leg_is_skipped_when_decode_holds_the_prompt(
         assert len(legs(p0)) == 1  # the second turn: decode alone
         assert "kv_transfer_params" not in legs(d0)[-1].body
         assert metric(proxy, "epd_trio_prefill_bypassed_total") == 1
+
+
+async def test_each_replica_routes_on_the_events_it_reads_itself(
+    nursery: trio.Nursery, client: httpx.AsyncClient,
+) -> None:
+    """Two proxy replicas over the same engines, no shared store: each subscribes on its own,
+    and both send a prefix loaded directly on p1 there."""
+    (p0, u0), (p1, u1), (_, ud) = [await kv_fake(nursery, role)
+                                   for role in ("prefill", "prefill", "decode")]
+    async with proxy_over([u0, u1], [ud], prefill_policy="precise_cache_aware") as (a, pa), \
+            proxy_over([u0, u1], [ud], prefill_policy="precise_cache_aware") as (b, pb):
+        for proxy in (pa, pb):
+            await all_exact(proxy, 3)
+        r = await client.post(f"{p1.url}/v1/chat/completions", json=chat(SHARED + " warm"))
+        assert r.status_code == 200
+        for proxy in (pa, pb):
+            await until_held(proxy, p1.url, 40)
+        before = len(legs(p0)), len(legs(p1))
+        for i in range(4):
+            for url in (a, b):
+                r = await client.post(f"{url}/v1/chat/completions", json=chat(SHARED + f" {i}"))
+                assert r.status_code == 200, r.text
+        assert (len(legs(p0)) - before[0], len(legs(p1)) - before[1]) == (0, 8)
+
+
+async def test_every_worker_of_epd_trio_serve_subscribes_and_routes_on_the_index(
+    nursery: trio.Nursery, client: httpx.AsyncClient,
+) -> None:
+    (p0, u0), (p1, u1), (_, ud) = [await kv_fake(nursery, role)
+                                   for role in ("prefill", "prefill", "decode")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+    env.update(EPD_PREFILL_URLS=f"{u0},{u1}", EPD_DECODE_URLS=ud, EPD_ADMIN_KEY=ADMIN,
+               EPD_PREFILL_POLICY="precise_cache_aware", EPD_KV_BLOCK_SIZE=str(BLOCK))
+    command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2"]
+    async with server_process(nursery, command, env, limit=60) as served:
+        r = await client.post(f"{p1.url}/v1/chat/completions", json=chat(SHARED + " warm"))
+        assert r.status_code == 200
+        # Each worker has its own index: wait until two of them say p1 holds the prefix.
+        ready: set[int] = set()
+        with trio.fail_after(30):
+            while len(ready) < 2:
+                report = await instances_listing(served.url, ADMIN)
+                held = {e["url"]: e for e in report["kv_index"]}
+                if held[p1.url]["trust"] == "exact" and held[p1.url]["blocks"] >= 10:
+                    ready.add(report["worker_pid"])
+                else:
+                    await trio.sleep(0.05)
+        before = len(legs(p0)), len(legs(p1))
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as fresh:
+            for i in range(6):  # a connection each, so both workers take some
+                r = await fresh.post(f"{served.url}/v1/chat/completions",
+                                     json=chat(SHARED + f" {i}"), headers={"connection": "close"})
+                assert r.status_code == 200, r.text
+        assert (len(legs(p0)) - before[0], len(legs(p1)) - before[1]) == (0, 6)
