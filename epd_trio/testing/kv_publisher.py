@@ -21,8 +21,11 @@ joiner. pyzmq has no trio integration, so the sockets are driven from ``zmq.FD``
 edge).
 
 Test knobs: ``drop_next`` (a batch is numbered and buffered but not sent: a lost message that
-replay can fill), ``restart`` (the sequence back to 0 and the buffer empty, as a restarted vLLM;
-optionally an ``AllBlocksCleared`` first), ``send_raw`` / ``send_malformed`` (bad frames).
+replay can fill), ``forget`` (the buffer loses old batches, as a full one does: a gap replay
+cannot fill), ``answer_replays = False`` (replay requests read and never answered: the
+requester times out), ``restart`` (the sequence back to 0 and the buffer empty, as a restarted
+vLLM; optionally an ``AllBlocksCleared`` first), ``publish_payload`` (a numbered batch whose
+payload is anything), ``send_raw`` / ``send_malformed`` (bad frames, no number used).
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class KVEventPublisher:
         self.positional = positional
         self.topic = topic.encode()
         self.endpoints: KVEndpoints | None = None
+        #: False: replay requests are read and never answered (the requester times out).
+        self.answer_replays = True
         self._host, self._port, self._replay_port = host, port, replay_port
         self._buffer_steps, self._hwm, self._clock = buffer_steps, hwm, clock
         self._ranks: list[_Rank] = []
@@ -105,11 +110,16 @@ class KVEventPublisher:
     def publish(self, dp_rank: int, events: Sequence[KvEvent], ts: float | None = None) -> int:
         """Send one batch from ``dp_rank`` (an ``EventSink``); returns its sequence number.
         Never blocks: like vLLM's PUB, a batch past the high-water mark is dropped by ZMQ."""
+        return self.publish_payload(dp_rank, encode_batch(
+            events, ts=self._clock() if ts is None else ts, dp_rank=dp_rank,
+            positional=self.positional))
+
+    def publish_payload(self, dp_rank: int, payload: bytes) -> int:
+        """Number, buffer and send one batch given as its payload (anything: a malformed
+        batch under a good sequence number); returns its sequence number."""
         rank = self._rank(dp_rank)
         seq = rank.next_seq
         rank.next_seq += 1
-        payload = encode_batch(events, ts=self._clock() if ts is None else ts, dp_rank=dp_rank,
-                               positional=self.positional)
         rank.buffer.append((seq, payload))
         if rank.drop:
             rank.drop -= 1
@@ -123,6 +133,13 @@ class KVEventPublisher:
         """Lose the next ``count`` batches of ``dp_rank`` on the wire (still numbered and
         buffered, so a replay can fill the gap while the buffer holds them)."""
         self._rank(dp_rank).drop += count
+
+    def forget(self, dp_rank: int = 0, *, below: int) -> None:
+        """Drop ``dp_rank``'s buffered batches numbered below ``below``, as a full replay buffer
+        does: a gap among them can no longer be filled."""
+        buffer = self._rank(dp_rank).buffer
+        while buffer and buffer[0][0] < below:
+            buffer.popleft()
 
     def restart(self, dp_rank: int | None = None, *, clear: bool = False) -> None:
         """Behave like a restarted vLLM on ``dp_rank`` (None: all): the next batch is number 0
@@ -254,9 +271,12 @@ class KVEventPublisher:
             rank.notify()
 
     def _replay_to(self, rank: _Rank, frames: list[bytes]) -> None:
-        """Answer one replay request exactly as ``ZmqEventPublisher._service_replay`` does."""
+        """Answer one replay request exactly as ``ZmqEventPublisher._service_replay`` does (or
+        read it and say nothing, without ``answer_replays``)."""
         sock = rank.replay
         assert sock is not None
+        if not self.answer_replays:
+            return
         if len(frames) != 3:
             log.warning("invalid KV event replay request: %d frames", len(frames))
             return
