@@ -16,12 +16,11 @@ gives a request's token ids (they live with the proxy and import from here).
     prompt      a request's token ids and media, read from vLLM's render answer
     subscriber  the shell: one SUB (+ replay DEALER) per slot on the trio loop via ``zmq.FD``,
                 and ``KvEvents``, the owner that reconciles subscribers with the slots
-    publisher   the shell of the other side: a vLLM-like PUB + replay ROUTER, for the fake
-                vLLM and the tests
 
 Rule: wire, keys, index, feed and prompt are pure (sans-I/O, time passed in as ``now``): they import
 only the standard library, msgpack, each other and ``epd_trio._core``; never trio, zmq, httpx or
-socket. Only subscriber and publisher import trio and zmq. ``tests/kv/test_kv_layout.py``
+socket. Only subscriber imports trio and zmq. ``tests/kv/test_kv_layout.py``
 enforces it. This ``__init__`` imports nothing, so importing a pure module does not load the
-shell's libraries.
+shell's libraries. The other side, a vLLM-like publisher for the fake vLLM and the tests, is a
+test double: ``epd_trio.testing.kv_publisher``.
 """

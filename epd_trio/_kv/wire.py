@@ -1,4 +1,4 @@
-"""vLLM's KV cache event messages: frames in, typed events out (and back, for fakes and tests).
+"""vLLM's KV cache event messages: frames in, typed events out (and back, for the fakes and tests).
 
 A message on vLLM's PUB socket (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``) is three
 frames: the topic, the sequence number as 8 bytes big-endian, and a msgpack ``EventBatch``. vLLM
@@ -6,8 +6,8 @@ frames: the topic, the sequence number as 8 bytes big-endian, and a msgpack ``Ev
 (``{"type": "BlockStored", "block_hashes": [...], ...}``). Before May 2026 the events were
 msgspec ``array_like`` structs, positional with the tag first: ``["BlockStored", block_hashes,
 parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx,
-...]``, ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``, trailing
-defaults left out. Both are read; a batch written as a map (``{"ts", "events",
+...]``, ``["BlockRemoved", block_hashes, medium, group_idx]``, ``["AllBlocksCleared"]``; the first
+releases had fewer fields. Both are read; a batch written as a map (``{"ts", "events",
 "data_parallel_rank"}``) too, since msgspec writes one when the struct is not array-like.
 
 The replay socket (a ROUTER) takes ``[b"", start_seq]`` from a DEALER and answers one
@@ -19,6 +19,14 @@ BlockStored whose tokens do not cover its blocks is the index's business): a mes
 here is a message lost. An event whose tag is unknown becomes ``UnknownEvent`` (skipped and
 counted by the index); anything else that is not vLLM's shape raises ``MalformedKvMessage``, and
 nothing else: ``decode_*`` never raise another exception on any input.
+
+Writing (``encode_*``) is msgspec's layout of vLLM's structs, for the fake vLLM
+(``epd_trio.testing``) and the tests: in a map a field with a default (``extra_keys``,
+``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) is left out while it
+holds None (``omit_defaults``); a positional event has every field, since msgspec ignores
+``omit_defaults`` for ``array_like`` structs (msgspec issue #720). What this module has no field
+for is written as a plain decoder model's engine writes it: ``lora_id`` None (deprecated),
+``kv_cache_spec_kind`` ``"full_attention"``, no sliding window.
 """
 
 from __future__ import annotations
@@ -31,8 +39,14 @@ import msgpack
 
 #: vLLM's block hash as published: sha256 bytes, or a 64-bit int with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES.
 BlockHash = int | bytes
+#: One block's extra keys: None, or what vLLM hashed with its tokens (media, LoRA name, salt).
+ExtraKeys = tuple[Any, ...] | None
 #: The replay socket's end-of-replay sequence number, as vLLM sends it (8 bytes, signed).
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+#: The medium vLLM names its own KV cache by (``MEDIUM_GPU``), even on the CPU backend.
+MEDIUM_GPU = "GPU"
+#: ``kv_cache_spec_kind`` of the one cache group of a plain decoder model.
+FULL_ATTENTION = "full_attention"
 
 
 class MalformedKvMessage(ValueError):
@@ -43,13 +57,14 @@ class MalformedKvMessage(ValueError):
 class BlockStored:
     """Full blocks the engine cached, in chain order: block i's parent is block i-1, block 0's is
     ``parent_block_hash`` (None: a prompt's first block). ``token_ids`` covers all of them;
-    ``extra_keys`` has one entry per block (None, or the media/LoRA/salt keys vLLM hashed)."""
+    ``extra_keys`` has one entry per block (None, or the media/LoRA/salt keys vLLM hashed).
+    Decoded, the sequences are tuples; a fake may build one with lists."""
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: Sequence[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: tuple[int, ...]
+    token_ids: Sequence[int]
     block_size: int
-    extra_keys: tuple[Any, ...] | None = None
+    extra_keys: Sequence[ExtraKeys] | None = None
     lora_name: str | None = None
     medium: str | None = None
     group_idx: int | None = None
@@ -59,7 +74,7 @@ class BlockStored:
 class BlockRemoved:
     """Blocks the engine evicted."""
 
-    block_hashes: tuple[BlockHash, ...]
+    block_hashes: Sequence[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
 
@@ -229,42 +244,56 @@ _MAP_READERS = {"BlockStored": _stored_from_map, "BlockRemoved": _removed_from_m
 
 
 def encode_event(event: KvEvent, *, positional: bool = False) -> Any:
-    """One event as vLLM 0.32 writes it (a tagged map), or as before May 2026 (``positional``)."""
+    """One event as vLLM 0.32 writes it (a tagged map), or as before May 2026 (``positional``),
+    before msgpack."""
     if isinstance(event, BlockStored):
+        extra_keys = None if event.extra_keys is None else list(event.extra_keys)
         if positional:
             return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
                     list(event.token_ids), event.block_size, None, event.medium, event.lora_name,
-                    None if event.extra_keys is None else list(event.extra_keys), event.group_idx]
-        return {"type": "BlockStored", "block_hashes": list(event.block_hashes),
-                "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
-                "block_size": event.block_size, "lora_id": None, "medium": event.medium,
-                "lora_name": event.lora_name,
-                "extra_keys": None if event.extra_keys is None else list(event.extra_keys),
-                "group_idx": event.group_idx, "kv_cache_spec_kind": "full_attention"}
+                    extra_keys, event.group_idx, FULL_ATTENTION, None]
+        stored: dict[str, Any] = {
+            "type": "BlockStored", "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash, "token_ids": list(event.token_ids),
+            "block_size": event.block_size, "lora_id": None, "medium": event.medium,
+            "lora_name": event.lora_name}
+        if extra_keys is not None:
+            stored["extra_keys"] = extra_keys
+        if event.group_idx is not None:
+            stored["group_idx"] = event.group_idx
+        stored["kv_cache_spec_kind"] = FULL_ATTENTION
+        return stored
     if isinstance(event, BlockRemoved):
         if positional:
             return ["BlockRemoved", list(event.block_hashes), event.medium, event.group_idx]
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes),
-                "medium": event.medium, "group_idx": event.group_idx}
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"] if positional else {"type": "AllBlocksCleared"}
-    return [event.tag] if positional else {"type": event.tag}
+        removed: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(event.block_hashes),
+                                   "medium": event.medium}
+        if event.group_idx is not None:
+            removed["group_idx"] = event.group_idx
+        return removed
+    tag = "AllBlocksCleared" if isinstance(event, AllBlocksCleared) else event.tag
+    return [tag] if positional else {"type": tag}
 
 
 def encode_batch(events: Sequence[KvEvent], *, ts: float = 0.0, dp_rank: int | None = 0,
                  positional: bool = False) -> bytes:
-    """A batch payload: ``[ts, events, dp_rank]`` in msgpack."""
+    """A batch payload, the third frame of a message: ``[ts, events, dp_rank]`` in msgpack."""
     return msgpack.packb([ts, [encode_event(e, positional=positional) for e in events], dp_rank])
+
+
+def encode_seq(seq: int) -> bytes:
+    """A sequence number as vLLM sends it: 8 bytes big-endian."""
+    return seq.to_bytes(8, "big")
 
 
 def encode_message(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
     """The three frames of one PUB message."""
-    return [topic, seq.to_bytes(8, "big"), payload]
+    return [topic, encode_seq(seq), payload]
 
 
 def encode_replay_request(start_seq: int) -> list[bytes]:
     """What a DEALER sends the replay ROUTER: an empty delimiter, then the first seq wanted."""
-    return [b"", start_seq.to_bytes(8, "big")]
+    return [b"", encode_seq(start_seq)]
 
 
 def rank_endpoint(endpoint: str, dp_rank: int) -> str:

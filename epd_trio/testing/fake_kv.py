@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .kv_events import EventSink, KVEvent
+from .._kv.wire import KvEvent
 from .kv_publisher import KVEventPublisher
-from .prefix_cache import PrefixCache, chained_hashes, new_seed
+from .prefix_cache import EventSink, PrefixCache, chained_hashes, new_seed
 from .render import DEFAULT_PLACEHOLDER_TOKENS, Rendered
 from .sim_engine import SimEngine
 
@@ -138,7 +138,7 @@ def _fan_out(sinks: Sequence[EventSink]) -> EventSink | None:
     if len(sinks) == 1:
         return sinks[0]
 
-    def both(rank: int, events: Sequence[KVEvent]) -> None:
+    def both(rank: int, events: Sequence[KvEvent]) -> None:
         for sink in sinks:
             sink(rank, events)
 

@@ -4,23 +4,28 @@ vLLM (``vllm/distributed/kv_events.py``) gives each DP rank its own sockets, the
 the rank (``offset_endpoint_port``: rank r on base + r):
 
 - a PUB socket sending 3 frames per batch: the topic, the sequence number (8 bytes big-endian,
-  from 0, +1 per batch) and the msgpack ``[ts, [events], dp_rank]`` (``kv_events.encode_batch``);
+  from 0, +1 per batch) and the msgpack ``[ts, [events], dp_rank]`` (the proxy's own encoder,
+  ``epd_trio._kv.wire.encode_batch``: tagged maps, or with ``positional`` the older arrays);
 - a ROUTER replay socket: a request is ``[identity, b"", start_seq (8 bytes big-endian)]`` (a
   DEALER sends ``[b"", start_seq]``); it answers each buffered batch with ``seq >= start_seq``
   as ``[identity, b"", seq, payload]`` (no topic), then ``[identity, b"", END_SEQ, b""]`` with
-  ``END_SEQ`` = -1 in 8 signed bytes. Any other request shape is ignored, unanswered. The buffer
-  keeps the last ``buffer_steps`` batches (10 000 on vLLM), so a gap older than that cannot be
-  filled.
+  ``END_SEQ`` = -1 in 8 signed bytes (``END_OF_REPLAY`` in ``_kv.wire``). Any other request
+  shape is ignored, unanswered. The buffer keeps the last ``buffer_steps`` batches (10 000 on
+  vLLM), so a gap older than that cannot be filled.
 
 The PUB side is an XPUB socket here: a SUB sees the same frames, and the publisher learns of
 each subscription, so a test can wait for its subscriber instead of sleeping past ZMQ's slow
 joiner. pyzmq has no trio integration, so the sockets are driven from ``zmq.FD`` as in
-``epd_trio._moriio_listener``: the descriptor is edge-triggered, so drain while ``zmq.EVENTS``
-has ``POLLIN``, then wait (and drain again after each send, which can consume an edge).
+``epd_trio._membership.moriio_listener``: the descriptor is edge-triggered, so drain while
+``zmq.EVENTS`` has ``POLLIN``, then wait (and drain again after each send, which can consume an
+edge).
 
 Test knobs: ``drop_next`` (a batch is numbered and buffered but not sent: a lost message that
-replay can fill), ``restart`` (the sequence back to 0 and the buffer empty, as a restarted vLLM;
-optionally an ``AllBlocksCleared`` first), ``send_raw`` / ``send_malformed`` (bad frames).
+replay can fill), ``forget`` (the buffer loses old batches, as a full one does: a gap replay
+cannot fill), ``answer_replays = False`` (replay requests read and never answered: the
+requester times out), ``restart`` (the sequence back to 0 and the buffer empty, as a restarted
+vLLM; optionally an ``AllBlocksCleared`` first), ``publish_payload`` (a numbered batch whose
+payload is anything), ``send_raw`` / ``send_malformed`` (bad frames, no number used).
 """
 
 from __future__ import annotations
@@ -34,7 +39,14 @@ from dataclasses import dataclass, field
 import trio
 import zmq
 
-from .kv_events import END_SEQ, AllBlocksCleared, KVEvent, Shape, encode_batch, sequence_frame
+from .._kv.wire import (
+    END_OF_REPLAY,
+    AllBlocksCleared,
+    KvEvent,
+    encode_batch,
+    encode_message,
+    encode_seq,
+)
 
 log = logging.getLogger("epd_trio.testing.kv_publisher")
 
@@ -75,35 +87,44 @@ class KVEventPublisher:
     """The publisher of one fake instance. Start it with ``await nursery.start(pub.run)``: it
     binds every rank's sockets on ``host`` (``port`` 0: any free run of ports; else rank r on
     ``port + r``, likewise ``replay_port``; ``replay_port=None``: no replay socket), reports
-    the ``KVEndpoints``, and serves replay requests until cancelled."""
+    the ``KVEndpoints``, and serves replay requests until cancelled. ``positional``: events in
+    the shape vLLM wrote before May 2026."""
 
     def __init__(self, *, dp_size: int = 1, host: str = "127.0.0.1", port: int = 0,
-                 replay_port: int | None = 0, topic: str = "kv", shape: Shape = "map",
+                 replay_port: int | None = 0, topic: str = "kv", positional: bool = False,
                  buffer_steps: int = DEFAULT_BUFFER_STEPS, hwm: int = DEFAULT_HWM,
                  clock: Callable[[], float] = time.time) -> None:
         if dp_size < 1 or buffer_steps < 0:
             raise ValueError("dp_size must be >= 1 and buffer_steps >= 0")
         self.dp_size = dp_size
-        self.shape: Shape = shape
+        self.positional = positional
         self.topic = topic.encode()
         self.endpoints: KVEndpoints | None = None
+        #: False: replay requests are read and never answered (the requester times out).
+        self.answer_replays = True
         self._host, self._port, self._replay_port = host, port, replay_port
         self._buffer_steps, self._hwm, self._clock = buffer_steps, hwm, clock
         self._ranks: list[_Rank] = []
 
     # -- publishing ----------------------------------------------------------------------------
-    def publish(self, dp_rank: int, events: Sequence[KVEvent], ts: float | None = None) -> int:
+    def publish(self, dp_rank: int, events: Sequence[KvEvent], ts: float | None = None) -> int:
         """Send one batch from ``dp_rank`` (an ``EventSink``); returns its sequence number.
         Never blocks: like vLLM's PUB, a batch past the high-water mark is dropped by ZMQ."""
+        return self.publish_payload(dp_rank, encode_batch(
+            events, ts=self._clock() if ts is None else ts, dp_rank=dp_rank,
+            positional=self.positional))
+
+    def publish_payload(self, dp_rank: int, payload: bytes) -> int:
+        """Number, buffer and send one batch given as its payload (anything: a malformed
+        batch under a good sequence number); returns its sequence number."""
         rank = self._rank(dp_rank)
         seq = rank.next_seq
         rank.next_seq += 1
-        payload = encode_batch(self._clock() if ts is None else ts, events, dp_rank, self.shape)
         rank.buffer.append((seq, payload))
         if rank.drop:
             rank.drop -= 1
         else:
-            self._send(rank, [self.topic, sequence_frame(seq), payload])
+            self._send(rank, encode_message(self.topic, seq, payload))
         rank.published += 1
         rank.notify()
         return seq
@@ -112,6 +133,13 @@ class KVEventPublisher:
         """Lose the next ``count`` batches of ``dp_rank`` on the wire (still numbered and
         buffered, so a replay can fill the gap while the buffer holds them)."""
         self._rank(dp_rank).drop += count
+
+    def forget(self, dp_rank: int = 0, *, below: int) -> None:
+        """Drop ``dp_rank``'s buffered batches numbered below ``below``, as a full replay buffer
+        does: a gap among them can no longer be filled."""
+        buffer = self._rank(dp_rank).buffer
+        while buffer and buffer[0][0] < below:
+            buffer.popleft()
 
     def restart(self, dp_rank: int | None = None, *, clear: bool = False) -> None:
         """Behave like a restarted vLLM on ``dp_rank`` (None: all): the next batch is number 0
@@ -131,7 +159,7 @@ class KVEventPublisher:
     def send_malformed(self, dp_rank: int = 0) -> None:
         """Send a message whose payload is not msgpack, numbered as the next batch would be."""
         rank = self._rank(dp_rank)
-        self.send_raw(dp_rank, [self.topic, sequence_frame(rank.next_seq), b"\xc1 not msgpack"])
+        self.send_raw(dp_rank, encode_message(self.topic, rank.next_seq, b"\xc1 not msgpack"))
 
     # -- observation ---------------------------------------------------------------------------
     def next_seq(self, dp_rank: int = 0) -> int:
@@ -243,9 +271,12 @@ class KVEventPublisher:
             rank.notify()
 
     def _replay_to(self, rank: _Rank, frames: list[bytes]) -> None:
-        """Answer one replay request exactly as ``ZmqEventPublisher._service_replay`` does."""
+        """Answer one replay request exactly as ``ZmqEventPublisher._service_replay`` does (or
+        read it and say nothing, without ``answer_replays``)."""
         sock = rank.replay
         assert sock is not None
+        if not self.answer_replays:
+            return
         if len(frames) != 3:
             log.warning("invalid KV event replay request: %d frames", len(frames))
             return
@@ -254,8 +285,8 @@ class KVEventPublisher:
         try:
             for seq, payload in rank.buffer:
                 if seq >= start:
-                    sock.send_multipart([client, b"", sequence_frame(seq), payload], zmq.NOBLOCK)
-            sock.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+                    sock.send_multipart([client, b"", encode_seq(seq), payload], zmq.NOBLOCK)
+            sock.send_multipart([client, b"", END_OF_REPLAY, b""], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("KV event replay cut short: the requester's queue is full")
         rank.replays += 1

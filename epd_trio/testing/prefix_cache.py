@@ -6,7 +6,8 @@ recently used blocks are evicted past ``capacity``. When events are recorded it 
 way vLLM's ``BlockPool`` does (``vllm/v1/core/block_pool.py``): one ``BlockStored`` for the
 blocks a request newly caches (from its first miss on, parent = the last hit block), never for
 blocks it reused; a ``BlockRemoved`` for evicted blocks (before the store that needed the room);
-``AllBlocksCleared`` on a reset.
+``AllBlocksCleared`` on a reset. The events are the proxy's own types (``epd_trio._kv.wire``),
+built as vLLM fills them for a plain decoder model (medium ``"GPU"``, group 0), with lists.
 
 The hashes are seeded per instance so nobody outside can recompute them (vLLM's are as opaque
 to a proxy: a random ``NONE_HASH`` or a hash of CBOR it does not reproduce); Python's ``hash``
@@ -19,11 +20,14 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
-from .kv_events import AllBlocksCleared, BlockRemoved, BlockStored, ExtraKeys, KVEvent
+from .._kv.wire import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, ExtraKeys, KvEvent
 
 _MASK = (1 << 64) - 1
+#: Where a cache's events go, one call per engine step: ``sink(dp_rank, events)``. The
+#: publisher's ``publish`` is one; the bench can pass its index's method instead.
+EventSink = Callable[[int, Sequence[KvEvent]], object]
 
 
 def new_seed() -> int:
@@ -55,7 +59,7 @@ class PrefixCache:
         #: ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits``, in tokens.
         self.queries = 0
         self.hits = 0
-        self._events: list[KVEvent] = []
+        self._events: list[KvEvent] = []
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -99,7 +103,7 @@ class PrefixCache:
                 blocks[block] = None
         if self.record_events:
             if removed:
-                self._events.append(BlockRemoved(removed))
+                self._events.append(BlockRemoved(removed, MEDIUM_GPU, 0))
             if hit < len(hashes):
                 size = self.block_size
                 extra = (list(extra_keys[hit:len(hashes)]) if extra_keys is not None
@@ -108,7 +112,7 @@ class PrefixCache:
                     block_hashes=list(hashes[hit:]),
                     parent_block_hash=hashes[hit - 1] if hit else None,
                     token_ids=list(token_ids[hit * size:len(hashes) * size]),
-                    block_size=size, extra_keys=extra))
+                    block_size=size, extra_keys=extra, medium=MEDIUM_GPU, group_idx=0))
 
     def clear(self) -> None:
         """Drop every block (``POST /reset_prefix_cache``): one ``AllBlocksCleared``."""
@@ -116,7 +120,7 @@ class PrefixCache:
         if self.record_events:
             self._events.append(AllBlocksCleared())
 
-    def take_events(self) -> list[KVEvent]:
+    def take_events(self) -> list[KvEvent]:
         """The events recorded since the last call (one engine step's batch)."""
         events, self._events = self._events, []
         return events

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from .kv_events import ExtraKeys
+from .._kv.wire import ExtraKeys
 
 #: Special token ids (below ``_WORD_BASE``, so a word never takes one).
 SPECIAL = {"<|system|>": 1, "<|user|>": 2, "<|assistant|>": 3, "<|tool|>": 4, "<|developer|>": 5,

@@ -17,8 +17,8 @@ so ``FakeVLLM(engine=SimEngine(...))`` answers through this model instead of fix
   prefix is its leading blocks found there; only the rest costs prefill time. A decode that
   received the prompt's KV from a prefill (``kv_transfer_params`` with ``do_remote_prefill``)
   costs no prefill at all. The cache is ``prefix_cache.PrefixCache``: given an ``event_sink``,
-  each rank reports what it stores and evicts as vLLM's KV events (``kv_events``), one batch
-  per step, to that callable: the bench can feed an index in-process, ``FakeVLLM`` (with
+  each rank reports what it stores and evicts as vLLM's KV events (``epd_trio._kv.wire``'s), one
+  batch per step, to that callable: the bench can feed an index in-process, ``FakeVLLM`` (with
   ``KVConfig``) a ``KVEventPublisher``. Without a sink no event is built.
 - **Encoder.** An encoder instance encodes at most ``max_num_seqs`` requests at once; an item
   takes ``encode_miss`` seconds, or ``encode_hit`` when its ``uuid`` is among the last
@@ -43,8 +43,8 @@ from dataclasses import dataclass, field, fields
 
 import trio
 
-from .kv_events import EventSink, ExtraKeys
-from .prefix_cache import PrefixCache, chained_hashes, new_seed
+from .._kv.wire import ExtraKeys
+from .prefix_cache import EventSink, PrefixCache, chained_hashes, new_seed
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """A pyzmq socket read on the trio loop, for tests: the other end of the KV event publisher.
 
-pyzmq has no trio integration; as in ``epd_trio._moriio_listener``, ``zmq.FD`` is
+pyzmq has no trio integration; as in ``epd_trio._membership.moriio_listener``, ``zmq.FD`` is
 edge-triggered, so ``receive`` tries a non-blocking read, then checks ``zmq.EVENTS`` (which
 also lets ZMQ process its pending commands) and only then waits on the descriptor.
 """
@@ -13,7 +13,7 @@ from types import TracebackType
 import trio
 import zmq
 
-from .kv_events import END_SEQ
+from .._kv.wire import END_OF_REPLAY
 
 
 class ZmqPeer:
@@ -57,7 +57,7 @@ class ZmqPeer:
         while True:
             frames = await self.receive()
             messages.append(frames)
-            if len(frames) > 1 and frames[1] == END_SEQ:
+            if len(frames) > 1 and frames[1] == END_OF_REPLAY:
                 return messages
 
 

@@ -11,7 +11,7 @@ import epd_trio._kv
 
 KV = pathlib.Path(epd_trio._kv.__file__).parent
 PURE = {"wire", "keys", "index", "feed", "prompt"}
-SHELL = {"subscriber", "publisher"}
+SHELL = {"subscriber"}
 #: Third-party modules each kind may import besides the standard library.
 PURE_THIRD_PARTY = {"msgpack"}
 SHELL_THIRD_PARTY = {"msgpack", "trio", "zmq"}

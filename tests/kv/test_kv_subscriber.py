@@ -1,4 +1,5 @@
-"""Subscriptions against real ZMQ sockets on 127.0.0.1: a vLLM-like publisher driven by the test.
+"""Subscriptions against real ZMQ sockets on 127.0.0.1: the fake vLLM's KV event publisher
+(``epd_trio.testing.kv_publisher``) driven by the test.
 
 Every wait is on a condition (``KvEvents.wait_until``, ``wait_subscribed``) under a deadline;
 nothing sleeps to synchronise.
@@ -18,9 +19,9 @@ from kv_helpers import BLOCK, prompt, stored
 
 from epd_trio._kv.index import KvIndex, Trust
 from epd_trio._kv.keys import request_keys
-from epd_trio._kv.publisher import KvEventPublisher
 from epd_trio._kv.subscriber import KvEvents, SlotReport, SlotSource
 from epd_trio._kv.wire import AllBlocksCleared, BlockRemoved
+from epd_trio.testing.kv_publisher import KVEventPublisher
 
 SLOT = ("http://prefill:8000", 0)
 DEADLINE = 10.0
@@ -30,7 +31,7 @@ DEADLINE = 10.0
 class Engine:
     """One fake engine's publisher and the source a subscription follows."""
 
-    publisher: KvEventPublisher
+    publisher: KVEventPublisher
     source: SlotSource
 
 
@@ -47,11 +48,11 @@ class Follower:
 
     async def follow(self, *engines: Engine) -> None:
         """Follow these engines and wait until each is subscribed and its slot known."""
-        subscribed = [engine.publisher.subscriptions for engine in engines]
+        subscribed = [engine.publisher.subscriptions() for engine in engines]
         await self.events.reconcile([engine.source for engine in engines])
         with trio.fail_after(DEADLINE):
             for engine, before in zip(engines, subscribed, strict=True):
-                await engine.publisher.wait_subscribed(before + 1)
+                await engine.publisher.wait_subscribed(0, before + 1)
 
     def matched(self, tokens: list[int]) -> int:
         return self.events.match(request_keys(tokens, BLOCK)).get(SLOT, 0)
@@ -59,9 +60,10 @@ class Follower:
 
 async def start_engine(nursery: trio.Nursery, slot: Any = SLOT, *, replay: bool = True,
                        **options: Any) -> Engine:
-    publisher = KvEventPublisher(replay_endpoint="tcp://127.0.0.1:0" if replay else None, **options)
-    endpoint, replay_endpoint = await nursery.start(publisher.run)
-    return Engine(publisher, SlotSource(slot, endpoint, replay_endpoint))
+    publisher = KVEventPublisher(replay_port=0 if replay else None, **options)
+    endpoints = await nursery.start(publisher.run)
+    replay_endpoint = endpoints.replay[0] if endpoints.replay is not None else None
+    return Engine(publisher, SlotSource(slot, endpoints.publish[0], replay_endpoint))
 
 
 @asynccontextmanager
@@ -80,12 +82,12 @@ def trust(stats: dict[Any, SlotReport], slot: Any = SLOT) -> Trust | None:
 @pytest.mark.parametrize("positional", [False, True])
 async def test_batches_in_order_land_in_the_index(positional: bool) -> None:
     async with follower() as f:
-        engine = await start_engine(f.nursery)
+        engine = await start_engine(f.nursery, positional=positional)
         await f.follow(engine)
         await f.until(lambda s: trust(s) is Trust.EXACT)  # the empty replay: nothing published yet
         tokens = prompt(4, seed=1)
-        engine.publisher.publish([stored(tokens, 100)], positional=positional)
-        engine.publisher.publish([BlockRemoved((103,), "GPU")], positional=positional)
+        engine.publisher.publish(0, [stored(tokens, 100)])
+        engine.publisher.publish(0, [BlockRemoved((103,), "GPU")])
         stats = await f.until(lambda s: s[SLOT].index.removed == 1)
         assert f.matched(tokens) == 12
         assert (stats[SLOT].received, stats[SLOT].gaps, stats[SLOT].malformed) == (2, 0, 0)
@@ -95,8 +97,8 @@ async def test_a_late_subscriber_replays_what_the_engine_holds() -> None:
     async with follower() as f:
         engine = await start_engine(f.nursery)
         first, second = prompt(3, seed=1), prompt(3, seed=2)
-        engine.publisher.publish([stored(first, 100)])               # nobody subscribed yet
-        engine.publisher.publish([stored(second, 200)])
+        engine.publisher.publish(0, [stored(first, 100)])               # nobody subscribed yet
+        engine.publisher.publish(0, [stored(second, 200)])
         await f.follow(engine)
         stats = await f.until(lambda s: s[SLOT].index.stored == 6)
         assert trust(stats) is Trust.EXACT                           # the replay reached seq 0
@@ -110,8 +112,9 @@ async def test_a_gap_is_filled_by_the_replay() -> None:
         await f.follow(engine)
         await f.until(lambda s: trust(s) is Trust.EXACT)
         tokens = prompt(4, seed=1)
-        engine.publisher.skip([stored(tokens[:8], 100)])             # lost on the way
-        engine.publisher.publish([stored(tokens, 102, parent=101, start=8)])
+        engine.publisher.drop_next()                                 # lost on the way
+        engine.publisher.publish(0, [stored(tokens[:8], 100)])
+        engine.publisher.publish(0, [stored(tokens, 102, parent=101, start=8)])
         stats = await f.until(lambda s: s[SLOT].index.stored == 4)
         assert f.matched(tokens) == 16
         assert trust(stats) is Trust.EXACT
@@ -124,11 +127,12 @@ async def test_a_gap_the_replay_cannot_fill_drops_the_slots_entries() -> None:
         await f.follow(engine)
         await f.until(lambda s: trust(s) is Trust.EXACT)
         old, missed, new = prompt(3, seed=1), prompt(3, seed=2), prompt(3, seed=3)
-        engine.publisher.publish([stored(old, 100)])
+        engine.publisher.publish(0, [stored(old, 100)])
         await f.until(lambda s: s[SLOT].index.stored == 3)
-        seq = engine.publisher.skip([BlockRemoved((100,), "GPU"), stored(missed, 200)])
+        engine.publisher.drop_next()
+        seq = engine.publisher.publish(0, [BlockRemoved((100,), "GPU"), stored(missed, 200)])
         engine.publisher.forget(below=seq + 1)                       # rolled out of the buffer
-        engine.publisher.publish([stored(new, 300)])
+        engine.publisher.publish(0, [stored(new, 300)])
         stats = await f.until(lambda s: s[SLOT].index.losses == 1)
         assert trust(stats) is Trust.DEGRADED
         assert stats[SLOT].index.entries == 3                        # only what came after the gap
@@ -140,10 +144,11 @@ async def test_without_a_replay_socket_a_gap_degrades_the_slot() -> None:
         engine = await start_engine(f.nursery, replay=False)
         await f.follow(engine)
         tokens = prompt(3, seed=1)
-        engine.publisher.publish([stored(tokens, 100)])
+        engine.publisher.publish(0, [stored(tokens, 100)])
         await f.until(lambda s: trust(s) is Trust.EXACT)             # seq 0: seen from the start
-        engine.publisher.skip([stored(prompt(3, seed=2), 200)])
-        engine.publisher.publish([stored(prompt(3, seed=3), 300)])
+        engine.publisher.drop_next()
+        engine.publisher.publish(0, [stored(prompt(3, seed=2), 200)])
+        engine.publisher.publish(0, [stored(prompt(3, seed=3), 300)])
         stats = await f.until(lambda s: s[SLOT].index.losses == 1)
         assert trust(stats) is Trust.DEGRADED and stats[SLOT].replays == 0
 
@@ -154,11 +159,12 @@ async def test_a_replay_that_times_out_degrades_the_slot_and_the_subscription_go
         await f.follow(engine)
         await f.until(lambda s: trust(s) is Trust.EXACT)
         engine.publisher.answer_replays = False
-        engine.publisher.skip([stored(prompt(3, seed=1), 100)])
-        engine.publisher.publish([stored(prompt(3, seed=2), 200)])
+        engine.publisher.drop_next()
+        engine.publisher.publish(0, [stored(prompt(3, seed=1), 100)])
+        engine.publisher.publish(0, [stored(prompt(3, seed=2), 200)])
         stats = await f.until(lambda s: s[SLOT].replay_failures == 1)
         assert trust(stats) is Trust.DEGRADED
-        engine.publisher.publish([stored(prompt(3, seed=3), 300)])
+        engine.publisher.publish(0, [stored(prompt(3, seed=3), 300)])
         await f.until(lambda s: s[SLOT].index.stored == 6)
 
 
@@ -167,9 +173,9 @@ async def test_all_blocks_cleared_empties_the_slot() -> None:
         engine = await start_engine(f.nursery)
         await f.follow(engine)
         tokens = prompt(3, seed=1)
-        engine.publisher.publish([stored(tokens, 100)])
+        engine.publisher.publish(0, [stored(tokens, 100)])
         await f.until(lambda s: s[SLOT].index.stored == 3)
-        engine.publisher.publish([AllBlocksCleared()])
+        engine.publisher.publish(0, [AllBlocksCleared()])
         stats = await f.until(lambda s: s[SLOT].index.cleared == 1)
         assert stats[SLOT].index.entries == 0 and f.matched(tokens) == 0
 
@@ -180,10 +186,10 @@ async def test_an_engine_restart_starts_the_slot_afresh() -> None:
         await f.follow(engine)
         before, after = prompt(3, seed=1), prompt(3, seed=2)
         for number in range(3):
-            engine.publisher.publish([stored(before, 100 + 10 * number)])
+            engine.publisher.publish(0, [stored(before, 100 + 10 * number)])
         await f.until(lambda s: s[SLOT].index.events == 3)
         engine.publisher.restart()                                   # numbers from 0 again
-        engine.publisher.publish([stored(after, 100)])
+        engine.publisher.publish(0, [stored(after, 100)])
         stats = await f.until(lambda s: s[SLOT].restarts == 1 and s[SLOT].index.stored == 12)
         assert trust(stats) is Trust.EXACT
         assert (f.matched(before), f.matched(after)) == (0, 12)
@@ -194,8 +200,8 @@ async def test_the_cap_evicts_the_oldest_blocks() -> None:
         engine = await start_engine(f.nursery)
         await f.follow(engine)
         first, second = prompt(3, seed=1), prompt(3, seed=2)
-        engine.publisher.publish([stored(first, 100)])
-        engine.publisher.publish([stored(second, 200)])
+        engine.publisher.publish(0, [stored(first, 100)])
+        engine.publisher.publish(0, [stored(second, 200)])
         stats = await f.until(lambda s: s[SLOT].index.stored == 6)
         assert (stats[SLOT].index.evictions, stats[SLOT].index.entries) == (1, 5)
         assert (f.matched(first), f.matched(second)) == (0, 12)
@@ -206,11 +212,11 @@ async def test_malformed_messages_are_counted_and_the_subscription_goes_on() -> 
         engine = await start_engine(f.nursery)
         await f.follow(engine)
         await f.until(lambda s: trust(s) is Trust.EXACT)
-        engine.publisher.send_frames([b"", b"two frames"])
-        engine.publisher.send_frames([b"", b"short", b"payload"])
-        engine.publisher.publish_payload(b"\xc1 not msgpack")      # a good seq, a bad batch
+        engine.publisher.send_raw(0, [b"", b"two frames"])
+        engine.publisher.send_raw(0, [b"", b"short", b"payload"])
+        engine.publisher.publish_payload(0, b"\xc1 not msgpack")   # a good seq, a bad batch
         tokens = prompt(3, seed=1)
-        engine.publisher.publish([stored(tokens, 100)])
+        engine.publisher.publish(0, [stored(tokens, 100)])
         stats = await f.until(lambda s: s[SLOT].index.stored == 3)
         assert (stats[SLOT].malformed, stats[SLOT].received) == (3, 4)
         assert trust(stats) is Trust.DEGRADED                        # the bad batch's events: lost
@@ -230,12 +236,12 @@ async def test_an_absent_publisher_raises_nothing_and_the_slot_waits_for_it() ->
         await f.events.reconcile([source])
         stats = await f.until(lambda s: s[SLOT].replay_failures == 1)
         assert trust(stats) is Trust.FALLBACK                        # absent is not lost
-        publisher = KvEventPublisher(endpoint=source.endpoint, replay_endpoint=source.replay_endpoint)
+        publisher = KVEventPublisher(port=port, replay_port=replay_port)
         await f.nursery.start(publisher.run)
         with trio.fail_after(DEADLINE):
             await publisher.wait_subscribed()                        # ZMQ reconnected by itself
         tokens = prompt(2, seed=1)
-        publisher.publish([stored(tokens, 100)])
+        publisher.publish(0, [stored(tokens, 100)])
         await f.until(lambda s: trust(s) is Trust.EXACT)
         assert f.matched(tokens) == 8
 
@@ -257,7 +263,7 @@ async def test_a_replay_endpoint_zmq_refuses_fails_the_replay_not_the_subscripti
             await engine.publisher.wait_subscribed()
         await f.until(lambda s: s[SLOT].replay_failures == 1)
         tokens = prompt(2, seed=1)
-        engine.publisher.publish([stored(tokens, 100)])
+        engine.publisher.publish(0, [stored(tokens, 100)])
         await f.until(lambda s: trust(s) is Trust.EXACT)
         assert f.matched(tokens) == 8
 
@@ -275,10 +281,10 @@ async def test_a_bug_applying_a_batch_degrades_the_slot_and_the_subscription_goe
             raise RuntimeError("a bug")
 
         monkeypatch.setattr(f.events.index, "apply", broken)
-        engine.publisher.publish([stored(prompt(2, seed=1), 100)])
+        engine.publisher.publish(0, [stored(prompt(2, seed=1), 100)])
         stats = await f.until(lambda s: s[SLOT].index.losses == 1)
         assert trust(stats) is Trust.DEGRADED and "unexpected error" in caplog.text
-        engine.publisher.publish([stored(prompt(2, seed=2), 200)])
+        engine.publisher.publish(0, [stored(prompt(2, seed=2), 200)])
         await f.until(lambda s: s[SLOT].index.stored == 2)
 
 
@@ -288,8 +294,8 @@ async def test_reconcile_starts_stops_and_restarts_subscriptions() -> None:
         a, b = await start_engine(f.nursery), await start_engine(f.nursery, other)
         await f.follow(a, b)
         tokens = prompt(2, seed=1)
-        a.publisher.publish([stored(tokens, 100)])
-        b.publisher.publish([stored(tokens, 100)])
+        a.publisher.publish(0, [stored(tokens, 100)])
+        b.publisher.publish(0, [stored(tokens, 100)])
         await f.until(lambda s: s[SLOT].index.stored == 2 and s[other].index.stored == 2)
         assert f.events.match(request_keys(tokens, BLOCK)) == {SLOT: 8, other: 8}
         await f.events.reconcile([a.source])                          # other left the roster
@@ -299,8 +305,8 @@ async def test_reconcile_starts_stops_and_restarts_subscriptions() -> None:
         await f.follow(c)
         stats = await f.until(lambda s: trust(s) is Trust.EXACT)
         assert stats[SLOT].source == c.source and stats[SLOT].index.entries == 0
-        a.publisher.publish([stored(prompt(2, seed=2), 200)])          # the old engine: not followed
-        c.publisher.publish([stored(tokens, 300)])
+        a.publisher.publish(0, [stored(prompt(2, seed=2), 200)])          # the old engine: not followed
+        c.publisher.publish(0, [stored(tokens, 300)])
         await f.until(lambda s: s[SLOT].index.stored == 2)
         assert f.matched(tokens) == 8
 

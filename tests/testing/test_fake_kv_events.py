@@ -10,9 +10,9 @@ import msgpack
 import orjson
 import trio
 
+from epd_trio._kv.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.fake_kv import KVConfig
-from epd_trio.testing.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from epd_trio.testing.kv_publisher import KVEventPublisher
 from epd_trio.testing.render import render_chat
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine
@@ -31,12 +31,12 @@ class Sink:
     """An in-process event sink (what the bench hands the engine)."""
 
     def __init__(self) -> None:
-        self.batches: list[tuple[int, list[KVEvent]]] = []
+        self.batches: list[tuple[int, list[KvEvent]]] = []
 
-    def __call__(self, rank: int, events: Sequence[KVEvent]) -> None:
+    def __call__(self, rank: int, events: Sequence[KvEvent]) -> None:
         self.batches.append((rank, list(events)))
 
-    def events(self) -> list[KVEvent]:
+    def events(self) -> list[KvEvent]:
         return [e for _, batch in self.batches for e in batch]
 
 
@@ -98,7 +98,7 @@ async def test_eviction_reset_and_the_hashes_are_per_instance(nursery: trio.Nurs
     stored_a, removed, stored_b, cleared = sinks[0].events()
     assert isinstance(stored_a, BlockStored) and isinstance(stored_b, BlockStored)
     # The second prompt needed the room: the first one's blocks go, reported before the store.
-    assert removed == BlockRemoved(stored_a.block_hashes)
+    assert removed == BlockRemoved(stored_a.block_hashes, "GPU", 0)
     assert stored_b.parent_block_hash is None and len(stored_b.block_hashes) == 2
     assert cleared == AllBlocksCleared() and len(fakes[0].kv_state.caches[0]) == 0  # type: ignore[union-attr]
     other = sinks[1].events()[0]

@@ -8,9 +8,9 @@ import httpx
 import pytest
 import trio
 
+from epd_trio._kv.wire import BlockStored, KvEvent
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.fake_kv import KVConfig
-from epd_trio.testing.kv_events import BlockStored, KVEvent
 
 #: vLLM's GenerateRequest fields, in declaration order (pydantic dumps them so).
 GENERATE_REQUEST = ["request_id", "token_ids", "assistant_tokens_mask", "token_offsets", "features",
@@ -25,7 +25,7 @@ def chat(*messages: tuple[str, Any]) -> dict[str, Any]:
 
 async def test_chat_render_shares_prefixes_and_matches_the_cached_blocks(
         nursery: trio.Nursery) -> None:
-    events: list[KVEvent] = []
+    events: list[KvEvent] = []
     fake = FakeVLLM("decode", render=True, kv=KVConfig(
         block_size=4, prompt_tokens_details=True, sink=lambda _, batch: events.extend(batch)))
     await nursery.start(fake.serve)

@@ -7,42 +7,42 @@ import pytest
 import trio
 import zmq
 
-from epd_trio.testing.kv_events import (
-    END_SEQ,
+from epd_trio._kv.wire import (
+    END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     encode_batch,
-    event_wire,
+    encode_event,
 )
 from epd_trio.testing.kv_publisher import KVEventPublisher
 from epd_trio.testing.zmq_peer import ZmqPeer, subscriber
 
 STORED = BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=[1] * 64,
-                     block_size=32, extra_keys=[None, (("img", 3),)])
+                     block_size=32, extra_keys=[None, (("img", 3),)], medium="GPU", group_idx=0)
 
 
 def test_event_shapes_are_vllms() -> None:
-    stored = event_wire(STORED, "map")
+    stored = encode_event(STORED)
     assert list(stored) == ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size",
                             "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
                             "kv_cache_spec_kind"]  # the None sliding window is omitted
     assert stored["type"] == "BlockStored" and stored["medium"] == "GPU"
-    assert event_wire(STORED, "array") == [
+    assert encode_event(STORED, positional=True) == [
         "BlockStored", [2**64 - 1, 7], None, [1] * 64, 32, None, "GPU", None,
         [None, (("img", 3),)], 0, "full_attention", None]
-    assert event_wire(BlockRemoved([5]), "map") == {"type": "BlockRemoved", "block_hashes": [5],
-                                                    "medium": "GPU", "group_idx": 0}
-    assert event_wire(BlockRemoved([5]), "array") == ["BlockRemoved", [5], "GPU", 0]
-    assert event_wire(AllBlocksCleared(), "map") == {"type": "AllBlocksCleared"}
-    assert event_wire(AllBlocksCleared(), "array") == ["AllBlocksCleared"]
-    batch = msgpack.unpackb(encode_batch(1.5, [STORED], 3))
+    assert encode_event(BlockRemoved([5], "GPU", 0)) == {"type": "BlockRemoved", "block_hashes": [5],
+                                                         "medium": "GPU", "group_idx": 0}
+    assert encode_event(BlockRemoved([5], "GPU", 0), positional=True) == ["BlockRemoved", [5], "GPU", 0]
+    assert encode_event(AllBlocksCleared()) == {"type": "AllBlocksCleared"}
+    assert encode_event(AllBlocksCleared(), positional=True) == ["AllBlocksCleared"]
+    batch = msgpack.unpackb(encode_batch([STORED], ts=1.5, dp_rank=3))
     assert batch[0] == 1.5 and batch[2] == 3 and batch[1][0]["extra_keys"] == [None, [["img", 3]]]
 
 
 @pytest.mark.parametrize("shape", ["map", "array"])
 async def test_a_subscriber_gets_vllms_frames_per_rank(nursery: trio.Nursery, shape: str) -> None:
-    publisher = KVEventPublisher(dp_size=2, topic="kv", shape=shape)  # type: ignore[arg-type]
+    publisher = KVEventPublisher(dp_size=2, topic="kv", positional=shape == "array")
     endpoints = await nursery.start(publisher.run)
     ports = [int(url.rsplit(":", 1)[1]) for url in endpoints.publish]
     assert ports[1] == ports[0] + 1  # rank r on base + r, like vLLM's offset_endpoint_port
@@ -51,7 +51,7 @@ async def test_a_subscriber_gets_vllms_frames_per_rank(nursery: trio.Nursery, sh
     with subscriber(endpoints.publish[1]) as sub:
         await publisher.wait_subscribed(1)
         for _ in range(3):
-            publisher.publish(1, [STORED, BlockRemoved([7])])
+            publisher.publish(1, [STORED, BlockRemoved([7], "GPU", 0)])
         with trio.fail_after(5):
             messages = [await sub.receive() for _ in range(3)]
     for seq, frames in enumerate(messages):
@@ -76,7 +76,7 @@ async def test_replay_fills_a_dropped_batch_and_ends_with_the_marker(nursery: tr
         await publisher.wait_subscribed()
         publisher.publish(0, [STORED])
         publisher.drop_next()
-        publisher.publish(0, [BlockRemoved([7])])
+        publisher.publish(0, [BlockRemoved([7], "GPU", 0)])
         publisher.publish(0, [AllBlocksCleared()])
         with trio.fail_after(5):
             seqs = [int.from_bytes((await sub.receive())[1], "big") for _ in range(2)]
@@ -85,9 +85,9 @@ async def test_replay_fills_a_dropped_batch_and_ends_with_the_marker(nursery: tr
         with trio.fail_after(5):
             replies = await dealer.receive_until_end()
         assert [r[:2] for r in replies] == [[b"", (1).to_bytes(8, "big")], [b"", (2).to_bytes(8, "big")],
-                                            [b"", END_SEQ]]
-        assert replies[-1] == [b"", END_SEQ, b""]
-        assert msgpack.unpackb(replies[0][2])[1] == [event_wire(BlockRemoved([7]))]
+                                            [b"", END_OF_REPLAY]]
+        assert replies[-1] == [b"", END_OF_REPLAY, b""]
+        assert msgpack.unpackb(replies[0][2])[1] == [encode_event(BlockRemoved([7], "GPU", 0))]
         # The buffer keeps the last three batches only: a gap older than that cannot be filled.
         publisher.publish(0, [AllBlocksCleared()])
         dealer.send([b"", (0).to_bytes(8, "big")])

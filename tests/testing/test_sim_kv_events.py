@@ -6,21 +6,22 @@ from collections.abc import Sequence
 
 import trio
 
-from epd_trio.testing.kv_events import BlockStored, EventSink, KVEvent
+from epd_trio._kv.wire import BlockStored, KvEvent
+from epd_trio.testing.prefix_cache import EventSink
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine
 
 
-def sink_into(batches: list[tuple[int, list[KVEvent]]]) -> EventSink:
+def sink_into(batches: list[tuple[int, list[KvEvent]]]) -> EventSink:
     """An in-process sink (what the bench hands the engine) that keeps every batch."""
 
-    def sink(rank: int, events: Sequence[KVEvent]) -> None:
+    def sink(rank: int, events: Sequence[KvEvent]) -> None:
         batches.append((rank, list(events)))
     return sink
 
 
 async def test_the_simulated_engine_publishes_a_batch_per_step(
         autojump_clock: trio.abc.Clock) -> None:
-    batches: list[tuple[int, list[KVEvent]]] = []
+    batches: list[tuple[int, list[KvEvent]]] = []
     engine = SimEngine(EngineConfig(block_tokens=4, cache_blocks=2), event_sink=sink_into(batches))
     prompts = [list(range(1, 10)), [1, 2, 3, 4, 50, 51, 52, 53], list(range(1, 10))]
     hits: list[int] = []
