@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -53,7 +54,9 @@ KV_STAGES = ("prefill", "decode")
 
 
 class Decisions(Protocol):
-    """Where a decision on the index is told (the request's account)."""
+    """The request's account: where the render call and a decision on the index are told."""
+
+    def render(self, instance: Instance) -> AbstractContextManager[dict[str, str]]: ...
 
     def kv_decided(self, stage: str, trust: str, prompt_tokens: int,
                    cached_tokens: int) -> None: ...
@@ -152,10 +155,11 @@ class KvRouting:
         return self.events.index.trust(slot) if slot in self._followed else Trust.FALLBACK
 
     # -- one request ---------------------------------------------------------------------------
-    async def lookup(self, path: str, body: dict[str, Any], request_id: str) -> KvLookup | None:
+    async def lookup(self, path: str, body: dict[str, Any], request_id: str,
+                     account: Decisions) -> KvLookup | None:
         """What the engines hold of this request's prompt, or None (no render to be had in
         time, or a request the index cannot key): route it by ``cache_aware`` then."""
-        answer = await self._render(path, body, request_id)
+        answer = await self._render(path, body, request_id, account)
         if answer is None:
             return None
         started = time.perf_counter()
@@ -173,7 +177,8 @@ class KvRouting:
         self._metrics.looked_up(time.perf_counter() - started)
         return KvLookup(CachedPrefix(len(prompt.token_ids), held), keys)
 
-    async def _render(self, path: str, body: dict[str, Any], request_id: str) -> Any:
+    async def _render(self, path: str, body: dict[str, Any], request_id: str,
+                      account: Decisions) -> Any:
         targets = self._render_targets()
         if not targets:
             return None
@@ -182,10 +187,12 @@ class KvRouting:
         started = time.perf_counter()
         outcome = "ok"
         try:
-            answer = await post_json(
-                self._pools(instance), stage="render", instance=instance, path=f"{path}/render",
-                body=body, headers=upstream_headers(request_id, None),
-                deadline=self.settings.render_timeout)
+            with account.render(instance) as traced:
+                answer = await post_json(
+                    self._pools(instance), stage="render", instance=instance,
+                    path=f"{path}/render", body=body,
+                    headers={**upstream_headers(request_id, None), **traced},
+                    deadline=self.settings.render_timeout)
             return orjson.loads(answer.content)
         except (UpstreamError, orjson.JSONDecodeError) as exc:
             outcome = "timeout" if isinstance(exc, UpstreamTimeout) else "error"

@@ -223,7 +223,7 @@ class RequestRun:
         self.hint = prefix_hint(prompt_text(body)) if pipeline.hinted else None
         #: What the engines hold of this prompt (None: no index, or no render in time).
         self.kv = (None if pipeline.kv is None
-                   else await pipeline.kv.lookup(self.path, body, self.request_id))
+                   else await pipeline.kv.lookup(self.path, body, self.request_id, account))
         self.size = requested_tokens(body) if pipeline.settings.size_tiebreak else 0
         registry = pipeline.registry
         if not registry.has("decode"):

@@ -17,9 +17,12 @@ from typing import Any
 
 import httpx
 import trio
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from epd_trio import Settings
 from epd_trio._core.routing import parse_instance
+from epd_trio._observe.tracing import create_tracing
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.cluster import serve_proxy
@@ -209,7 +212,7 @@ async def test_every_worker_of_epd_trio_serve_subscribes_and_routes_on_the_index
         assert r.status_code == 200
         # Each worker has its own index: wait until two of them say p1 holds the prefix.
         ready: set[int] = set()
-        with trio.fail_after(30):
+        with trio.fail_after(60):
             while len(ready) < 2:
                 report = await instances_listing(served.url, ADMIN)
                 held = {e["url"]: e for e in report["kv_index"]}
@@ -224,3 +227,25 @@ async def test_every_worker_of_epd_trio_serve_subscribes_and_routes_on_the_index
                                      json=chat(SHARED + f" {i}"), headers={"connection": "close"})
                 assert r.status_code == 200, r.text
         assert (len(legs(p0)) - before[0], len(legs(p1)) - before[1]) == (0, 6)
+
+
+async def test_the_render_call_has_its_own_span_and_carries_the_trace(
+    nursery: trio.Nursery, client: httpx.AsyncClient,
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracing = create_tracing({}, exporter=exporter)
+    (p0, u0), (_, ud) = [await kv_fake(nursery, role) for role in ("prefill", "decode")]
+    config = Settings(prefill_urls=(parse_instance(u0),), decode_urls=(parse_instance(ud),),
+                      kv_block_size=BLOCK, prefill_policy="precise_cache_aware")
+    async with serve_proxy(config, tracing=tracing) as (url, proxy):
+        await all_exact(proxy, 2)
+        r = await client.post(f"{url}/v1/chat/completions", json=chat(SHARED))
+        assert r.status_code == 200
+    spans = exporter.get_finished_spans()
+    (server,) = [s for s in spans if s.kind is SpanKind.SERVER]
+    (render,) = [s for s in spans if s.name == "render"]
+    assert render.kind is SpanKind.CLIENT and render.parent.span_id == server.context.span_id
+    assert render.attributes["url.full"] == f"{p0.url}/v1/chat/completions/render"
+    assert render.attributes["epd_trio.outcome"] == "ok"
+    (call,) = [r for r in p0.received if r.path.endswith("/render")]
+    assert call.headers["traceparent"].split("-")[2] == f"{render.context.span_id:016x}"

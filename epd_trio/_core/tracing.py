@@ -194,7 +194,8 @@ def leg_attributes(attempt: Attempt, trace: RequestTrace, path: str) -> dict[str
         "https://").partition("/")[0].rpartition(":")
     attributes: dict[str, Any] = {
         "http.request.method": "POST",
-        "url.full": attempt.instance.rstrip("/") + path,
+        "url.full": attempt.instance.rstrip("/") + path + (
+            "/render" if attempt.stage == "render" else ""),
         "server.address": host or attempt.instance,
         "epd_trio.stage": attempt.stage,
         "epd_trio.upstream": attempt.instance,

@@ -185,6 +185,27 @@ class RequestAccount:
             if not leg.held:
                 leg.release()
 
+    @contextmanager
+    def render(self, instance: Instance) -> Iterator[TraceHeaders]:
+        """The render call of KV routing: an attempt of its own (stage ``render``: its span,
+        its line in the request log), whose failure is no failure of the instance (a render
+        that fails routes the request by ``cache_aware``). Yields the trace headers it carries."""
+        attempt = Attempt("render", instance.url, None, time.perf_counter())
+        self.trace.attempts.append(attempt)
+        outcome = "cancelled"
+        try:
+            yield self.spans.leg_headers(attempt)
+            outcome = "ok"
+        except UpstreamError as error:
+            outcome = "error"
+            attempt.error_type = (str(error.upstream_status)
+                                  if isinstance(error, UpstreamStatusError)
+                                  else type(error).__name__)
+            raise
+        finally:
+            attempt.seconds = time.perf_counter() - attempt.started
+            attempt.outcome = outcome
+
     def retried(self, stage: str, instance: Instance, error: UpstreamError) -> None:
         """A failover: ``stage`` failed at ``instance`` and is retried elsewhere."""
         self.acc.metrics.retried(stage)
