@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import ssl
-from collections.abc import AsyncGenerator, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -107,11 +107,6 @@ class UpstreamResponse:
         if not data:
             self._ended = True
         return data
-
-    async def aiter_raw(self) -> AsyncGenerator[bytes, None]:
-        """The body bytes as they arrive (chunked framing removed, nothing decoded)."""
-        while data := await self.receive():
-            yield data
 
     async def aread(self) -> bytes:
         """The whole body; the connection goes back to the pool."""
