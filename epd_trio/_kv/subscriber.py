@@ -1,12 +1,12 @@
 """The I/O shell: one ZMQ subscription per slot on the trio loop, and their owner ``KvEvents``.
 
-Per slot, a SUB socket connected to the engine's PUB (``wire.rank_endpoint``: the configured
-port plus the DP rank), subscribed to the configured topic, and, when the engine has one, a
-DEALER to its replay ROUTER. ``feed.Feed`` decides what each batch means; this module only moves
-frames and applies the steps to the shared ``index.KvIndex``. pyzmq has no trio integration, so
-each socket is driven from its ``zmq.FD`` as ``_membership/moriio_listener.py`` does: drain while
-``zmq.EVENTS`` says ``POLLIN``, then wait on the (edge-triggered) descriptor. No thread: the
-index is touched only on the loop, so it needs no lock.
+Per slot, a SUB socket connected to the engine's PUB (the configured port plus the DP rank:
+``_core.routing.KvEventEndpoints.for_rank``), subscribed to the configured topic, and, when the
+engine has one, a DEALER to its replay ROUTER. ``feed.Feed`` decides what each batch means;
+this module only moves frames and applies the steps to the shared ``index.KvIndex``. pyzmq has
+no trio integration, so each socket is driven from its ``zmq.FD`` as
+``_membership/moriio_listener.py`` does: drain while ``zmq.EVENTS`` says ``POLLIN``, then wait
+on the (edge-triggered) descriptor. No thread: the index is touched only on the loop, so it needs no lock.
 
 Replay: while a replay runs, the SUB socket is not read (ZMQ queues what arrives, up to its
 high-water mark; what it drops shows as a later gap). Each wait for a reply has a deadline
@@ -56,7 +56,7 @@ _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 @dataclass(frozen=True, slots=True)
 class SlotSource:
     """Where one slot's events come from: the PUB endpoint of its engine's DP rank (already
-    offset, see ``wire.rank_endpoint``) and its replay endpoint, if the engine has one."""
+    offset: ``_core.routing.KvEventEndpoints.for_rank``) and its replay endpoint, if the engine has one."""
 
     slot: Slot
     endpoint: str

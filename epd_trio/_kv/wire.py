@@ -294,17 +294,3 @@ def encode_message(topic: bytes, seq: int, payload: bytes) -> list[bytes]:
 def encode_replay_request(start_seq: int) -> list[bytes]:
     """What a DEALER sends the replay ROUTER: an empty delimiter, then the first seq wanted."""
     return [b"", encode_seq(start_seq)]
-
-
-def rank_endpoint(endpoint: str, dp_rank: int) -> str:
-    """The endpoint DP rank ``dp_rank`` of an engine publishes on, as vLLM derives it from the
-    configured one (``offset_endpoint_port``): the TCP port plus the rank, ``inproc`` names
-    suffixed ``_dp<rank>``; rank 0 unchanged."""
-    if dp_rank == 0:
-        return endpoint
-    if endpoint.startswith("inproc"):
-        return f"{endpoint}_dp{dp_rank}"
-    head, _, port = endpoint.rpartition(":")
-    if not head or not port.isdigit():
-        raise ValueError(f"not a tcp://host:port endpoint: {endpoint!r}")
-    return f"{head}:{int(port) + dp_rank}"

@@ -174,5 +174,8 @@ def test_kv_event_endpoints_are_offset_per_rank_as_vllm_does() -> None:
     assert kv.for_rank(None) == kv.for_rank(0) == kv
     assert kv.for_rank(3) == KvEventEndpoints("tcp://p0:5560", "tcp://p0:5603")
     assert KvEventEndpoints("tcp://h:5557").for_rank(2) == KvEventEndpoints("tcp://h:5559")
+    assert parse_instance_spec("http://[::1]:8000#kv_events=tcp://[::1]:5557")[1] == \
+        KvEventEndpoints("tcp://[::1]:5557")
+    assert KvEventEndpoints("tcp://[::1]:5557").for_rank(1).publish == "tcp://[::1]:5558"
     with pytest.raises(ValueError, match="past port 65535"):
         KvEventEndpoints("tcp://h:65535").for_rank(1)

@@ -22,7 +22,6 @@ from epd_trio._kv.wire import (
     encode_batch,
     encode_message,
     encode_replay_request,
-    rank_endpoint,
     split_message,
 )
 
@@ -204,21 +203,3 @@ def test_random_bytes_never_raise_another_exception(payload: bytes) -> None:
 def test_random_msgpack_never_raises_another_exception(batch: Any) -> None:
     _decodes_or_refuses(msgpack.packb(batch))
 
-
-RANK_ENDPOINTS = [
-    # vLLM's offset_endpoint_port: DP rank r publishes on the configured port + r
-    ("tcp://10.0.0.5:5557", 0, "tcp://10.0.0.5:5557"),
-    ("tcp://10.0.0.5:5557", 3, "tcp://10.0.0.5:5560"),
-    ("tcp://[::1]:5557", 1, "tcp://[::1]:5558"),
-    ("inproc://cache", 2, "inproc://cache_dp2"),
-]
-
-
-@pytest.mark.parametrize(("endpoint", "rank", "expected"), RANK_ENDPOINTS)
-def test_each_dp_rank_publishes_on_its_own_port(endpoint: str, rank: int, expected: str) -> None:
-    assert rank_endpoint(endpoint, rank) == expected
-
-
-def test_a_rank_endpoint_needs_a_port() -> None:
-    with pytest.raises(ValueError, match="host:port"):
-        rank_endpoint("tcp://host", 1)
