@@ -1,7 +1,8 @@
 """Routing policies compared on the simulated engine: the same open-loop mixed load through each.
 
-    python -m bench.policies                           # the README's table (about 5 min)
+    python -m bench.policies                           # every default set (about 6 min)
     python -m bench.policies --duration 10 --load 0.6  # shorter, lighter
+    python -m bench.policies --duration 10 --replicas 3 --direct-share 0.2
     python -m bench.policies --loads 0.5,0.7,0.9 --plot policies.png
 
 One process: fake vLLM servers with the simulated batch engine (``epd_trio.testing.sim_engine``:
@@ -21,6 +22,14 @@ the ideal (one cache large enough for everything: every repeated block hits), th
 hit rate, and the load spread (most requests on one slot over the mean, per stage). Then the cost
 of one policy decision on the pipeline's own path, measured in this process
 (``--decision-rounds``; ``--decisions-only`` runs just that).
+
+precise_cache_aware routes on the engines' own KV cache events: every prefill and decode fake
+renders prompts (``render=True``) and publishes its cache's events on vLLM's ZMQ wire (a
+``KVEventPublisher`` each, for every policy set alike), named in the proxy's URLs where a stage's
+policy is precise. ``--replicas N``: N proxies over the same engines, each subscribing itself
+(cache_aware's placement is shared through Redis). ``--direct-share``: requests sent straight to
+a prefill engine, unseen by the proxy. ``--cache-share``: each rank's cache sized as a share of
+the workload's reused blocks.
 
 The capacity estimate is the decode stage's: ranks x ``max_num_seqs`` / (mean tokens x the step
 time of a full batch). The per-rank prefix cache is ``--cache-blocks`` blocks of 16 tokens: the
