@@ -74,6 +74,8 @@ from epd_trio.testing.render import render_chat
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine
 
 CHAT = "/v1/chat/completions"
+#: The request id prefix of the requests sent straight to a prefill engine.
+DIRECT_ID = "direct-"
 #: The engines' block size (``EngineConfig.block_tokens``) and the proxy's ``kv_block_size``.
 BLOCK_TOKENS = 16
 #: The policy sets compared by default: label -> (encode, prefill, decode, size tie-break).
@@ -121,6 +123,9 @@ class Run:
     wall: float = 0.0
     hit_rate: float | None = None
     encoder_hit_rate: float | None = None
+    #: With direct requests: the prefill hit rate of the proxied ones alone (the answers'
+    #: ``usage.prompt_tokens_details.cached_tokens``).
+    proxied_hit_rate: float | None = None
     spread: dict[str, float | None] = field(default_factory=dict)
     overrun: float | None = None
     #: The precise policy's counters, summed over the replicas (``KV_SAMPLES``); None without.
@@ -190,13 +195,18 @@ def reused_blocks(jobs: Sequence[Job]) -> int:
     return len(again)
 
 
-def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16) -> float:
+def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16, *,
+                   proxied_only: bool = False) -> float:
     """The hit rate of one unbounded prefix cache over the whole sequence (direct requests
     included, as the engines count them): the best any routing can do (a block's first
-    occurrence always misses; as vLLM, the last prompt token is always computed)."""
+    occurrence always misses; as vLLM, the last prompt token is always computed).
+    ``proxied_only``: the same cache, counting only the proxied requests' lookups."""
     seen: set[int] = set()
     hits = total = 0
     for job in jobs:
+        if proxied_only and job.direct is not None:
+            seen.update(job.prefill_blocks)
+            continue
         total += job.prompt_tokens
         limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
         cached = 0
@@ -251,7 +261,9 @@ def _spread(fakes: Sequence[FakeVLLM]) -> float | None:
 
 def _per_rank(fake: FakeVLLM) -> dict[int, int]:
     per_rank: dict[int, int] = {}
-    for r in fake.requests():
+    for r in fake.requests(CHAT):
+        if r.path != CHAT:  # a render call
+            continue
         per_rank[r.rank or 0] = per_rank.get(r.rank or 0, 0) + 1
     return per_rank
 
@@ -280,7 +292,8 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
                 publisher = KVEventPublisher(dp_size=dp) if role != "encode" else None
                 fake = FakeVLLM(role=role, dp_size=dp, behaviour=behaviour,
                                 engine=SimEngine(config, dp), render=role != "encode",
-                                kv=None if publisher is None else KVConfig(publisher=publisher))
+                                kv=None if publisher is None else KVConfig(publisher=publisher,
+                                                                   prompt_tokens_details=True))
                 await nursery.start(fake.serve)
                 spec = f"{fake.url}#dp={dp}"
                 if role in precise and publisher is not None and publisher.endpoints:
@@ -341,8 +354,9 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
                                          "stream": False, "kv_transfer_params": {
                                              "do_remote_decode": True,
                                              "do_remote_prefill": False}})
+                    extra = f"x-request-id: {DIRECT_ID}{job.at:.6f}\r\n".encode()
                     if fake.dp_size > 1:
-                        extra = f"x-data-parallel-rank: {rank}\r\n".encode()
+                        extra += f"x-data-parallel-rank: {rank}\r\n".encode()
                     streamed = False
                 head = request_head("POST", CHAT, f"{host}:{port}", len(body))
                 if extra:  # before the blank line that ends the head
@@ -368,6 +382,8 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
             run.wall = trio.current_time() - started
         queries = _counter(pre, "vllm:prefix_cache_queries")
         run.hit_rate = _counter(pre, "vllm:prefix_cache_hits") / queries if queries else None
+        if any(job.direct is not None for job in jobs):
+            run.proxied_hit_rate = _proxied_hit_rate(pre)
         items = _counter(enc, "fake:encoder_cache_queries")
         run.encoder_hit_rate = (_counter(enc, "fake:encoder_cache_hits") / items
                                 if items else None)
@@ -380,6 +396,22 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
         run.overrun = sum(r.elapsed for r in ranks) / modelled - 1 if modelled else None
         nursery.cancel_scope.cancel()
     return run
+
+
+def _proxied_hit_rate(prefills: Sequence[FakeVLLM]) -> float | None:
+    """The prefill legs' cached share of their prompts, the direct requests left out."""
+    cached = prompt = 0
+    for fake in prefills:
+        for record in fake.requests():
+            if record.path != CHAT or (record.request_id or "").startswith(DIRECT_ID):
+                continue
+            try:
+                usage = orjson.loads(bytes(record.sent))["usage"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+            prompt += usage["prompt_tokens"]
+            cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return cached / prompt if prompt else None
 
 
 async def _all_exact(proxy: Proxy, count: int) -> None:
@@ -431,6 +463,7 @@ def summary(run: Run) -> dict[str, Any]:
     row["tokens_per_s"] = tokens / run.wall if run.wall else None
     row["requests_per_s"] = len(ok) / run.wall if run.wall else None
     row["hit_rate"] = run.hit_rate
+    row["proxied_hit_rate"] = run.proxied_hit_rate
     row["encoder_hit_rate"] = run.encoder_hit_rate
     row["spread"] = run.spread
     row["step_overrun"] = run.overrun
@@ -453,12 +486,16 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]) -> str:
+def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float],
+           proxied_ideal: float | None = None) -> str:
+    proxied = proxied_ideal is not None
     lines = [
         "| policy (decode, or E/P/D) | load | TTFT p50 / p99 ms | short TTFT p50 / p99 ms "
         "| short e2e p50 / p99 ms | long e2e p50 / p99 ms | tokens/s | prefix hit (ideal "
-        f"{100 * ideal:.0f} %) | encoder hit | spread P / D | step overrun |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"{100 * ideal:.0f} %) | "
+        + (f"proxied prefix hit (ideal {100 * proxied_ideal:.0f} %) | " if proxied else "")
+        + "encoder hit | spread P / D | step overrun |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if proxied else ""),
     ]
     notes = []
     for r in rows:
@@ -474,7 +511,9 @@ def render(rows: list[dict[str, Any]], ideal: float, decisions: dict[str, float]
             f"| {_ms(s['ttfb_p50'])} / {_ms(s['ttfb_p99'])} "
             f"| {_ms(s['e2e_p50'])} / {_ms(s['e2e_p99'])} "
             f"| {_ms(lg['e2e_p50'])} / {_ms(lg['e2e_p99'])} "
-            f"| {r['tokens_per_s']:.0f} | {_pct(r['hit_rate'])} | {_pct(r['encoder_hit_rate'])} "
+            f"| {r['tokens_per_s']:.0f} | {_pct(r['hit_rate'])} "
+            + (f"| {_pct(r['proxied_hit_rate'])} " if proxied else "")
+            + f"| {_pct(r['encoder_hit_rate'])} "
             f"| {_x(r['spread']['prefill'])} / {_x(r['spread']['decode'])} "
             f"| {_pct(r['step_overrun'])} |"
             + (f" {r['failed']} failed" if r["failed"] else ""))
@@ -692,13 +731,16 @@ def main(argv: list[str] | None = None) -> int:
     config_rate = runs[0].rate / runs[0].load if runs else math.nan
     jobs = workload(args, runs[0].rate) if runs else []
     ideal = ideal_hit_rate(jobs)
+    proxied_ideal = (ideal_hit_rate(jobs, proxied_only=True)
+                     if any(job.direct is not None for job in jobs) else None)
     decisions = decision_costs(args.decision_rounds)
-    print(render(rows, ideal, decisions))
+    print(render(rows, ideal, decisions, proxied_ideal))
     print(f"estimated capacity {config_rate:.1f} requests/s; this process used {cpu:.0f} s of "
           "CPU (client, proxy and fakes share one event loop)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "ideal_hit_rate": ideal, "decisions_us": decisions}, f,
+            json.dump({"rows": rows, "ideal_hit_rate": ideal,
+                       "proxied_ideal_hit_rate": proxied_ideal, "decisions_us": decisions}, f,
                       indent=1)
     if args.plot:
         print(plot(rows, args.plot))

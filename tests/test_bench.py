@@ -426,7 +426,9 @@ async def test_policies_bench_runs_precise_with_replicas_direct_traffic_and_a_sm
     assert [row["kv"] is None for row in rows] == [True, True, False, False]
     # Every proxied request was rendered and chosen on an exact slot's index.
     assert all(row["kv"]["decisions_total"] == row["requests"] for row in rows[2:])
-    assert 0 < report["ideal_hit_rate"] < 1
+    assert all(0 <= row["proxied_hit_rate"] <= 1 for row in rows)
+    assert 0 < report["ideal_hit_rate"] < 1 and 0 < report["proxied_ideal_hit_rate"] < 1
+    assert "proxied prefix hit (ideal" in out
     assert "more requests went straight to the prefill engines" in out
     assert "cache: " in err and "blocks per rank" in err
 
