@@ -248,8 +248,9 @@ def test_policies_workload_is_reproducible_and_its_ideal_counts_first_misses() -
     jobs = workload(args, rate=5.0)
     assert jobs == workload(args, rate=5.0) and len(jobs) > 5
     assert all(0 < job.at < 4 for job in jobs)
-    # Two prefixes of 512 tokens: each misses once, then its 32 blocks always hit.
-    per_prompt = 512 + args.question_words
+    # Two prefixes of 512 tokens: each misses once, then its 32 blocks always hit (the fake's
+    # chat template adds 5 tokens: two roles, two ends, the generation prompt).
+    per_prompt = 512 + args.question_words + 5
     expected = (len(jobs) - 2) * 512 / (len(jobs) * per_prompt)
     assert ideal_hit_rate(jobs) == pytest.approx(expected)
     assert policy_sets("round_robin,cache_aware/least_loaded/power_of_two/counts") == {
@@ -395,6 +396,41 @@ async def test_replicas_bench_runs_every_mode_side_by_side(
                for run in by_mode.values())
     assert by_mode["shared"]["convergence_ms"]["max"] > 0
     assert "| global |" in out and "registration convergence" in out
+
+
+async def test_policies_bench_runs_precise_with_replicas_direct_traffic_and_a_small_cache(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """precise_cache_aware beside cache_aware over fakes publishing KV events on ZMQ: 1 and 3
+    replicas, a share of the requests straight to the prefill engines, the cache sized from the
+    workload. Structure only: the figures of a 2 s run mean nothing."""
+    report_path = tmp_path / "policies.json"
+    with trio.fail_after(240):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.policies", "--duration", "2", "--load", "0.3",
+             "--policies", "cache_aware + least_loaded,precise_cache_aware + least_loaded",
+             "--replicas", "1,3", "--state-url", redis_server.url, "--direct-share", "0.3",
+             "--cache-share", "0.25", "--render-timeout", "5", "--long-tokens", "32",
+             "--decision-rounds", "50", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out, err = result.stdout.decode(), result.stderr.decode()
+    assert result.returncode == 0, out + err
+    report = json.loads(report_path.read_text())
+    rows = report["rows"]
+    assert [row["policy"] for row in rows] == [
+        "cache_aware + least_loaded", "cache_aware + least_loaded, 3 replicas",
+        "precise_cache_aware + least_loaded", "precise_cache_aware + least_loaded, 3 replicas"]
+    assert all(row["failed"] == 0 and row["requests"] > 0 and row["direct"] > 0
+               and row["direct_failed"] == 0 for row in rows)
+    assert all(0 <= row["hit_rate"] <= 1 and row["ttfb_p50"] <= row["ttfb_p99"] for row in rows)
+    assert [row["kv"] is None for row in rows] == [True, True, False, False]
+    # Every proxied request was rendered and chosen on an exact slot's index.
+    assert all(row["kv"]["decisions_total"] == row["requests"] for row in rows[2:])
+    assert all(0 <= row["proxied_hit_rate"] <= 1 for row in rows)
+    assert 0 < report["ideal_hit_rate"] < 1 and 0 < report["proxied_ideal_hit_rate"] < 1
+    assert "proxied prefix hit (ideal" in out
+    assert "more requests went straight to the prefill engines" in out
+    assert "cache: " in err and "blocks per rank" in err
 
 
 async def test_policies_bench_compares_replicas_with_and_without_placement(
