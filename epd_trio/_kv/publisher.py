@@ -2,8 +2,9 @@
 
 It speaks vLLM's wire exactly (``ZmqEventPublisher`` in ``vllm/distributed/kv_events.py``): three
 frames per batch on a PUB-compatible socket, sequence numbers from 0, the last ``buffer_steps``
-batches kept for a replay ROUTER that answers ``[b"", start]`` with ``[b"", seq, payload]`` per
-kept batch from ``start`` on, then ``[b"", -1, b""]``. Two differences, both invisible to a SUB:
+batches kept for a replay ROUTER that answers ``[b"", start]`` with ``[b"", topic, seq, payload]``
+per kept batch from ``start`` on, then ``[b"", b"", -1, b""]`` (vLLM 0.32's shape). Two
+differences, both invisible to a SUB:
 the socket is an XPUB, so ``wait_subscribed`` can tell when a subscription has arrived (a PUB
 drops what it sends before that, which a test would otherwise have to sleep through), and the
 replay is served on the loop, not from vLLM's publisher thread.
@@ -139,8 +140,9 @@ class KvEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:
-                sock.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-        sock.send_multipart([identity, b"", END_OF_REPLAY, b""])
+                # vLLM 0.32's shape: the topic before the seq (wire.decode_replay_reply).
+                sock.send_multipart([identity, b"", self.topic, seq.to_bytes(8, "big"), payload])
+        sock.send_multipart([identity, b"", b"", END_OF_REPLAY, b""])
         self.replays_served += 1
 
     def _drain(self, sock: zmq.Socket[bytes], handle: _Handler) -> None:

@@ -7,8 +7,9 @@ the rank (``offset_endpoint_port``: rank r on base + r):
   from 0, +1 per batch) and the msgpack ``[ts, [events], dp_rank]`` (``kv_events.encode_batch``);
 - a ROUTER replay socket: a request is ``[identity, b"", start_seq (8 bytes big-endian)]`` (a
   DEALER sends ``[b"", start_seq]``); it answers each buffered batch with ``seq >= start_seq``
-  as ``[identity, b"", seq, payload]`` (no topic), then ``[identity, b"", END_SEQ, b""]`` with
-  ``END_SEQ`` = -1 in 8 signed bytes. Any other request shape is ignored, unanswered. The buffer
+  as ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"", END_SEQ, b""]`` with
+  ``END_SEQ`` = -1 in 8 signed bytes (vLLM 0.32, seen on the real server; earlier versions sent
+  no topic frame). Any other request shape is ignored, unanswered. The buffer
   keeps the last ``buffer_steps`` batches (10 000 on vLLM), so a gap older than that cannot be
   filled.
 
@@ -254,8 +255,9 @@ class KVEventPublisher:
         try:
             for seq, payload in rank.buffer:
                 if seq >= start:
-                    sock.send_multipart([client, b"", sequence_frame(seq), payload], zmq.NOBLOCK)
-            sock.send_multipart([client, b"", END_SEQ, b""], zmq.NOBLOCK)
+                    sock.send_multipart([client, b"", self.topic, sequence_frame(seq), payload],
+                                        zmq.NOBLOCK)
+            sock.send_multipart([client, b"", b"", END_SEQ, b""], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("KV event replay cut short: the requester's queue is full")
         rank.replays += 1
