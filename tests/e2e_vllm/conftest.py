@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -123,7 +124,8 @@ def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 
     ``EPD_E2E_KV_SERVERS=FILE`` uses servers already running instead (FILE: a JSON object of
     ``Server`` records by name, as ``dataclasses.asdict`` writes them), left running: for
-    working on the tests without paying their start-up at every run.
+    working on the tests without paying their start-up at every run. The file is written back
+    at the end (a test that restarted a server changed its pid).
     """
     say = _say(request.config)
     state = os.environ.get("EPD_E2E_KV_SERVERS")
@@ -131,6 +133,7 @@ def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         records = json.loads(Path(state).read_text())
         servers = {name: Server(**record) for name, record in records.items()}
         yield Cluster(Home.from_env(), "kv", "text", servers, None, owned=False, recorded=False)
+        Path(state).write_text(json.dumps({name: asdict(s) for name, s in servers.items()}))
         return
     kv = start_kv_cluster(log=say)
     try:
