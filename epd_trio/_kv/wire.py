@@ -10,8 +10,11 @@ parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys
 releases had fewer fields. Both are read; a batch written as a map (``{"ts", "events",
 "data_parallel_rank"}``) too, since msgspec writes one when the struct is not array-like.
 
-The replay socket (a ROUTER) takes ``[b"", start_seq]`` from a DEALER and answers one
-``[b"", seq, payload]`` per buffered batch with ``seq >= start_seq``, then ``[b"", -1, b""]``.
+The replay socket (a ROUTER) takes ``[b"", start_seq]`` from a DEALER and answers one message
+per buffered batch with ``seq >= start_seq``, then an end marker whose seq is -1. vLLM 0.32 sends
+``[b"", topic, seq, payload]`` and ``[b"", b"", -1, b""]`` (checked against the real server:
+tests/e2e_vllm/test_real_kv_routing.py); earlier versions ``[b"", seq, payload]`` and
+``[b"", -1, b""]``. Both are read.
 
 Only the shape is checked here: field types, and that ids and tokens hash (what the index needs
 of them; a float token passes and matches nothing). Not what the fields mean together (a
@@ -122,12 +125,16 @@ def decode_seq(frame: bytes) -> int:
 
 
 def decode_replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
-    """One replay reply as a DEALER receives it: ``(seq, payload)``, or None for the end marker."""
-    if len(frames) != 3 or frames[0] != b"":
-        raise MalformedKvMessage(f"a replay reply is [b'', seq, payload], not {len(frames)} frames")
-    if frames[1] == END_OF_REPLAY:
+    """One replay reply as a DEALER receives it: ``(seq, payload)``, or None for the end marker.
+
+    ``[b"", topic, seq, payload]`` (vLLM 0.32) or ``[b"", seq, payload]`` (earlier)."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise MalformedKvMessage("a replay reply is [b'', topic, seq, payload] or "
+                                 f"[b'', seq, payload], not {len(frames)} frames")
+    seq, payload = frames[-2], frames[-1]
+    if seq == END_OF_REPLAY:
         return None
-    return decode_seq(frames[1]), bytes(frames[2])
+    return decode_seq(seq), bytes(payload)
 
 
 def decode_batch(payload: bytes) -> EventBatch:

@@ -8,10 +8,11 @@ the rank (``offset_endpoint_port``: rank r on base + r):
   ``epd_trio._kv.wire.encode_batch``: tagged maps, or with ``positional`` the older arrays);
 - a ROUTER replay socket: a request is ``[identity, b"", start_seq (8 bytes big-endian)]`` (a
   DEALER sends ``[b"", start_seq]``); it answers each buffered batch with ``seq >= start_seq``
-  as ``[identity, b"", seq, payload]`` (no topic), then ``[identity, b"", END_SEQ, b""]`` with
-  ``END_SEQ`` = -1 in 8 signed bytes (``END_OF_REPLAY`` in ``_kv.wire``). Any other request
-  shape is ignored, unanswered. The buffer keeps the last ``buffer_steps`` batches (10 000 on
-  vLLM), so a gap older than that cannot be filled.
+  as ``[identity, b"", topic, seq, payload]``, then ``[identity, b"", b"", END_SEQ, b""]`` with
+  ``END_SEQ`` = -1 in 8 signed bytes (``END_OF_REPLAY`` in ``_kv.wire``; vLLM 0.32, seen on
+  the real server; earlier versions sent no topic frame). Any other request shape is ignored,
+  unanswered. The buffer keeps the last ``buffer_steps`` batches (10 000 on vLLM), so a gap
+  older than that cannot be filled.
 
 The PUB side is an XPUB socket here: a SUB sees the same frames, and the publisher learns of
 each subscription, so a test can wait for its subscriber instead of sleeping past ZMQ's slow
@@ -285,8 +286,9 @@ class KVEventPublisher:
         try:
             for seq, payload in rank.buffer:
                 if seq >= start:
-                    sock.send_multipart([client, b"", encode_seq(seq), payload], zmq.NOBLOCK)
-            sock.send_multipart([client, b"", END_OF_REPLAY, b""], zmq.NOBLOCK)
+                    sock.send_multipart([client, b"", self.topic, encode_seq(seq), payload],
+                                        zmq.NOBLOCK)
+            sock.send_multipart([client, b"", b"", END_OF_REPLAY, b""], zmq.NOBLOCK)
         except zmq.Again:
             log.debug("KV event replay cut short: the requester's queue is full")
         rank.replays += 1

@@ -57,7 +57,7 @@ class ZmqPeer:
         while True:
             frames = await self.receive()
             messages.append(frames)
-            if len(frames) > 1 and frames[1] == END_OF_REPLAY:
+            if len(frames) > 1 and frames[-2] == END_OF_REPLAY:  # [b"", b"", END, b""]
                 return messages
 
 

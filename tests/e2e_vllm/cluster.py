@@ -81,6 +81,9 @@ class Server:
     log: str
     tmpdir: str
     nixl_port: int | None = None
+    #: Where it publishes its KV cache events and answers replays (``--kv-events-config``).
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
     pid: int | None = None
     ticks: int | None = None
 
@@ -90,6 +93,13 @@ class Server:
 
     def alive(self) -> bool:
         return self.pid is not None and alive(self.pid, self.ticks)
+
+    @property
+    def kv_events(self) -> str:
+        """The server's URL for the proxy, naming its KV event sockets in the fragment."""
+        assert self.kv_events_port is not None, f"{self.name} publishes no KV events"
+        return (f"{self.url}#kv_events=tcp://{HOST}:{self.kv_events_port}"
+                f"&kv_events_replay=tcp://{HOST}:{self.kv_replay_port}")
 
 
 @dataclass
@@ -482,6 +492,67 @@ def start_single(home: Home | None = None, model: str = "vision", *, name: str =
         single.stop()
         raise
     return single
+
+
+#: The KV block size of the ``kv`` servers: the CPU attention backend takes only multiples of 32.
+KV_BLOCK_SIZE = 32
+KV_SERVERS = ("prefill0", "prefill1", "decode")
+
+
+def kv_events_args(port: int, replay_port: int) -> list[str]:
+    """What a server needs to publish its KV cache events (and replay them) and to render."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+              "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"}
+    return ["--kv-events-config", json.dumps(config), "--enable-scale-out",
+            "--block-size", str(KV_BLOCK_SIZE), "--enable-prompt-tokens-details"]
+
+
+def start_kv_cluster(home: Home | None = None, *, log: Log = print) -> Cluster:
+    """Two prefills (NIXL producers) and a decode (NIXL consumer) of the text model, each
+    publishing its KV cache events (``kv_events_args``) on free ports: for precise_cache_aware.
+
+    Like ``start_single`` it runs beside the home's cluster: not recorded (``cluster.json`` is
+    left alone), logs ``run/kv-NAME.log``, tied to this process by its lifeline; a failed start
+    is retried once on fresh ports. Raises ``ClusterError`` with the log tails.
+    """
+    home = home or Home.from_env()
+    with _provisioning(home):
+        ensure_venv(home, log)
+        ensure_model(home, "text", log)
+    home.run.mkdir(parents=True, exist_ok=True)
+    failures = []
+    for attempt in range(1, START_ATTEMPTS + 1):
+        servers = {}
+        ports = iter(free_ports(4 * len(KV_SERVERS)))  # all distinct
+        for name in KV_SERVERS:
+            port, nixl_port, events, replay = (next(ports) for _ in range(4))
+            role = "consumer" if name == "decode" else "producer"
+            config = {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}",
+                      "kv_buffer_device": "cpu", "kv_connector_extra_config": NIXL_EXTRA_CONFIG}
+            args = ["--kv-transfer-config", json.dumps(config), *kv_events_args(events, replay)]
+            servers[name] = Server(name, port, args, log=str(home.run / f"kv-{name}.log"),
+                                   tmpdir=str(home.run / "tmp" / f"kv-{name}"),
+                                   nixl_port=nixl_port, kv_events_port=events,
+                                   kv_replay_port=replay)
+        kv = Cluster(home, "kv", "text", servers, None, owned=True, recorded=False)
+        started = time.monotonic()
+        try:
+            for name in servers:
+                kv.launch(name)
+            kv.wait_ready(list(servers), start_timeout())
+        except (ClusterError, OSError) as exc:
+            failures.append(f"attempt {attempt}: {exc}\n{kv.log_tails()}")
+            kv.stop()
+            kept = kv.keep_logs(f"attempt{attempt}")
+            if attempt < START_ATTEMPTS:
+                log(f"kv cluster start failed ({exc}); logs kept in {kept}; retrying once")
+            continue
+        except BaseException:
+            kv.stop()
+            raise
+        log(f"kv cluster (prefill0, prefill1, decode) ready in {time.monotonic() - started:.0f} s")
+        return kv
+    raise ClusterError("could not start the kv cluster:\n" + "\n".join(failures))
 
 
 def main(argv: list[str] | None = None) -> int:

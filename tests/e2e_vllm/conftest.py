@@ -9,15 +9,19 @@ themselves through their lifeline). A cluster already running under the same hom
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
 
 import httpx
 import pytest
 
 from epd_trio.testing.otlp_receiver import OtlpReceiver
 
-from .cluster import Cluster, recorded_cluster, start_cluster
+from .cluster import Cluster, Server, recorded_cluster, start_cluster, start_kv_cluster
 from .provision import Home
 
 _OBSERVED = pytest.StashKey[list[str]]()
@@ -30,7 +34,8 @@ FIRST = ("test_a_one_token_prompt_as_a_plain_servers_first_request",
          "test_a_text_request_as_the_clusters_first_request_pulls_its_kv")
 #: Tests that stop one of the session's servers on purpose: they run after every other test,
 #: whatever file they are in, since bringing the server back costs a vLLM start-up.
-STOPS_A_SERVER = ("test_encoder_stopped_fails_media_cleanly_and_text_still_works",)
+STOPS_A_SERVER = ("test_encoder_stopped_fails_media_cleanly_and_text_still_works",
+                  "test_a_restarted_prefill_leaves_the_index_with_nothing_of_its_old_cache")
 
 
 def run_order(name: str) -> int:
@@ -109,6 +114,48 @@ def cluster(vllm_cluster: Cluster) -> Iterator[Cluster]:
     yield vllm_cluster
     if deaths := vllm_cluster.deaths():
         pytest.fail("a vLLM server died during this test:\n" + "\n".join(deaths), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """Two prefills and a decode publishing their KV cache events (``start_kv_cluster``),
+    started on the first test that needs them and stopped when the session ends. They run
+    beside the session's E/P/D cluster, which a test of only these never starts.
+
+    ``EPD_E2E_KV_SERVERS=FILE`` uses servers already running instead (FILE: a JSON object of
+    ``Server`` records by name, as ``dataclasses.asdict`` writes them), left running: for
+    working on the tests without paying their start-up at every run. The file is written back
+    at the end (a test that restarted a server changed its pid).
+    """
+    say = _say(request.config)
+    state = os.environ.get("EPD_E2E_KV_SERVERS")
+    if state:
+        records = json.loads(Path(state).read_text())
+        servers = {name: Server(**record) for name, record in records.items()}
+        yield Cluster(Home.from_env(), "kv", "text", servers, None, owned=False, recorded=False)
+        Path(state).write_text(json.dumps({name: asdict(s) for name, s in servers.items()}))
+        return
+    kv = start_kv_cluster(log=say)
+    try:
+        yield kv
+    finally:
+        kv.stop()
+        say("kv servers stopped")
+
+
+@pytest.fixture
+def kv_servers(vllm_kv_servers: Cluster) -> Iterator[Cluster]:
+    """The session's KV-event servers, any one a test stopped or restarted healthy again (as
+    ``cluster``): a test fails at set-up or tear-down naming a server that died."""
+    for name in sorted(vllm_kv_servers.stopped):
+        vllm_kv_servers.restart(name)
+    if deaths := vllm_kv_servers.deaths():
+        pytest.fail("a KV-event vLLM server died before this test:\n" + "\n".join(deaths),
+                    pytrace=False)
+    yield vllm_kv_servers
+    if deaths := vllm_kv_servers.deaths():
+        pytest.fail("a KV-event vLLM server died during this test:\n" + "\n".join(deaths),
+                    pytrace=False)
 
 
 @pytest.fixture

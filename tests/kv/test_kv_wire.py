@@ -138,6 +138,10 @@ def test_frames_not_topic_seq_payload_are_malformed(frames: list[bytes]) -> None
 
 
 REPLIES = [
+    # vLLM 0.32 (ZmqEventPublisher._service_replay, seen on the real server): the topic too.
+    ([b"", b"kv", (3).to_bytes(8, "big"), b"payload"], (3, b"payload")),
+    ([b"", b"", END_OF_REPLAY, b""], None),
+    # Earlier vLLM: no topic.
     ([b"", (3).to_bytes(8, "big"), b"payload"], (3, b"payload")),
     ([b"", END_OF_REPLAY, b""], None),
 ]
@@ -149,7 +153,9 @@ def test_replay_replies(frames: list[bytes], reply: Any) -> None:
 
 
 @pytest.mark.parametrize("frames", [[(3).to_bytes(8, "big"), b"p"], [b"x", END_OF_REPLAY, b""],
-                                    [b"", b"\x01", b"p"]])
+                                    [b"", b"\x01", b"p"], [b"x", b"kv", END_OF_REPLAY, b""],
+                                    [b"", b"kv", b"\x01", b"p"],
+                                    [b"", b"a", b"b", b"c", b"d"]])
 def test_replay_replies_not_vllms_shape_are_malformed(frames: list[bytes]) -> None:
     with pytest.raises(MalformedKvMessage):
         decode_replay_reply(frames)

@@ -84,22 +84,24 @@ async def test_replay_fills_a_dropped_batch_and_ends_with_the_marker(nursery: tr
         dealer.send([b"", (1).to_bytes(8, "big")])
         with trio.fail_after(5):
             replies = await dealer.receive_until_end()
-        assert [r[:2] for r in replies] == [[b"", (1).to_bytes(8, "big")], [b"", (2).to_bytes(8, "big")],
-                                            [b"", END_OF_REPLAY]]
-        assert replies[-1] == [b"", END_OF_REPLAY, b""]
-        assert msgpack.unpackb(replies[0][2])[1] == [encode_event(BlockRemoved([7], "GPU", 0))]
+        # vLLM 0.32's shape (seen on the real server): the topic before each seq.
+        assert [r[:3] for r in replies] == [[b"", b"kv", (1).to_bytes(8, "big")],
+                                            [b"", b"kv", (2).to_bytes(8, "big")],
+                                            [b"", b"", END_OF_REPLAY]]
+        assert replies[-1] == [b"", b"", END_OF_REPLAY, b""]
+        assert msgpack.unpackb(replies[0][3])[1] == [encode_event(BlockRemoved([7], "GPU", 0))]
         # The buffer keeps the last three batches only: a gap older than that cannot be filled.
         publisher.publish(0, [AllBlocksCleared()])
         dealer.send([b"", (0).to_bytes(8, "big")])
         with trio.fail_after(5):
             replies = await dealer.receive_until_end()
-        assert [int.from_bytes(r[1], "big", signed=True) for r in replies] == [1, 2, 3, -1]
+        assert [int.from_bytes(r[2], "big", signed=True) for r in replies] == [1, 2, 3, -1]
         # A request in the wrong shape gets no answer (vLLM logs it and moves on).
         dealer.send([b"", b"\x00", b"extra"])
         dealer.send([b"", (3).to_bytes(8, "big")])
         with trio.fail_after(5):
             replies = await dealer.receive_until_end()
-        assert [int.from_bytes(r[1], "big", signed=True) for r in replies] == [3, -1]
+        assert [int.from_bytes(r[2], "big", signed=True) for r in replies] == [3, -1]
 
 
 async def test_restart_and_malformed_frames(nursery: trio.Nursery) -> None:
