@@ -417,13 +417,7 @@ def _proxied_hit_rate(prefills: Sequence[FakeVLLM]) -> float | None:
 async def _all_exact(proxy: Proxy, count: int) -> None:
     """Until ``proxy`` follows ``count`` slots, each exact (its replay socket asked)."""
     assert proxy.kv is not None
-    events = proxy.kv.events
-
-    def exact() -> bool:
-        reports = events.stats()
-        return len(reports) == count and all(r.index.trust.value == "exact"
-                                             for r in reports.values())
-    await events.wait_until(exact)
+    await proxy.kv.until_exact(count)
 
 
 #: The precise policy's counters the report sums over replicas (prefill stage).

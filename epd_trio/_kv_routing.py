@@ -150,6 +150,17 @@ class KvRouting:
                 task_status = trio.TASK_STATUS_IGNORED
                 await self._changed.wait()
 
+    async def until_exact(self, count: int) -> None:
+        """Until ``count`` slots are followed and every one is exact (each having asked its
+        replay socket first): where a bench or a test starts sending, instead of sleeping."""
+        events = self.events
+
+        def exact() -> bool:
+            reports = events.stats()
+            return len(reports) == count and all(report.index.trust is Trust.EXACT
+                                                 for report in reports.values())
+        await events.wait_until(exact)
+
     def trust(self, slot: SlotKey) -> Trust:
         """A slot's trust state; a slot with no subscription is ``FALLBACK``."""
         return self.events.index.trust(slot) if slot in self._followed else Trust.FALLBACK

@@ -69,16 +69,9 @@ async def proxy_over(prefills: list[str], decodes: list[str], **settings: Any,
 
 
 async def all_exact(proxy: Proxy, count: int) -> None:
-    """Until ``count`` slots are followed and exact (each asked its replay socket first)."""
     assert proxy.kv is not None
-    events = proxy.kv.events
-
-    def exact() -> bool:
-        reports = events.stats()
-        return len(reports) == count and all(r.index.trust.value == "exact"
-                                             for r in reports.values())
     with trio.fail_after(10):
-        await events.wait_until(exact)
+        await proxy.kv.until_exact(count)
 
 
 async def until_held(proxy: Proxy, url: str, tokens: int) -> None:
