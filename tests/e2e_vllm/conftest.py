@@ -116,11 +116,12 @@ def cluster(vllm_cluster: Cluster) -> Iterator[Cluster]:
         pytest.fail("a vLLM server died during this test:\n" + "\n".join(deaths), pytrace=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """Two prefills and a decode publishing their KV cache events (``start_kv_cluster``),
-    started on the first test that needs them and stopped when the session ends. They run
-    beside the session's E/P/D cluster, which a test of only these never starts.
+    started on the first test that needs them and stopped when its module ends. Beside the
+    session's E/P/D cluster six engines busy-poll two cores and both sets time out, so CI runs
+    their file in a session of its own (``.ci/run``), which never starts the E/P/D cluster.
 
     ``EPD_E2E_KV_SERVERS=FILE`` uses servers already running instead (FILE: a JSON object of
     ``Server`` records by name, as ``dataclasses.asdict`` writes them), left running: for
