@@ -106,14 +106,7 @@ def cluster(vllm_cluster: Cluster) -> Iterator[Cluster]:
     test, at tear-down) saying why, e.g. a SIGILL with the missing AMX permission named
     (issue 30), rather than every later test meeting a refused connection.
     """
-    for name in sorted(vllm_cluster.stopped):
-        vllm_cluster.restart(name)
-    if deaths := vllm_cluster.deaths():
-        pytest.fail("a vLLM server of the session died before this test:\n" + "\n".join(deaths),
-                    pytrace=False)
-    yield vllm_cluster
-    if deaths := vllm_cluster.deaths():
-        pytest.fail("a vLLM server died during this test:\n" + "\n".join(deaths), pytrace=False)
+    yield from _healthy(vllm_cluster, "a vLLM server of the session")
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +141,20 @@ def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
 def kv_servers(vllm_kv_servers: Cluster) -> Iterator[Cluster]:
     """The session's KV-event servers, any one a test stopped or restarted healthy again (as
     ``cluster``): a test fails at set-up or tear-down naming a server that died."""
-    for name in sorted(vllm_kv_servers.stopped):
-        vllm_kv_servers.restart(name)
-    if deaths := vllm_kv_servers.deaths():
-        pytest.fail("a KV-event vLLM server died before this test:\n" + "\n".join(deaths),
-                    pytrace=False)
-    yield vllm_kv_servers
-    if deaths := vllm_kv_servers.deaths():
-        pytest.fail("a KV-event vLLM server died during this test:\n" + "\n".join(deaths),
-                    pytrace=False)
+    yield from _healthy(vllm_kv_servers, "a KV-event vLLM server")
+
+
+def _healthy(servers: Cluster, which: str) -> Iterator[Cluster]:
+    """``servers`` for one test: any a test stopped on purpose started again, and the test
+    failed at set-up or tear-down naming ``which`` server died (never restarted: its death is
+    the finding)."""
+    for name in sorted(servers.stopped):
+        servers.restart(name)
+    if deaths := servers.deaths():
+        pytest.fail(f"{which} died before this test:\n" + "\n".join(deaths), pytrace=False)
+    yield servers
+    if deaths := servers.deaths():
+        pytest.fail(f"{which} died during this test:\n" + "\n".join(deaths), pytrace=False)
 
 
 @pytest.fixture
