@@ -120,7 +120,7 @@ class KvRouting:
         self.settings = settings
         self.events = KvEvents(KvIndex(block_size=settings.kv_block_size,
                                        max_blocks_per_slot=settings.kv_index_blocks),
-                               clock=clock)
+                               replay_timeout=settings.kv_replay_timeout, clock=clock)
         self._pools = pools
         self._metrics = metrics
         self._render_targets = render_targets

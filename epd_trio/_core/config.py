@@ -78,6 +78,10 @@ class Settings:
     #: comes from ``kv_events_port``; 0: none, so events lost are never asked again (the slot is
     #: rebuilt from new events instead).
     kv_events_replay_port: int = 0
+    #: Seconds a replay socket may stay silent before its answer counts as lost. Until an
+    #: engine's replay first answers (or a batch arrives live), the ask is repeated, each wait
+    #: twice the last, up to a minute: a proxy started beside a busy engine still gets exact.
+    kv_replay_timeout: float = 2.0
     #: Where ``precise_cache_aware`` renders a request into its token ids (vLLM's
     #: ``/v1/chat/completions/render``: ``vllm serve --enable-scale-out`` or ``vllm launch
     #: render``). Empty: on the instances of the stage being routed.
@@ -553,6 +557,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "cache_size": _positive_int,
     "kv_events_port": _optional_port,
     "kv_events_replay_port": _optional_port,
+    "kv_replay_timeout": _seconds,
     "render_urls": _plain_instances,
     "render_timeout": _seconds,
     "pd_uncached_token_threshold": _non_negative_int,

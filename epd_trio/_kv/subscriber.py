@@ -11,7 +11,10 @@ on the (edge-triggered) descriptor. No thread: the index is touched only on the 
 Replay: while a replay runs, the SUB socket is not read (ZMQ queues what arrives, up to its
 high-water mark; what it drops shows as a later gap). Each wait for a reply has a deadline
 (``replay_timeout``); on expiry the DEALER is closed, so a late answer to this request cannot be
-read as the answer to the next, and the feed says what the held batch becomes.
+read as the answer to the next, and the feed says what the held batch becomes. Until the engine
+has answered a replay once, or sent a batch live, the first replay is asked again (each wait
+twice the last, up to a minute): an engine too busy to answer in time while no request flows
+would otherwise leave its slot FALLBACK for good.
 
 Error handling: nothing that arrives stops a subscription. A malformed message or replay reply
 is counted and dropped (a batch that does not decode loses its events: the slot degrades); an
@@ -45,6 +48,8 @@ log = logging.getLogger("epd_trio.kv_events")
 
 #: How long a replay may stay silent before it counts as failed (each reply restarts it).
 DEFAULT_REPLAY_TIMEOUT = 2.0
+#: The longest wait between two asks of a replay socket that never answered.
+_MAX_FIRST_REPLAY_WAIT = 60.0
 #: Messages handled between two checkpoints: a burst or a long replay must not starve the loop.
 _BATCH = 64
 #: Messages ZMQ queues per subscription (vLLM's PUB high-water mark is 100,000).
@@ -96,6 +101,9 @@ class SlotSubscriber:
         self._changed = changed
         self._dealer: zmq.Socket[bytes] | None = None
         self._scope = trio.CancelScope()
+        #: Whether this engine has told us where its history starts: its replay socket answered
+        #: once, or a batch arrived live. Until then the first replay is asked again.
+        self._synced = False
         self.received = 0
         self.malformed = 0
 
@@ -136,6 +144,7 @@ class SlotSubscriber:
 
     async def _receive_loop(self, sub: zmq.Socket[bytes]) -> None:
         fd = sub.getsockopt(zmq.FD)
+        retry = self._replay_timeout
         while True:
             handled = 0
             # Drain first: the descriptor only signals edges (see the module docstring).
@@ -153,10 +162,21 @@ class SlotSubscriber:
                 handled += 1
                 if handled % _BATCH == 0:
                     await trio.lowlevel.checkpoint()
-            await trio.lowlevel.wait_readable(fd)
+            if self._synced or self.source.replay_endpoint is None:
+                await trio.lowlevel.wait_readable(fd)
+                continue
+            # The first replay went unanswered (an engine still starting, or too busy to serve
+            # it in time) and nothing came live: with no traffic nothing ever would, and the
+            # slot would stay FALLBACK. Ask again, each wait twice the last.
+            with trio.move_on_after(retry) as waited:
+                await trio.lowlevel.wait_readable(fd)
+            if waited.cancelled_caught:
+                retry = min(retry * 2, _MAX_FIRST_REPLAY_WAIT)
+                await self._catch_up()
 
     async def _handle(self, frames: list[bytes]) -> None:
         self.received += 1
+        self._synced = True
         try:
             _, seq, payload = split_message(frames)
         except MalformedKvMessage as exc:
@@ -192,6 +212,7 @@ class SlotSubscriber:
                     break
                 reply = decode_replay_reply(frames)
                 if reply is None:
+                    self._synced = True
                     return self.feed.replay_ended()
                 seq, payload = reply
                 self._follow(self.feed.replayed(seq), payload)

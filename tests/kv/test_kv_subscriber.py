@@ -106,6 +106,23 @@ async def test_a_late_subscriber_replays_what_the_engine_holds() -> None:
         assert (stats[SLOT].replays, stats[SLOT].gaps) == (1, 0)
 
 
+async def test_a_first_replay_left_unanswered_is_asked_again_until_it_is_answered() -> None:
+    """An engine too busy to answer in time (or still starting) while no request flows: without
+    a second ask nothing would ever arrive, and the slot would stay FALLBACK."""
+    async with follower(replay_timeout=0.2) as f:
+        engine = await start_engine(f.nursery)
+        tokens = prompt(3, seed=1)
+        engine.publisher.publish(0, [stored(tokens, 100)])          # nobody subscribed yet
+        engine.publisher.answer_replays = False
+        await f.follow(engine)
+        stats = await f.until(lambda s: s[SLOT].replay_failures >= 1)
+        assert trust(stats) is Trust.FALLBACK
+        engine.publisher.answer_replays = True
+        stats = await f.until(lambda s: trust(s) is Trust.EXACT)
+        assert f.matched(tokens) == 12                               # from the replay alone
+        assert stats[SLOT].received == 0 and stats[SLOT].replays >= 2
+
+
 async def test_a_gap_is_filled_by_the_replay() -> None:
     async with follower() as f:
         engine = await start_engine(f.nursery)
