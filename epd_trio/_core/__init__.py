@@ -26,6 +26,7 @@ siblings.
     ec_handoff    the encoder's ec_transfer_params matched to items; the consumer's body
     discovery     discovery's rules: DNS URLs and answers, Kubernetes pods, what joins and leaves
     kubeconfig    a kubeconfig's server, credentials and namespace
+    urls          every URL checked where it enters (``check_base_url``); ``redact_url``
     state_url     the shared state store's URL and its options
     shared_state  what replicas share: instance records, announcements, the merge, load fields
 """

@@ -20,6 +20,7 @@ from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
+from .urls import check_base_url, check_host, echo
 
 ENV_PREFIX = "EPD_"
 
@@ -327,7 +328,9 @@ def _instances(raw: Any) -> tuple[Instance | DnsName, ...]:
     items = raw if isinstance(raw, list | tuple) else [raw]
     if not all(isinstance(item, str) for item in items):
         raise ValueError("expected URLs (a comma-separated string or a list of strings)")
-    items = [part for item in items for part in item.split(",")]
+    # Commas or whitespace, as the flags take them (``--decode http://a:1 http://b:2``): a URL
+    # never holds either, so a list written like the flag must not become one bad URL.
+    items = [part for item in items for part in re.split(r"[\s,]+", item)]
     parsed = tuple(parse_dns_url(item) if is_dns_url(item) else parse_instance(item)
                    for item in items if item.strip())
     urls = [inst.url if isinstance(inst, Instance) else inst.spec for inst in parsed]
@@ -432,8 +435,10 @@ def _bind_address(raw: Any) -> str:
     """``host:port`` to bind a socket on (port 0: any free port, for tests; peers need a fixed one)."""
     value = str(raw).strip()
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected host:port with a port in 0..65535, got {raw!r}")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port with a port in 0..65535, got {echo(raw)}")
+    if host != "*":
+        check_host(host, value)
     return value
 
 
@@ -478,9 +483,9 @@ def _nameserver(raw: Any) -> str:
     host, port = split_host_port(value, 53)
     if ip_address_of(host) is None and not _HOST_NAME.fullmatch(host):
         raise ValueError(f"expected an IP address or a host name, with an optional :port, "
-                         f"got {raw!r}")
+                         f"got {echo(raw)}")
     if not 0 < port < 65536:
-        raise ValueError(f"expected a port in 1..65535, got {raw!r}")
+        raise ValueError(f"expected a port in 1..65535, got {echo(raw)}")
     return value
 
 
@@ -497,8 +502,8 @@ def split_host_port(value: str, default_port: int) -> tuple[str, int]:
         host, _, port = value.partition(":")
     else:
         host, port = value, ""
-    if port and not port.isdigit():
-        raise ValueError(f"bad port in {value!r}")
+    if port and not (port.isascii() and port.isdigit()):
+        raise ValueError(f"bad port in {echo(value)}")
     return host, int(port) if port else default_port
 
 
@@ -536,10 +541,7 @@ def _text(raw: Any) -> str:
 
 
 def _api_url(raw: Any) -> str:
-    value = str(raw).strip().rstrip("/")
-    if not value.startswith(("http://", "https://")):
-        raise ValueError(f"expected an http:// or https:// URL, got {raw!r}")
-    return value
+    return check_base_url(raw.strip() if isinstance(raw, str) else raw)
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {

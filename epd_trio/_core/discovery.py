@@ -32,7 +32,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from .routing import Instance, split_dp_suffix
+from .routing import MAX_DP_SIZE, Instance, split_dp_suffix
+from .urls import check_base_url
 
 #: The URL prefixes that name a DNS name to expand: scheme -> (instance scheme, SRV form).
 DNS_PREFIXES = {"dns+http": ("http", False), "dns+https": ("https", False),
@@ -98,6 +99,7 @@ def parse_dns_url(spec: str) -> DnsName:
         raise ValueError(f"a DNS URL starts with {', '.join(p + '://' for p in DNS_PREFIXES)}: "
                          f"{spec!r}")
     scheme, srv = DNS_PREFIXES[prefix]
+    check_base_url(f"{scheme}://{rest}")  # the checks of every instance URL, port and all
     parts = urlsplit(f"{scheme}://{rest}")
     try:
         port = parts.port
@@ -308,7 +310,7 @@ def pod_endpoint(
 
 
 def _annotated(annotations: Mapping[str, str], ip: str, port: int, role: str) -> Discovered:
-    dp_size = _annotated_int(annotations, DP_SIZE_ANNOTATION, 1, 1, 1 << 16)
+    dp_size = _annotated_int(annotations, DP_SIZE_ANNOTATION, 1, 1, MAX_DP_SIZE)
     port = _annotated_int(annotations, PORT_ANNOTATION, port, 1, 65535)
     scheme = annotations.get(SCHEME_ANNOTATION, "http").strip().lower()
     if scheme not in ("http", "https"):

@@ -143,8 +143,13 @@ async def ask(resolver: dns.asyncresolver.Resolver, query: Query, *, search: boo
     except (dns.exception.DNSException, OSError) as exc:
         return Failed(f"{rdtype} {qname}: {type(exc).__name__}: {exc}")
     if rdtype == "SRV":
-        return Found(frozenset((r.target.to_text(omit_final_dot=True).lower(), r.port)
-                               for r in reply if r.target.to_text() != "."))
+        records = [(r.target.to_text(omit_final_dot=True).lower(), r.port)
+                   for r in reply if r.target.to_text() != "."]
+        for target, port in records:
+            if not 1 <= port <= 65535:  # port 0 is legal DNS, but no instance's port
+                log.warning("SRV %s: record %s port %d skipped: not a port from 1 to 65535",
+                            qname, target, port)
+        return Found(frozenset((t, p) for t, p in records if 1 <= p <= 65535))
     return Found(frozenset(r.address for r in reply))
 
 

@@ -57,7 +57,7 @@ def test_dns_urls(spec: str, expected: DnsName) -> None:
     ("dns+http://[fd00::1]:8000", "names an address"),
     ("dnssrv+http://_http._tcp.x:8000", "gives its own ports"),
     ("dns+http://x:8000?a=1", "no query"),
-    ("dns+http://x:8000#dp=0", "positive integer"),
+    ("dns+http://x:8000#dp=0", "an integer from 1 to"),
     ("dns+http://x:99999", "bad port"),
     ("dns+ftp://x:1", "starts with"),
 ])
