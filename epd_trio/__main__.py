@@ -14,10 +14,12 @@ real proxy on a local port, prints a ready-to-paste ``curl``, and serves until C
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import shlex
 import signal
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -40,10 +42,19 @@ from ._discovery.start import check_discovery
 from ._environment import load_settings
 from ._observe.tracing import check_tracing
 from ._replicas.tls import tls_context
-from ._serve.runner import DEFAULT_GRACEFUL_TIMEOUT, WATCHDOG_MARGIN, ServeOptions, serve
+from ._serve.runner import (
+    DEFAULT_GRACEFUL_TIMEOUT,
+    WATCHDOG_MARGIN,
+    ServeOptions,
+    cannot_listen,
+    serve,
+)
 from ._serve.serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
 from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
 from .testing.media import png_data_url
+
+#: The highest TCP port.
+MAX_PORT = 65535
 
 
 def _sample_body(seed: int, *, stream: bool) -> dict[str, object]:
@@ -109,6 +120,25 @@ async def _check(cluster: Cluster, count: int) -> bool:
     return ok
 
 
+def _demo_port(args: argparse.Namespace) -> str | None:
+    """Settle ``args.port`` before the demo starts: the asked port, or the next free one (said
+    on stdout); else the one line saying why not."""
+    if (problem := port_problem(args.port)) is not None:
+        return problem
+    try:
+        port = free_demo_port(args.host, args.port)
+    except OSError as exc:
+        return cannot_listen(args.host, args.port, exc)
+    if port is None:
+        return (f"cannot listen on {args.host}:{args.port} (--host/--port) nor on the next "
+                "ports: pick another with --port (0 = any free port)")
+    if port != args.port:
+        print(f"epd_trio demo: {args.host}:{args.port} is taken; using port {port} instead "
+              "(--port chooses)", flush=True)
+        args.port = port
+    return None
+
+
 async def _demo(args: argparse.Namespace) -> int:
     # The receiver stays open until the cluster has stopped, so a second Ctrl-C during the
     # (short) graceful shutdown is absorbed instead of turning into a traceback.
@@ -129,6 +159,34 @@ async def _demo(args: argparse.Namespace) -> int:
                 break
     print("epd_trio demo: stopped")
     return 0
+
+
+def port_problem(port: int) -> str | None:
+    """Why ``--port`` cannot be listened on, or None (``bind`` says only ``OverflowError``)."""
+    if 0 <= port <= MAX_PORT:
+        return None
+    return f"--port {port}: not a TCP port (0 to {MAX_PORT}; 0 = any free port)"
+
+
+def free_demo_port(host: str, port: int, tries: int = 100) -> int | None:
+    """``port``, or the first of the next ``tries`` ports that ``host`` can listen on (None if
+    none can; a failure other than a taken port is raised): the demo's default 8000 is
+    vLLM's own, so often taken on a machine running it. The check binds and closes; another
+    process may still take the port before the demo does (then ``main`` says so in one line)."""
+    if port == 0:
+        return 0
+    for candidate in range(port, min(port + tries, MAX_PORT + 1)):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as Hypercorn binds
+            try:
+                probe.bind((host, candidate))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise  # not a taken port (no such address...): no other port helps
+                continue
+        return candidate
+    return None
 
 
 def _add_serve(commands: Any) -> None:
@@ -224,6 +282,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"epd-trio: configuration error: {exc}", file=sys.stderr)
         return 2
+    if (problem := port_problem(args.port)) is not None:
+        print(f"epd-trio: {problem}", file=sys.stderr)
+        return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
                            graceful_timeout=args.graceful_timeout, access_log=args.access_log)
@@ -238,10 +299,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if (problem := _demo_port(args)) is not None:
+            print(f"epd-trio: {problem}", file=sys.stderr)
+            return 2
         return trio.run(_demo, args)
     except OSError as exc:
         print(f"epd-trio: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # The demo's servers start in nurseries: a port taken after ``_demo_port`` looked
+        # (another process was quicker) comes out wrapped. One line, like serve's.
+        bind = _bind_error(group)
+        if bind is None:
+            raise
+        print(f"epd-trio: {cannot_listen(args.host, args.port, bind)}", file=sys.stderr)
+        return 2
+
+
+def _bind_error(group: BaseExceptionGroup) -> OSError | None:
+    """The first ``OSError`` in ``group`` if every leaf is one (else None: not ours to word)."""
+    matched, rest = group.split(OSError)
+    if matched is None or rest is not None:
+        return None
+    while isinstance(matched, BaseExceptionGroup):
+        matched = matched.exceptions[0]
+    return matched if isinstance(matched, OSError) else None
 
 
 def build_parser() -> argparse.ArgumentParser:

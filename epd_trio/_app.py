@@ -129,7 +129,7 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         ok, reason = proxy.readiness()
-        body: dict[str, object] = {"ready": ok, "roles": proxy.registry.report()}
+        body: dict[str, object] = {"ready": ok, "roles": proxy.roles()}
         if reason is not None:
             body["reason"] = reason
         return _json(200 if ok else 503, body)

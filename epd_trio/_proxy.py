@@ -371,10 +371,20 @@ class Proxy:
         instance's state (the HTTP status is always 200 while the process serves)."""
         self.sync()
         report = {"status": self.registry.status(), "layout": layout_name(self.roster),
-                  "ready": self.registry.ready(), "roles": self.registry.report()}
+                  "ready": self.registry.ready(), "roles": self.roles()}
         if self.state is not None:
             report["state"] = self.state.describe()
         return report
+
+    def roles(self) -> dict[str, list[dict[str, Any]]]:
+        """Each instance's health by its role, named as ``GET /instances`` names it (a combined
+        instance is ``prefill_decode``, though it serves the decode stage)."""
+        self.sync()
+        listing: dict[str, list[dict[str, Any]]] = {}
+        for member in self.roster.members:
+            state = self.registry.state_for(member.stage, member.instance)
+            listing.setdefault(member.role, []).append(state.report())
+        return listing
 
     def ready(self) -> bool:
         return self.readiness()[0]

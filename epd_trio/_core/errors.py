@@ -103,9 +103,23 @@ class BodyTooLarge(ProxyError):
 
     status = 413
     type = "invalid_request_error"
+    #: Refused before the body is read whole (or at all, when its declared length is over):
+    #: the rest may still come, so the connection cannot carry another request.
+    headers = {"connection": "close"}  # noqa: RUF012 (never mutated)
 
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body is larger than the limit of {limit} bytes")
+
+
+class MethodNotAllowed(ProxyError):
+    """A completion route called with another method than POST."""
+
+    status = 405
+    type = "invalid_request_error"
+    headers = {"allow": "POST"}  # noqa: RUF012 (never mutated)
+
+    def __init__(self, method: str) -> None:
+        super().__init__(f"method {method} is not allowed here; use POST")
 
 
 class BodyTimeout(ProxyError):

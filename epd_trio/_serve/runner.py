@@ -79,6 +79,15 @@ def hypercorn_config(options: ServeOptions) -> Config:
     return config
 
 
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    """The one line for a listening socket that could not be had: the address, the flags that
+    chose it, and the system's reason (``[Errno 98] Address already in use`` alone names no
+    address)."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    reason = exc.strerror or str(exc)
+    return f"cannot listen on {address} (--host/--port): {reason}"
+
+
 def _say(message: str) -> None:
     print(f"epd-trio: {message}", file=sys.stderr, flush=True)
 
@@ -161,7 +170,11 @@ def serve(settings: Settings, options: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status."""
     config = hypercorn_config(options)
     # Listening before any worker runs: early connections wait in the backlog, not refused.
-    sockets = listening_sockets(config, settings.client_write_timeout)
+    try:
+        sockets = listening_sockets(config, settings.client_write_timeout)
+    except OSError as exc:  # taken, not ours, or no such address: the operator's to fix
+        _say(cannot_listen(options.host, options.port, exc))
+        return 2
     for sock in sockets.insecure_sockets:
         host, port = sock.getsockname()[:2]
         _say(f"proxy ({settings.layout}, {options.workers} worker"

@@ -47,6 +47,12 @@ stream, the worker's lifespan and shutdown) and changes these things:
    there when the client closes the connection or a write to it fails, so a request needs no
    task of its own waiting for ``http.disconnect``.
 
+8. ``100 Continue`` is sent when the app first reads the request body, not as soon as the
+   request head is parsed: Hypercorn's HTTP/1.1 protocol sends it at once, so a client that
+   asked (``Expect: 100-continue``) was told to send a body the app then refused unread (a
+   ``Content-Length`` over the limit, a bad key, the admission cap). The app's answer now
+   comes first, and the client never sends the body.
+
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
 below is Hypercorn's own function object rebuilt over a copy of its globals with our two classes
@@ -154,7 +160,7 @@ class ProxyTCPServer(TCPServer):
             client = parse_socket_addr(socket.family, socket.getpeername())
             server = parse_socket_addr(socket.family, socket.getsockname())
 
-            async with TaskGroup() as task_group:
+            async with _ContinueOnRead(self) as task_group:
                 self._task_group = task_group
                 self.protocol = ProtocolWrapper(
                     self.app, self.config, self.context, task_group,
@@ -171,6 +177,39 @@ class ProxyTCPServer(TCPServer):
         finally:
             self._set_idle(False)
             await self._close()
+
+    def continue_on_read(self, app: Any) -> Any:
+        """``app`` (a Hypercorn app wrapper) whose request, if its client waits for ``100
+        Continue``, gets it at its first ``receive`` (change 8); else ``app`` itself.
+
+        Called as the request's app task is spawned: h11 has parsed the head, so it knows
+        whether the client waits. Its flag is cleared here, so Hypercorn's read loop does not
+        send the ``100`` at once; the first read sends it, if the app has not answered and
+        the client has not sent its body meanwhile (nor given up waiting and started it)."""
+        connection = self._h11
+        if connection is None or not connection.they_are_waiting_for_100_continue:
+            return app
+        connection.client_is_waiting_for_100_continue = False
+        send_event = self.protocol.protocol._send_h11_event
+        headers = self.config.response_headers("h11")
+
+        async def reading_app(scope: Any, receive: Any, *args: Any) -> None:
+            asked = False
+
+            async def receive_continued() -> Any:
+                nonlocal asked
+                if not asked:
+                    asked = True
+                    if (connection.our_state is h11.SEND_RESPONSE
+                            and connection.their_state is h11.SEND_BODY
+                            and not connection.trailing_data[0]):
+                        await send_event(h11.InformationalResponse(status_code=100,
+                                                                   headers=headers))
+                return await receive()
+
+            await app(scope, receive_continued, *args)
+
+        return reading_app
 
     def _cork_heads(self) -> None:
         """Route the HTTP/1.1 protocol's stream events through ``_stream_send``.
@@ -309,6 +348,18 @@ class ProxyTCPServer(TCPServer):
         """Close this idle connection now (worker shutdown)."""
         if self._idle_deadline != inf:
             self._set_deadline(-inf)
+
+
+class _ContinueOnRead(TaskGroup):
+    """The connection's task group: Hypercorn's, spawning each request's app through
+    ``ProxyTCPServer.continue_on_read`` (change 8)."""
+
+    def __init__(self, server: ProxyTCPServer) -> None:
+        super().__init__()
+        self._server = server
+
+    async def spawn_app(self, app: Any, config: Any, scope: Any, send: Any) -> Any:
+        return await super().spawn_app(self._server.continue_on_read(app), config, scope, send)
 
 
 def _rebound(function: types.FunctionType, **names: Any) -> types.FunctionType:

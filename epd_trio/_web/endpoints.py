@@ -17,6 +17,7 @@ cancels the request's nursery.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
@@ -30,6 +31,7 @@ from .._core.errors import (
     INTERNAL_ERROR,
     BodyTimeout,
     BodyTooLarge,
+    MethodNotAllowed,
     ProxyError,
     error_reply,
     sse_error_event,
@@ -66,13 +68,13 @@ class CompletionEndpoints:
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                        resources: AsyncExitStack) -> None:
-        if scope["method"] != "POST":
-            await _send_error(send, ProxyError(
-                f"method {scope['method']} is not allowed here; use POST", status=405,
-                type="invalid_request_error"), {"allow": "POST"})
-            return
+        started = time.perf_counter()
         headers = scope["headers"]
+        # The id first: a refusal below carries it and is logged under it, like an answer.
+        request_id = new_request_id(_header(headers, b"x-request-id"))
         try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
                 self._client_keys.check(_header(headers, b"authorization"))
             if self._admission is not None:  # before reading it too: the cap bounds memory
@@ -84,10 +86,9 @@ class CompletionEndpoints:
         except _ClientGone:
             return
         except ProxyError as exc:
-            self._proxy.metrics.rejected(scope["path"], exc)
-            await _send_error(send, exc)
+            self._proxy.pipeline.accounting.refused(scope["path"], request_id, started, exc)
+            await _send_error(send, exc, {"x-request-id": request_id})
             return
-        request_id = new_request_id(_header(headers, b"x-request-id"))
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))

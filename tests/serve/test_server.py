@@ -70,6 +70,32 @@ def test_hypercorn_h11_methods_the_cork_relies_on(owner: Any, name: str) -> None
         "still sees every response event, then update HOOKED_SOURCES")
 
 
+# 100 Continue on the first read (change 8): H11Protocol._handle_events sends it while h11 says
+# the client waits, and the trio TaskGroup's spawn_app is where each request's app starts.
+CONTINUE_SOURCES = {
+    (H11Protocol, "_handle_events"): "bd4a76b2837e8722",
+    (TaskGroup, "spawn_app"): "b4c1131427529801",
+}
+
+
+@pytest.mark.parametrize(("owner", "name"), sorted(CONTINUE_SOURCES, key=str),
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_hypercorn_methods_the_continue_on_read_relies_on(owner: Any, name: str) -> None:
+    import h11
+
+    assert _source_hash(getattr(owner, name)) == CONTINUE_SOURCES[(owner, name)], (
+        f"Hypercorn's {owner.__name__}.{name} changed: check that ProxyTCPServer."
+        "continue_on_read still holds 100 Continue back, then update CONTINUE_SOURCES")
+    connection = h11.Connection(h11.SERVER)
+    connection.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n"
+                            b"expect: 100-continue\r\n\r\n")
+    assert type(connection.next_event()) is h11.Request
+    assert connection.they_are_waiting_for_100_continue
+    connection.client_is_waiting_for_100_continue = False  # what change 8 writes
+    assert not connection.they_are_waiting_for_100_continue
+    assert connection.trailing_data == (b"", False)
+
+
 def _source_hash(function: Any) -> str:
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
