@@ -22,6 +22,8 @@ from typing import IO, Any
 
 import orjson
 
+from .._core.trace import text_value
+
 #: The attribute marking the handler installed here (so reconfiguring replaces it).
 _MARK = "_epd_trio_handler"
 
@@ -58,14 +60,8 @@ class TextFormatter(logging.Formatter):
         # One event, one line: a message may quote an upstream's error text, and a newline in
         # it must not start what looks like another log line (tracebacks are added after this).
         line = super().formatMessage(record).replace("\r", "\\r").replace("\n", "\\n")
-        extra = " ".join(f"{key}={_text(value)}" for key, value in _fields(record).items())
+        extra = " ".join(f"{key}={text_value(value)}" for key, value in _fields(record).items())
         return f"{line} {extra}" if extra else line
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str) and value and not any(c in value for c in " \r\n"):
-        return value
-    return orjson.dumps(value, default=str).decode()
 
 
 def configure_logging(

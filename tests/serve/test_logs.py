@@ -13,7 +13,14 @@ import trio.testing
 
 from epd_trio._core.errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
 from epd_trio._core.errors import UpstreamTransportError as Transport
-from epd_trio._core.trace import Attempt, RequestTrace, layout_of, outcome_of, request_fields
+from epd_trio._core.trace import (
+    Attempt,
+    RequestTrace,
+    layout_of,
+    outcome_of,
+    request_fields,
+    text_value,
+)
 from epd_trio._serve.logs import JsonFormatter, TextFormatter, configure_logging
 from epd_trio.testing import run_cluster
 
@@ -149,6 +156,37 @@ async def test_one_json_line_per_request_when_enabled(
     assert set(line["stages_s"]) == {"encode", "prefill", "decode"}
     assert 0 < line["ttfb_s"] <= line["duration_s"]
     assert line["message"].startswith("log-1 /v1/chat/completions ok 200 in ")
+
+
+@pytest.mark.parametrize(("value", "written"), [
+    ("log-1", "log-1"),
+    ("a b", '"a b"'),
+    ('x" outcome=ok', '"x\\" outcome=ok"'),
+    ("id=7", '"id=7"'),
+    ("", '""'),
+    (3, "3"),
+])
+def test_text_values_are_one_token(value: object, written: str) -> None:
+    assert text_value(value) == written
+
+
+async def test_a_clients_request_id_is_quoted_in_the_text_line(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client chooses its ``x-request-id``: one holding spaces, a quote and ``key=value``
+    must not forge words or fields of the request line (issue 31, item 10)."""
+    caplog.set_level(logging.INFO, logger="epd_trio")
+    forged = 'x" outcome=ok status=200 y'
+    async with run_cluster(decodes=1, request_log=True) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={"x-request-id": forged})
+        assert r.status_code == 200 and r.headers["x-request-id"] == forged
+        await trio.testing.wait_all_tasks_blocked()  # logged as its resources close
+    [record] = [r for r in caplog.records if r.name == "epd_trio.requests"]
+    text = TextFormatter().format(record)
+    quoted = json.dumps(forged)
+    assert f"epd_trio.requests: {quoted} /v1/chat/completions ok 200 in " in text
+    assert f" request_id={quoted} " in text
 
 
 async def test_failed_request_line_names_the_error(
