@@ -50,6 +50,9 @@ stream, the worker's lifespan and shutdown) and changes these things:
    ``HTTP/1.1 200 ``, and clients that print the reason, vLLM's benchmark among them, print
    nothing), and the 400 and 431 Hypercorn answers itself to bytes h11 cannot parse carry an
    OpenAI error body (``_core.errors.MalformedHTTP``, ``HeadersTooLarge``) instead of none.
+9. A client's end of file reaches the protocol only once a write in flight has returned: one
+   access-log line per request, not a second one with status ``-`` for a response the client
+   had read whole (Hypercorn logs a stream closed before its end as unanswered).
 
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
@@ -324,6 +327,14 @@ class ProxyTCPServer(TCPServer):
             finally:
                 self._read_scope = None
         self._client_gone.left()
+        if self.send_lock.locked():
+            # Change 9: a write is in flight, most often the end of the response the client has
+            # just read before closing. Closed now would reach the request's stream before the
+            # write returns, and Hypercorn would log it twice: once as unanswered (status "-")
+            # and once with its status. Once the lock is free, the writer has finished the
+            # response without a checkpoint in between (the lock is handed over, not raced for).
+            async with self.send_lock:
+                pass
         await self.protocol.handle(Closed())
 
     async def _close(self) -> None:

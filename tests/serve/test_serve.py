@@ -21,7 +21,17 @@ from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
 
-from helpers import CHAT, Samples, chat_body, image, moriio_pair, open_stuck_stream, scrape, start_fakes
+from helpers import (
+    CHAT,
+    SERVING,
+    Samples,
+    chat_body,
+    image,
+    moriio_pair,
+    open_stuck_stream,
+    scrape,
+    start_fakes,
+)
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
@@ -35,7 +45,7 @@ async def serving(
         env={**os.environ, **env} if env is not None else None)
     try:
         assert process.stderr is not None
-        url = await read_url(process.stderr, rb"listening on (http://\S+)")
+        url = await read_url(process.stderr, SERVING)
         yield process, url
     finally:
         if process.returncode is None:
