@@ -333,6 +333,9 @@ class ProxyTCPServer(TCPServer):
             # write returns, and Hypercorn would log it twice: once as unanswered (status "-")
             # and once with its status. Once the lock is free, the writer has finished the
             # response without a checkpoint in between (the lock is handed over, not raced for).
+            # A write that never completes (a client that closed its side and reads nothing)
+            # ends as before, by TCP_USER_TIMEOUT or the worker's shutdown; the request itself
+            # already knows its client left (ClientGone, above).
             async with self.send_lock:
                 pass
         await self.protocol.handle(Closed())
