@@ -19,7 +19,7 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
@@ -36,6 +36,19 @@ from ._web.endpoints import CompletionEndpoints
 log = logging.getLogger("epd_trio")
 
 _OPENAI_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def _routing_message(status: int, method: str, path: str, exc: HTTPException) -> str | None:
+    """404 and 405 in the words of OpenAI's own API ("Invalid URL (GET /v1/nope)"), not
+    Werkzeug's prose for a browser ("If you entered the URL manually..."); None for any other
+    status, whose own description is kept."""
+    if status == 404:
+        return f"Invalid URL ({method} {path})"
+    if isinstance(exc, MethodNotAllowed):
+        allowed = ", ".join(exc.valid_methods or ())
+        return f"method {method} is not allowed on {path}" + (
+            f" (allowed: {allowed})" if allowed else "")
+    return None
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> Response:
@@ -189,8 +202,13 @@ def create_app(
         status = exc.code or 500
         if status == 413:
             return _error(BodyTooLarge(settings.max_body_bytes))
-        return _error(ProxyError(exc.description or exc.name, status=status,
-                                 type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        response = _error(ProxyError(
+            _routing_message(status, request.method, request.path, exc)
+            or exc.description or exc.name,
+            status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["allow"] = ", ".join(exc.valid_methods)
+        return response
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:

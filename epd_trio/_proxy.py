@@ -425,7 +425,7 @@ def stage_policy(settings: Settings, stage: str) -> StagePolicy:
 
 def _log_health_change(state: Any) -> None:
     if state.live:
-        log.warning("%s instance %s is back in rotation", state.stage, state.url)
+        log.info("%s instance %s is back in rotation", state.stage, state.url)
     else:
         log.warning("%s instance %s left the rotation after %d consecutive failure(s)",
                     state.stage, state.url, state.consecutive_failures)

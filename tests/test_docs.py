@@ -15,7 +15,8 @@ What is checked, and against what:
   losing a field; the replicas example registers through a Service that lists unready pods; the RBAC
   grants the proxy's service account what discovery needs, and the proxy's Deployment's
   arguments parse with ``epd-trio serve``'s own parser into selectors that match the vLLM pods;
-- every relative link (and its ``#anchor``) resolves;
+- every relative link (and its ``#anchor``) resolves, and no two pages share a file name or a
+  title;
 - the README's two commands are the ones ``.ci/run`` and ``pyproject.toml`` provide.
 
 The examples import only public names; the manifest check parses with the command line's parser
@@ -557,6 +558,18 @@ def test_every_relative_link_resolves() -> None:
                 broken.append(f"{rel(page)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
     assert checked > 50
+
+
+def test_no_two_pages_share_a_subject() -> None:
+    """One subject, one page: two pages named alike (a performance page at the top of ``docs/``
+    beside ``docs/discussion/performance.md``, issue 31) drift apart, and links pick one at random.
+    A file name or a title used twice fails, naming both pages."""
+    for key, what in ((lambda page: page.name, "file name"),
+                      (lambda page: page.read_text().partition("\n")[0].strip(), "title")):
+        seen: dict[str, Path] = {}
+        for page in PAGES:
+            other = seen.setdefault(key(page), page)
+            assert other is page, f"{rel(other)} and {rel(page)} share a {what}: merge them"
 
 
 def test_readme_commands_are_what_ci_and_the_package_run() -> None:

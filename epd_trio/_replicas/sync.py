@@ -287,7 +287,7 @@ class StateLink:
             self._sessions += 1
             self._metrics.state_up(True)
             self._changed()
-            log.warning("shared state %s: connected as replica %s (roster loaded)",
+            log.info("shared state %s: connected as replica %s (roster loaded)",
                         self._url.redacted(), self.replica_id)
             try:
                 nursery.start_soon(self._listen, pubsub)
