@@ -1,0 +1,165 @@
+"""The admission queue: priority bands, and tenants taking turns by weight inside a band.
+
+The rules, in order, each time a place frees (``pop``):
+
+1. **Bands.** A waiter is in its tenant's band (its priority: lower is served first).
+2. **Aging.** A waiter's band moves up one step (its priority number minus one) for every
+   ``aging`` seconds it has waited; a band counts at the step of its oldest waiter. The band
+   with the lowest such number goes next; on a tie, the band with the lower priority of its own.
+   So a lower band is never starved forever: with ``aging`` 0.5 s, a batch band at priority 1
+   beside an interactive one at 0 goes first once its oldest has waited 1 s. ``aging`` 0 turns
+   aging off (strict bands).
+3. **Turns inside a band.** Deficit round-robin: each tenant with waiters, in turn, is credited
+   its ``weight`` and serves one waiter per whole credit, so over many turns tenants are served
+   in proportion to their weights, and one tenant's thousand waiters do not starve another's
+   one. A tenant whose queue empties leaves the turn and its credit is forgotten.
+4. **Work-conserving.** A tenant that may not start another request now (``blocked``: it is at
+   its own ``max_inflight``) is skipped, so a free place never stays idle while anyone else
+   could use it.
+
+A waiter that gives up (its deadline) is marked ``cancelled`` and dropped when reached.
+Nothing here knows time or I/O: ``now`` comes in as an argument.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """One request waiting for a place; ``token`` is the caller's (what to wake)."""
+
+    tenant: str
+    priority: int
+    weight: float
+    enqueued: float
+    token: Any = None
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class _Band:
+    queues: dict[str, deque[Waiter]] = field(default_factory=dict)
+    #: Tenants with waiters, the head's turn first.
+    turns: deque[str] = field(default_factory=deque)
+    credit: dict[str, float] = field(default_factory=dict)
+
+
+class FairQueue:
+    """The waiters of one admission gate (see the module docstring for the rules)."""
+
+    def __init__(self, aging: float) -> None:
+        self._aging = aging
+        self._bands: dict[int, _Band] = {}
+        self._waiting = 0
+
+    def __len__(self) -> int:
+        """Waiters, the cancelled not yet dropped included."""
+        return self._waiting
+
+    def push(self, waiter: Waiter) -> None:
+        band = self._bands.get(waiter.priority)
+        if band is None:
+            band = self._bands[waiter.priority] = _Band()
+        queue = band.queues.get(waiter.tenant)
+        if queue is None:
+            queue = band.queues[waiter.tenant] = deque()
+            band.turns.append(waiter.tenant)
+            # The first tenant of a band starts its turn now; later ones when theirs comes.
+            band.credit[waiter.tenant] = waiter.weight if len(band.turns) == 1 else 0.0
+        queue.append(waiter)
+        self._waiting += 1
+
+    def depth(self) -> dict[tuple[str, int], int]:
+        """Waiters (the cancelled left out) per (tenant, band)."""
+        return {(tenant, priority): n for priority, band in self._bands.items()
+                for tenant, queue in band.queues.items()
+                if (n := sum(not w.cancelled for w in queue))}
+
+    def pop(self, now: float, blocked: Collection[str] = ()) -> Waiter | None:
+        """The waiter that gets the place that just freed, or None (no one may take it)."""
+        for priority in self._band_order(now):
+            waiter = self._pop_band(priority, blocked)
+            if waiter is not None:
+                return waiter
+        return None
+
+    def _band_order(self, now: float) -> list[int]:
+        ranked = []
+        for priority in list(self._bands):
+            oldest = self._oldest(priority)
+            if oldest is None:
+                continue
+            steps = int((now - oldest) // self._aging) if self._aging > 0 else 0
+            ranked.append((priority - max(steps, 0), priority))
+        ranked.sort()
+        return [priority for _, priority in ranked]
+
+    def _oldest(self, priority: int) -> float | None:
+        """The enqueue time of the band's oldest live waiter (the cancelled dropped on the
+        way); None, and the band forgotten, when it has none."""
+        band = self._bands[priority]
+        oldest = None
+        for tenant in list(band.queues):
+            queue = band.queues[tenant]
+            while queue and queue[0].cancelled:
+                queue.popleft()
+                self._waiting -= 1
+            if not queue:
+                self._leave(band, tenant)
+            elif oldest is None or queue[0].enqueued < oldest:
+                oldest = queue[0].enqueued
+        if not band.queues:
+            del self._bands[priority]
+        return oldest
+
+    def _leave(self, band: _Band, tenant: str) -> None:
+        del band.queues[tenant], band.credit[tenant]
+        was_head = band.turns[0] == tenant
+        band.turns.remove(tenant)
+        if was_head and band.turns:
+            head = band.turns[0]
+            band.credit[head] += self._weight_of(band, head)
+
+    @staticmethod
+    def _weight_of(band: _Band, tenant: str) -> float:
+        return band.queues[tenant][0].weight
+
+    def _pop_band(self, priority: int, blocked: Collection[str]) -> Waiter | None:
+        band = self._bands[priority]
+        if all(tenant in blocked for tenant in band.turns):
+            return None
+        while True:
+            tenant = band.turns[0]
+            if tenant not in blocked and band.credit[tenant] >= 1.0:
+                queue = band.queues[tenant]
+                waiter = queue.popleft()
+                self._waiting -= 1
+                while queue and queue[0].cancelled:
+                    queue.popleft()
+                    self._waiting -= 1
+                if waiter.cancelled:
+                    if not queue:
+                        self._leave(band, tenant)
+                        if not band.turns:
+                            del self._bands[priority]
+                            return None
+                        if all(t in blocked for t in band.turns):
+                            return None
+                    continue
+                band.credit[tenant] -= 1.0
+                if not queue:
+                    self._leave(band, tenant)
+                    if not band.turns:
+                        del self._bands[priority]
+                return waiter
+            # The turn passes: a blocked tenant keeps no credit for a turn it could not use.
+            if tenant in blocked:
+                band.credit[tenant] = 0.0
+            band.turns.rotate(-1)
+            head = band.turns[0]
+            band.credit[head] += self._weight_of(band, head)
