@@ -9,8 +9,8 @@ that does not parse stops start-up with one line naming it (``tenants.batch: wei
 Priorities follow vLLM: a lower number is served first, 0 by default. A client may lower its
 own priority with the body's ``priority`` (a larger number), never raise it above its
 tenant's (the hand-off rule: what steers placement is the proxy's). The effective priority is
-what every leg sends as vLLM's ``priority`` (dropped when 0, so an engine without
-``--scheduling-policy priority``, which refuses any other value with a 400, still serves it).
+what every leg sends as vLLM's ``priority`` (dropped when 0: vLLM documents any other value as
+an error on an engine without ``--scheduling-policy priority``).
 
 Tokens: a request reserves its prompt estimate (about four characters a token) plus its
 ``max_tokens`` (or ``DEFAULT_MAX_TOKENS``) at admission, and settles on what it used.
@@ -161,7 +161,8 @@ def effective_priority(tenant: Tenant, body: Mapping[str, Any]) -> int:
 
 def with_priority(body: dict[str, Any], priority: int) -> dict[str, Any]:
     """``body`` carrying ``priority`` as every leg sends it: the field set, or left out when it
-    is 0 (vLLM's default, and the only value an engine without priority scheduling takes)."""
+    is 0 (vLLM's default, and the only value vLLM documents for an engine without priority
+    scheduling)."""
     if body.get("priority") == priority and priority != 0:
         return body
     out = {k: v for k, v in body.items() if k != "priority"}
