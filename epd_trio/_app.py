@@ -31,6 +31,7 @@ from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
+from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
 from ._web.asgi import ProxyASGI
 from ._web.endpoints import CompletionEndpoints
@@ -96,7 +97,9 @@ def create_app(
     admission: Admission | FairAdmission = (
         FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
                       table=tenants, aging=settings.priority_aging,
-                      tenant_header=settings.tenant_header)
+                      tenant_header=settings.tenant_header,
+                      shared=None if proxy.state is None
+                      else SharedLimits(proxy.state, proxy.metrics))
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,

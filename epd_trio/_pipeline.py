@@ -216,7 +216,7 @@ class RequestRun:
         decode slot (``attempt``)."""
         request = parse_request(raw_body, kind)
         if self.ticket is not None:  # its tenant's priority and token limit, on the body
-            request = replace(request, body=self.ticket.admitted(request.body))
+            request = replace(request, body=await self.ticket.admitted(request.body))
         self.request = request
         if request.dropped:
             log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",

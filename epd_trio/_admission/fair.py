@@ -7,10 +7,13 @@ read (the cap bounds memory), and the tenant is known from the head alone (its k
 reservation) are applied by the request's ``Ticket`` once the pipeline has parsed it, so the
 body is parsed once.
 
-Order of checks, each answering at once: ``requests_per_minute`` (429), then a place (a free
-one, or a wait in the queue up to ``EPD_ADMISSION_TIMEOUT``: 503, or 429 naming
-``max_inflight`` when the tenant's own cap is what held it), then ``tokens_per_minute`` (429)
-on the parsed body. A request refused after taking a request unit gives it back.
+Order of checks: a place (a free one, or a wait in the queue up to ``EPD_ADMISSION_TIMEOUT``:
+503, or 429 naming ``max_inflight`` when the tenant's own cap is what held it), then, on the
+parsed body, ``requests_per_minute`` and ``tokens_per_minute`` together, all or nothing (429
+naming the first that does not fit). Together, because with ``EPD_STATE_URL`` the buckets
+live in Redis and an admission costs one round trip at most (one script); when Redis does not
+answer, each replica enforces its share of each limit (``limit / live replicas``) on its own,
+counted, and no request fails for it.
 
 Release: the place (and the tenant's count) is held until the request's resources close, then
 the queue is asked who gets it (``FairQueue.pop``), skipping tenants at their own cap, so no
@@ -20,9 +23,9 @@ on its usage when the request ends, however it ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -42,6 +45,28 @@ from .._core.token_bucket import TokenBucket, retry_after
 from .._core.tracing import usage_of
 
 Clock = Callable[[], float]
+#: One limit a request asks of: (its name, the tenant's per-minute value, the amount).
+Want = tuple[str, int, int]
+
+
+class SharedBuckets(Protocol):
+    """The tenants' per-minute buckets shared by replicas (``_replicas/limits``)."""
+
+    #: Replicas alive at the last look (the share each enforces while the store is gone).
+    live_replicas: int
+
+    async def take(self, tenant: str, wants: Sequence[Want]) -> tuple[int, float] | None:
+        """All of ``wants`` taken at once: ``(0, 0.0)``; or the 1-based index of the first
+        that does not fit and its wait, nothing taken; None: the store did not answer."""
+        ...
+
+    def settle(self, tenant: str, limit: str, per_minute: int, delta: int) -> bool:
+        """Give ``delta`` back (negative: take it) without waiting; False: not sent."""
+        ...
+
+    def fell_back(self) -> None:
+        """Counts one decision taken on the local share."""
+        ...
 
 
 class Ticket:
@@ -66,17 +91,20 @@ class Ticket:
         """Whether the request's tokens are counted (its tenant has ``tokens_per_minute``)."""
         return self.tenant.tokens_per_minute is not None
 
-    def admitted(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The parsed ``body`` at its effective priority, its tokens reserved; ``RateLimited``
-        when the tenant's ``tokens_per_minute`` bucket holds too few."""
+    async def admitted(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The parsed ``body`` at its effective priority, its request and tokens counted;
+        ``RateLimited`` when a per-minute bucket of its tenant holds too few."""
         self.priority = effective_priority(self.tenant, body)
-        if self.metered:
+        tenant = self.tenant
+        wants: list[Want] = []
+        if tenant.requests_per_minute is not None:
+            wants.append(("requests_per_minute", tenant.requests_per_minute, 1))
+        reserved = 0
+        if tenant.tokens_per_minute is not None:
             reserved = token_reservation(body)
-            try:
-                self._admission.reserve_tokens(self.tenant, reserved)
-            except RateLimited:
-                self._admission.settle_requests(self.tenant)  # refused: the request unit back
-                raise
+            wants.append(("tokens_per_minute", tenant.tokens_per_minute, reserved))
+        if wants:
+            await self._admission.take(tenant, wants)
             self._reserved, self._prompt = reserved, prompt_estimate(body)
         return with_priority(body, self.priority)
 
@@ -104,7 +132,7 @@ class FairAdmission:
 
     def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
                  aging: float, tenant_header: str | None = None,
-                 clock: Clock = trio.current_time) -> None:
+                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None) -> None:
         self._max = max_inflight
         self._timeout = timeout
         self._table = table
@@ -113,7 +141,8 @@ class FairAdmission:
         self._queue = FairQueue(aging)
         self._inflight = 0
         self._per_tenant: dict[str, int] = {}
-        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+        self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
+        self._shared = shared
 
     # -- who ---------------------------------------------------------------------------------
     def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
@@ -137,12 +166,7 @@ class FairAdmission:
 
     async def enter(self, tenant: Tenant, resources: AsyncExitStack) -> Ticket:
         """Admit a request of ``tenant`` (released when ``resources`` close); its ticket."""
-        self._take_request(tenant)
-        try:
-            await self._take_place(tenant)
-        except BaseException:
-            self.settle_requests(tenant)
-            raise
+        await self._take_place(tenant)
         resources.callback(self._release, tenant)
         ticket = Ticket(self, tenant)
         resources.callback(ticket.settle)
@@ -206,37 +230,51 @@ class FairAdmission:
             waiter.token.set()
 
     # -- rates -------------------------------------------------------------------------------
-    def _bucket(self, tenant: Tenant, limit: str) -> TokenBucket | None:
-        per_minute = tenant.limit(limit)
-        if per_minute is None:
-            return None
-        key = (tenant.name, limit)
+    def bucket(self, tenant: str, limit: str, per_minute: float) -> TokenBucket:
+        """This process's bucket of one limit (``per_minute``: the limit, or the share of it
+        this replica enforces while the shared store does not answer)."""
+        key = (tenant, limit, per_minute)
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = TokenBucket.full(per_minute, self._clock())
         return bucket
 
-    def _take(self, tenant: Tenant, limit: str, amount: int) -> None:
-        bucket = self._bucket(tenant, limit)
-        if bucket is None:
-            return
-        wait = bucket.take(amount, self._clock())
-        if wait:
-            raise RateLimited(tenant.name, limit, tenant.limit(limit) or 0, retry_after(wait))
+    async def take(self, tenant: Tenant, wants: Sequence[Want]) -> None:
+        """Take every one of ``wants`` from the tenant's buckets, or none: ``RateLimited``
+        naming the first that does not fit, with its bucket's ``Retry-After``."""
+        shared = self._shared
+        answer = None if shared is None else await shared.take(tenant.name, wants)
+        if answer is None:
+            if shared is not None:
+                shared.fell_back()
+            answer = self._take_locally(tenant.name, wants, self._share())
+        index, wait = answer
+        if index:
+            limit, per_minute, _ = wants[index - 1]
+            raise RateLimited(tenant.name, limit, per_minute, retry_after(wait))
 
-    def _settle(self, tenant: Tenant, limit: str, reserved: int, used: int) -> None:
-        bucket = self._bucket(tenant, limit)
-        if bucket is not None:
-            bucket.settle(reserved, used, self._clock())
+    def _share(self) -> int:
+        return 1 if self._shared is None else max(1, self._shared.live_replicas)
 
-    def _take_request(self, tenant: Tenant) -> None:
-        self._take(tenant, "requests_per_minute", 1)
-
-    def settle_requests(self, tenant: Tenant) -> None:
-        self._settle(tenant, "requests_per_minute", 1, 0)
-
-    def reserve_tokens(self, tenant: Tenant, amount: int) -> None:
-        self._take(tenant, "tokens_per_minute", amount)
+    def _take_locally(self, tenant: str, wants: Sequence[Want],
+                      share: int) -> tuple[int, float]:
+        now = self._clock()
+        buckets = [self.bucket(tenant, limit, per_minute / share)
+                   for limit, per_minute, _ in wants]
+        for index, (bucket, (_, _, amount)) in enumerate(zip(buckets, wants, strict=True)):
+            wait = bucket.wait_for(amount, now)
+            if wait:
+                return index + 1, wait
+        for bucket, (_, _, amount) in zip(buckets, wants, strict=True):
+            bucket.take(amount, now)
+        return 0, 0.0
 
     def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
-        self._settle(tenant, "tokens_per_minute", reserved, used)
+        per_minute = tenant.tokens_per_minute
+        assert per_minute is not None
+        shared = self._shared
+        if shared is not None and shared.settle(tenant.name, "tokens_per_minute", per_minute,
+                                                reserved - used):
+            return
+        self.bucket(tenant.name, "tokens_per_minute", per_minute / self._share()).settle(
+            reserved, used, self._clock())

@@ -107,23 +107,27 @@ async def test_a_tenant_at_its_own_cap_gets_a_429_naming_max_inflight() -> None:
 async def test_requests_per_minute_refuse_with_retry_after_from_the_bucket() -> None:
     now = [0.0]
     admission = gate(max_inflight=10, now=now)
+    body = {"model": "m"}
     async with AsyncExitStack() as resources:
         for _ in range(2):
-            await admission.enter(tenant(admission, "rpm"), resources)
+            await (await admission.enter(tenant(admission, "rpm"), resources)).admitted(body)
+        ticket = await admission.enter(tenant(admission, "rpm"), resources)
         with pytest.raises(RateLimited) as refused:
-            await admission.enter(tenant(admission, "rpm"), resources)
+            await ticket.admitted(body)
         assert refused.value.payload()["error"]["param"] == "requests_per_minute"
         assert refused.value.headers["retry-after"] == "30"  # 2 a minute: one every 30 s
         now[0] = 30.0
-        await admission.enter(tenant(admission, "rpm"), resources)
+        await ticket.admitted(body)
 
 
 async def test_a_client_may_lower_its_priority_never_raise_it() -> None:
     admission = gate(max_inflight=10)
     async with AsyncExitStack() as resources:
         ticket = await admission.enter(tenant(admission, "batch"), resources)
-        assert ticket.admitted({"model": "m", "priority": -5}) == {"model": "m", "priority": 1}
-        assert ticket.admitted({"model": "m", "priority": 7}) == {"model": "m", "priority": 7}
+        assert await ticket.admitted({"model": "m", "priority": -5}) == {"model": "m",
+                                                                          "priority": 1}
+        assert await ticket.admitted({"model": "m", "priority": 7}) == {"model": "m",
+                                                                         "priority": 7}
 
 
 async def test_tokens_are_reserved_then_settled_on_the_usage() -> None:
@@ -132,26 +136,25 @@ async def test_tokens_are_reserved_then_settled_on_the_usage() -> None:
     body = {"model": "m", "prompt": "x" * 40, "max_tokens": 290}  # 10 + 290 reserved
     async with AsyncExitStack() as first:
         ticket = await admission.enter(tenant(admission, "tpm"), first)
-        ticket.admitted(body)
+        await ticket.admitted(body)
         ticket.answered(b'{"usage": {"prompt_tokens": 12, "completion_tokens": 8}}')
         ticket2 = await admission.enter(tenant(admission, "tpm"), first)
-        ticket2.admitted(body)  # 600 - 300 - 300: empty
+        await ticket2.admitted(body)  # 600 - 300 - 300: empty
         with pytest.raises(RateLimited) as refused:
-            (await admission.enter(tenant(admission, "tpm"), first)).admitted(body)
+            await (await admission.enter(tenant(admission, "tpm"), first)).admitted(body)
         assert refused.value.payload()["error"]["param"] == "tokens_per_minute"
         assert refused.value.headers["retry-after"] == "30"  # 300 at 10 a second
         # The refused request gave back what it took: nothing of the bucket was spent on it.
     # Both settled: the first used 20 (its usage), the second 10 + 0 events (no answer).
-    bucket = admission._buckets["tpm", "tokens_per_minute"]
-    assert bucket.level == 600 - 20 - 10
+    assert admission.bucket("tpm", "tokens_per_minute", 600).level == 600 - 20 - 10
 
 
 async def test_a_stream_without_usage_settles_the_events_it_relayed() -> None:
     admission = gate(max_inflight=10)
     async with AsyncExitStack() as resources:
         ticket = await admission.enter(tenant(admission, "tpm"), resources)
-        ticket.admitted({"model": "m", "prompt": "x" * 40, "max_tokens": 100})
+        await ticket.admitted({"model": "m", "prompt": "x" * 40, "max_tokens": 100})
         ticket.relayed(b'data: {"a": 1}\n\ndata: {"a": 2}\n\n')
         ticket.relayed(b'data: {"a": 3}\n\ndata: [DONE]\n\n')
         ticket.answered(b'data: {"a": 3}\n\ndata: [DONE]\n\n')  # no usage in its tail
-    assert admission._buckets["tpm", "tokens_per_minute"].level == 600 - 10 - 3
+    assert admission.bucket("tpm", "tokens_per_minute", 600).level == 600 - 10 - 3
