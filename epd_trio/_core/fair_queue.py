@@ -3,12 +3,13 @@
 The rules, in order, each time a place frees (``pop``):
 
 1. **Bands.** A waiter is in its tenant's band (its priority: lower is served first).
-2. **Aging.** A waiter's band moves up one step (its priority number minus one) for every
-   ``aging`` seconds it has waited; a band counts at the step of its oldest waiter. The band
-   with the lowest such number goes next; on a tie, the band with the lower priority of its own.
-   So a lower band is never starved forever: with ``aging`` 0.5 s, a batch band at priority 1
-   beside an interactive one at 0 goes first once its oldest has waited 1 s. ``aging`` 0 turns
-   aging off (strict bands).
+2. **Aging.** A band moves up one step (its priority number minus one) for every ``aging``
+   seconds its oldest waiter has waited, but never above the best band waiting; bands at the
+   same step take turns, one place each. So a lower band is never starved: with ``aging``
+   0.5 s, a batch band at priority 1 beside an interactive band at 0 gets every other place
+   once its oldest has waited 0.5 s, and the interactive band still gets the others (it is
+   never put behind the whole batch queue, which strict promotion above it would do under a
+   flood deeper than ``aging`` seconds of service). ``aging`` 0 turns aging off (strict bands).
 3. **Turns inside a band.** Deficit round-robin: each tenant with waiters, in turn, is credited
    its ``weight`` and serves one waiter per whole credit, so over many turns tenants are served
    in proportion to their weights, and one tenant's thousand waiters do not starve another's
@@ -56,6 +57,8 @@ class FairQueue:
         self._aging = aging
         self._bands: dict[int, _Band] = {}
         self._waiting = 0
+        #: Whose turn it is among bands at the same step (aging).
+        self._turn = 0
 
     def __len__(self) -> int:
         """Waiters, the cancelled not yet dropped included."""
@@ -89,15 +92,23 @@ class FairQueue:
         return None
 
     def _band_order(self, now: float) -> list[int]:
-        ranked = []
-        for priority in list(self._bands):
-            oldest = self._oldest(priority)
-            if oldest is None:
-                continue
-            steps = int((now - oldest) // self._aging) if self._aging > 0 else 0
-            ranked.append((priority - max(steps, 0), priority))
-        ranked.sort()
-        return [priority for _, priority in ranked]
+        oldest = {priority: when for priority in list(self._bands)
+                  if (when := self._oldest(priority)) is not None}
+        if not oldest:
+            return []
+        best = min(oldest)
+        aging = self._aging
+        ranked = sorted(
+            (max(best, priority - (int((now - when) // aging) if aging > 0 else 0)), priority)
+            for priority, when in oldest.items())
+        first = ranked[0][0]
+        tied = [priority for step, priority in ranked if step == first]
+        rest = [priority for step, priority in ranked if step != first]
+        if len(tied) > 1:  # bands at the same step take turns
+            turn = self._turn % len(tied)
+            self._turn += 1
+            tied = tied[turn:] + tied[:turn]
+        return tied + rest
 
     def _oldest(self, priority: int) -> float | None:
         """The enqueue time of the band's oldest live waiter (the cancelled dropped on the

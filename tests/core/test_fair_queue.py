@@ -53,15 +53,25 @@ def test_fractional_weights_take_turns_too() -> None:
     assert Counter(served(q, 30)) == {"a": 20, "b": 10}
 
 
-def test_aging_promotes_a_band_one_step_per_aging_seconds() -> None:
+def test_an_aged_band_takes_turns_with_the_best_one_never_overtakes_it() -> None:
     q = FairQueue(aging=0.5)
+    for _ in range(4):
+        q.push(waiter("batch", priority=2, at=0.0))
+        q.push(waiter("interactive", priority=0, at=0.9))
+    # At 0.9 s batch is one step up (1): still behind band 0.
+    assert served(q, 1, now=0.9) == ["interactive"]
+    # At 1.0 s it is two steps up: level with band 0 (never above it), and they take turns.
+    assert served(q, 6, now=1.0) == ["interactive", "batch", "interactive", "batch",
+                                     "interactive", "batch"]
+    assert served(q, 2, now=1.0) == ["batch", "-"]
+
+
+def test_without_aging_a_lower_band_waits_for_ever() -> None:
+    q = FairQueue(aging=0)
     q.push(waiter("batch", priority=1, at=0.0))
-    for t in (0.9, 0.95):
-        q.push(waiter("interactive", priority=0, at=t))
-    # At 0.9 s batch is at step 1 - 1 = 0: a tie with band 0, which goes first.
-    assert served(q, 1, now=0.99) == ["interactive"]
-    # At 1.0 s batch's oldest is two steps up (-1): ahead of band 0.
-    assert served(q, 2, now=1.0) == ["batch", "interactive"]
+    for _ in range(3):
+        q.push(waiter("interactive", priority=0, at=1000.0))
+    assert served(q, 4, now=2000.0) == ["interactive"] * 3 + ["batch"]
 
 
 def test_a_blocked_tenant_is_skipped_so_no_place_stays_idle() -> None:
