@@ -21,14 +21,17 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._admission.fair import FairAdmission
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
 from ._core.errors import BodyTooLarge, ProxyError, error_reply
 from ._core.rewrite import json_object
+from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
+from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
 from ._web.asgi import ProxyASGI
 from ._web.endpoints import CompletionEndpoints
@@ -101,12 +104,20 @@ def create_app(
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
                   clock=clock, tracing=tracing)
     app.extensions["epd_trio.proxy"] = proxy
-    client_keys = ClientKeys(settings.api_keys)
+    tenants = TenantTable(settings.tenants)
+    client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
+    admission: Admission | FairAdmission = (
+        FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
+                      table=tenants, aging=settings.priority_aging,
+                      tenant_header=settings.tenant_header,
+                      shared=None if proxy.state is None
+                      else SharedLimits(proxy.state, proxy.metrics))
+        if settings.tenants or settings.tenant_header is not None
+        else Admission(settings.max_inflight, settings.admission_timeout))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
-                         proxy, settings.max_body_bytes, client_keys,
-                         Admission(settings.max_inflight, settings.admission_timeout),
+                         proxy, settings.max_body_bytes, client_keys, admission,
                          body_timeout=settings.body_timeout))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.counters import CursorCounters
 from ._core.errors import NoInstance, UpstreamError
@@ -338,12 +339,13 @@ class Proxy:
     # -- client requests -------------------------------------------------------------------------
     async def handle(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
-        trace_context: TraceHeaders = NO_TRACE_CONTEXT,
+        trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
     ) -> Reply:
         """One client request: ``Pipeline.run``, on the roster as it is now."""
         self.sync()  # one word read: did the roster change (here, or in another worker)?
         return await self.pipeline.run(kind, raw_body, request_id=request_id,
-                                       resources=resources, trace_context=trace_context)
+                                       resources=resources, trace_context=trace_context,
+                                       ticket=ticket)
 
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:

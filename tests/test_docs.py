@@ -160,7 +160,7 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
     special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
-               "state_url": "redis://sample:1/0"}
+               "state_url": "redis://sample:1/0", "tenants": '{"sample": {"priority": 1}}'}
     if field.name in special:
         return special[field.name]
     if default is None or default == ():

@@ -29,4 +29,7 @@ siblings.
     urls          every URL checked where it enters (``check_base_url``); ``redact_url``
     state_url     the shared state store's URL and its options
     shared_state  what replicas share: instance records, announcements, the merge, load fields
+    tenants       tenant tables, who a request is, its priority and its token reservation
+    fair_queue    the admission queue: priority bands, aging, weighted turns inside a band
+    token_bucket  a per-minute limit as a bucket holding one minute's worth
 """

@@ -13,6 +13,7 @@
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
+    +-- RateLimited            a tenant over one of its own limits (429 with Retry-After)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
         +-- UpstreamTransportError connect/read failure (502)
@@ -216,6 +217,27 @@ class AtCapacity(ProxyOverloaded):
 
     code = "proxy_at_capacity"
     headers = {"retry-after": "1"}  # noqa: RUF012 (never mutated)
+
+
+class RateLimited(ProxyError):
+    """A tenant is over one of its own limits (``max_inflight``, ``requests_per_minute``,
+    ``tokens_per_minute``): a 429 shaped like OpenAI's, the limit named by its setting's name
+    in ``param``, and ``Retry-After`` computed from the limit's bucket."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, tenant: str, limit: str, value: int, retry_after: int) -> None:
+        super().__init__(f"tenant {tenant!r} is over its {limit} ({value}); retry after "
+                         f"{retry_after} s")
+        self.limit = limit
+        self.headers = {"retry-after": str(retry_after)}
+
+    def payload(self) -> dict[str, Any]:
+        payload = super().payload()
+        payload["error"]["param"] = self.limit
+        return payload
 
 
 class UpstreamError(ProxyError):
