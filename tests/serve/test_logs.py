@@ -308,16 +308,19 @@ async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery) -> 
 
 
 def test_an_uncaught_exception_is_a_json_line() -> None:
-    """A traceback that reaches the top of a serve process is a record in its format too."""
+    """A warning, or a traceback that reaches the top of a serve process, is a record in its
+    format too."""
     code = ("from epd_trio._serve.logs import capture_process_output, configure_logging\n"
             "configure_logging('INFO', 'json')\ncapture_process_output('INFO')\n"
-            "import threading\n"
+            "import threading, warnings\nwarnings.warn('careful', UserWarning)\n"
             "t = threading.Thread(target=lambda: 1 / 0, name='side'); t.start(); t.join()\n"
             "raise RuntimeError('boom')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=GUARD)
     assert done.returncode == 1 and done.stdout == b""
     lines = [json.loads(line) for line in done.stderr.decode().splitlines()]
-    assert [(x["level"], x["message"]) for x in lines] == [
+    warned, *crashed = lines
+    assert warned["level"] == "WARNING" and "UserWarning: careful" in warned["message"]
+    assert [(x["level"], x["message"]) for x in crashed] == [
         ("CRITICAL", "uncaught ZeroDivisionError in thread side: division by zero"),
         ("CRITICAL", "uncaught RuntimeError: boom")]
-    assert all("Traceback" in x["exception"] for x in lines)
+    assert all("Traceback" in x["exception"] for x in crashed)
