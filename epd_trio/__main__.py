@@ -177,8 +177,9 @@ def _shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def _help(meaning: Meaning, where: str, default: Any) -> str:
-    return f"{meaning.text} ({where}default {_shown(default)})"
+def _help(meaning: Meaning, where: str, default: Any, extra: str = "") -> str:
+    """A flag's help line: its meaning (``_core/meanings``), where else it is set, its default."""
+    return f"{meaning.text} ({where}default {_shown(default)}{extra})"
 
 
 def _add_serve(commands: Any) -> None:
@@ -201,9 +202,7 @@ def _add_serve(commands: Any) -> None:
                  "--graceful-timeout": f"; the process exits within this + "
                                        f"{WATCHDOG_MARGIN + 1:g} s"}.get(flag, "")
         serve.add_argument(flag, type=kinds.get(flag, float), default=default,
-                           metavar=meaning.shown_metavar,
-                           help=_help(meaning, "", default).replace(")", extra + ")", 1)
-                           if extra else _help(meaning, "", default))
+                           metavar=meaning.shown_metavar, help=_help(meaning, "", default, extra))
     serve.add_argument("--access-log", action="store_true",
                        help=f"{SERVE_OPTIONS['--access-log'].text} (default off)")
     serve.add_argument("--config", metavar=SERVE_OPTIONS["--config"].shown_metavar,
