@@ -48,6 +48,8 @@ import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
 from epd_trio.__main__ import build_parser, serve_flags
 from epd_trio._core.discovery import Discovered, pod_endpoint
+from epd_trio._core.meanings import MEANINGS, SERVE_OPTIONS
+from epd_trio._core.router_flags import ALIASES, ALL_STAGES, IGNORED, REFUSED
 from epd_trio.testing import run_cluster
 
 from helpers import slug
@@ -232,7 +234,43 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
         assert shown == rendered_default(field.default), (
             f"{name}: the page says the default is {default_cell!r}, the code "
             f"{rendered_default(field.default)!r}")
-        assert rows[name][3], f"{name} has no meaning"
+        meaning = MEANINGS[field.name]
+        assert plain(rows[name][3]).startswith(meaning.text), (
+            f"{name}: the page's meaning must open with serve --help's line "
+            f"({meaning.text!r}, _core/meanings.py), then go on")
+        if type(field.default) in (int, float):
+            assert meaning.unit and meaning.unit in re.findall(r"\w+", meaning.text), (
+                f"{name} is a number: its meaning must name its unit")
+
+
+def plain(cell: str) -> str:
+    """A table cell as words: links as their text, no code or bold marks."""
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell).replace("`", "").replace("**", "")
+
+
+def test_settings_page_serving_options_open_with_their_help_line() -> None:
+    rows = {code_spans(cells[0])[0]: cells for cells in table_rows(SETTINGS_PAGE)
+            if code_spans(cells[0])}
+    for flag, meaning in SERVE_OPTIONS.items():
+        cells = rows["EPD_CONFIG" if flag == "--config" else flag]
+        assert plain(cells[-1]).startswith(meaning.text), flag
+        if meaning.unit:
+            assert meaning.unit in re.findall(r"\w+", meaning.text), flag
+
+
+def test_settings_page_maps_the_routers_flags_as_the_parser_does() -> None:
+    """"Coming from vllm-router / SGLang": one row per accepted flag, naming ours, and one
+    bullet per refused flag, giving the parser's own reason."""
+    text = prose(SETTINGS_PAGE)
+    section = text[text.index("## Coming from vllm-router / SGLang"):]
+    section = section[:section.index("\n## ", 1)]
+    mapped = {code_spans(cells[0])[0]: code_spans(cells[1]) for cells in table_rows(SETTINGS_PAGE)
+              if cells and code_spans(cells[0]) and code_spans(cells[0])[0] in ALIASES}
+    assert mapped == {theirs: [ours] for theirs, ours in ALIASES.items()}
+    for flag in (ALL_STAGES, *IGNORED):
+        assert f"`{flag}`" in section, flag
+    bullets = dict(re.findall(r"^- `(--[\w-]+)`: (.*)$", section, flags=re.M))
+    assert {flag: plain(why) for flag, why in bullets.items()} == REFUSED
 
 
 def test_epd_config_names_a_settings_file(tmp_path: Path) -> None:

@@ -13,6 +13,8 @@ siblings.
     rewrite       parsing a client body and building each leg's body and headers
     roster        which instances exist (configured and registered), as immutable snapshots
     config        ``Settings``: every setting, its default, and how it is parsed
+    meanings      what each setting means and its unit: ``serve --help`` and the settings page
+    router_flags  vllm-router's and SGLang's flags: taken under their name, or refused and why
     auth          the client-key and admin-key checks
     health        per-instance health and load state, and the rotation rules
     failover      which failures are retried where, the fallback order, the leg-observer protocol

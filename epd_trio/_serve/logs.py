@@ -141,7 +141,8 @@ def capture_process_output(level: str) -> None:
     """Send everything else this process would write to stderr through the ``epd_trio`` handler.
 
     Only for a process this package owns (``epd-trio serve``): other libraries' records at
-    WARNING and above (the root logger, which would otherwise print them bare), an uncaught
+    WARNING and above (the root logger, which would otherwise print them bare), the warnings
+    module's warnings, an uncaught
     exception in the main thread or any other thread, and the serve command's own lifecycle
     lines, which are written whatever ``level`` says (an operator always sees "listening on").
     """
@@ -153,6 +154,7 @@ def capture_process_output(level: str) -> None:
             root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
+    logging.captureWarnings(True)  # the warnings module's lines: records of py.warnings
     logging.getLogger(SERVE_LOGGER).setLevel(logging.INFO)
     logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)  # asked for by --access-log
     crashed = logging.getLogger(SERVER_LOGGER)

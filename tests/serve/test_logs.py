@@ -256,7 +256,8 @@ async def _serve_output(nursery: trio.Nursery, *args: str,
     return out, [json.loads(line) for line in err.decode().splitlines()]
 
 
-async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery, workers: str) -> None:
     decode, joining = FakeVLLM("prefill_decode"), FakeVLLM("prefill_decode")
     await start_fakes(nursery, decode, joining)
     closes = 8 * CLOSERS
@@ -287,14 +288,16 @@ async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery) -> 
                 clients.start_soon(trio.to_thread.run_sync, read_and_close)
 
     out, lines = await _serve_output(nursery, "--decode", decode.url, "--log-format", "json",
-                                     "--access-log", "--request-log", drive=drive)
+                                     "--access-log", "--request-log", "--workers", workers,
+                                     drive=drive)
     assert out == b""  # nothing on stdout: the access log too is on stderr
     by_logger: dict[str, list[dict]] = {}
     for line in lines:
         assert {"time", "level", "logger", "message"} <= set(line), line
         by_logger.setdefault(line["logger"], []).append(line)
     # Hypercorn's start line, and the serve command's own lines, in the same format.
-    assert any(x["message"].startswith("Running on http://") for x in by_logger["epd_trio.server"])
+    assert sum(x["message"].startswith("Running on http://")
+               for x in by_logger["epd_trio.server"]) == int(workers)  # one per worker
     assert [x["message"].split(":")[0] for x in by_logger["epd_trio.serve"]][-1] == "SIGTERM"
     # One access line per request, each with its status.
     access = by_logger["epd_trio.access"]
@@ -308,16 +311,19 @@ async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery) -> 
 
 
 def test_an_uncaught_exception_is_a_json_line() -> None:
-    """A traceback that reaches the top of a serve process is a record in its format too."""
+    """A warning, or a traceback that reaches the top of a serve process, is a record in its
+    format too."""
     code = ("from epd_trio._serve.logs import capture_process_output, configure_logging\n"
             "configure_logging('INFO', 'json')\ncapture_process_output('INFO')\n"
-            "import threading\n"
+            "import threading, warnings\nwarnings.warn('careful', UserWarning)\n"
             "t = threading.Thread(target=lambda: 1 / 0, name='side'); t.start(); t.join()\n"
             "raise RuntimeError('boom')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=GUARD)
     assert done.returncode == 1 and done.stdout == b""
     lines = [json.loads(line) for line in done.stderr.decode().splitlines()]
-    assert [(x["level"], x["message"]) for x in lines] == [
+    warned, *crashed = lines
+    assert warned["level"] == "WARNING" and "UserWarning: careful" in warned["message"]
+    assert [(x["level"], x["message"]) for x in crashed] == [
         ("CRITICAL", "uncaught ZeroDivisionError in thread side: division by zero"),
         ("CRITICAL", "uncaught RuntimeError: boom")]
-    assert all("Traceback" in x["exception"] for x in lines)
+    assert all("Traceback" in x["exception"] for x in crashed)
