@@ -99,7 +99,8 @@ def create_app(
                       table=tenants, aging=settings.priority_aging,
                       tenant_header=settings.tenant_header,
                       shared=None if proxy.state is None
-                      else SharedLimits(proxy.state, proxy.metrics))
+                      else SharedLimits(proxy.state, proxy.metrics),
+                      observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,

@@ -49,6 +49,15 @@ Clock = Callable[[], float]
 Want = tuple[str, int, int]
 
 
+class AdmissionObserver(Protocol):
+    """Who counts what admission does (``_observe/metrics.ProxyMetrics``)."""
+
+    def tenant_queued(self, tenant: str, priority: int, delta: int) -> None: ...
+    def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None: ...
+    def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None: ...
+    def tenant_settled(self, tenant: str, tokens: int) -> None: ...
+
+
 class SharedBuckets(Protocol):
     """The tenants' per-minute buckets shared by replicas (``_replicas/limits``)."""
 
@@ -132,7 +141,8 @@ class FairAdmission:
 
     def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
                  aging: float, tenant_header: str | None = None,
-                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None) -> None:
+                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
+                 observer: AdmissionObserver | None = None) -> None:
         self._max = max_inflight
         self._timeout = timeout
         self._table = table
@@ -143,6 +153,7 @@ class FairAdmission:
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
         self._shared = shared
+        self._observer = observer
 
     # -- who ---------------------------------------------------------------------------------
     def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
@@ -182,15 +193,21 @@ class FairAdmission:
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
 
     async def _take_place(self, tenant: Tenant) -> None:
+        observer, name, band = self._observer, tenant.name, tenant.priority
         # Every release hands its place to the queue first, so a free place means that every
         # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
         if self._may_start(tenant):
-            self._start(tenant.name)
+            self._start(name)
+            if observer is not None:
+                observer.tenant_admitted(name, band, 0.0)
             return
         admitted = trio.Event()
-        waiter = Waiter(tenant=tenant.name, priority=tenant.priority, weight=tenant.weight,
-                        enqueued=self._clock(), token=admitted)
+        enqueued = self._clock()
+        waiter = Waiter(tenant=name, priority=band, weight=tenant.weight, enqueued=enqueued,
+                        token=admitted)
         self._queue.push(waiter)
+        if observer is not None:
+            observer.tenant_queued(name, band, 1)
         try:
             with trio.move_on_after(self._timeout):
                 await admitted.wait()
@@ -199,16 +216,25 @@ class FairAdmission:
                 self._release(tenant)
             else:
                 waiter.cancelled = True
+                if observer is not None:
+                    observer.tenant_queued(name, band, -1)
             raise
         if admitted.is_set():
+            if observer is not None:  # its queue count was taken down when it was woken
+                observer.tenant_admitted(name, band, self._clock() - enqueued)
             return
         waiter.cancelled = True
         cap = tenant.max_inflight
-        if cap is not None and self._per_tenant.get(tenant.name, 0) >= cap:
-            raise RateLimited(tenant.name, "max_inflight", cap, retry_after(self._timeout))
+        held = cap is not None and self._per_tenant.get(name, 0) >= cap
+        if observer is not None:
+            observer.tenant_queued(name, band, -1)
+            observer.tenant_rejected(name, band, "max_inflight" if held else "deadline")
+        if held:
+            assert cap is not None
+            raise RateLimited(name, "max_inflight", cap, retry_after(self._timeout))
         raise AtCapacity(
             f"the proxy is serving its limit of {self._max} requests (EPD_MAX_INFLIGHT) and "
-            f"no place came to tenant {tenant.name!r} within {self._timeout:g} s; retry later")
+            f"no place came to tenant {name!r} within {self._timeout:g} s; retry later")
 
     def _blocked(self) -> set[str]:
         """Tenants at their own ``max_inflight``."""
@@ -228,6 +254,8 @@ class FairAdmission:
                 return
             self._start(waiter.tenant)
             waiter.token.set()
+            if self._observer is not None:
+                self._observer.tenant_queued(waiter.tenant, waiter.priority, -1)
 
     # -- rates -------------------------------------------------------------------------------
     def bucket(self, tenant: str, limit: str, per_minute: float) -> TokenBucket:
@@ -251,6 +279,8 @@ class FairAdmission:
         index, wait = answer
         if index:
             limit, per_minute, _ = wants[index - 1]
+            if self._observer is not None:
+                self._observer.tenant_rejected(tenant.name, tenant.priority, limit)
             raise RateLimited(tenant.name, limit, per_minute, retry_after(wait))
 
     def _share(self) -> int:
@@ -270,6 +300,8 @@ class FairAdmission:
         return 0, 0.0
 
     def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
+        if self._observer is not None:
+            self._observer.tenant_settled(tenant.name, used)
         per_minute = tenant.tokens_per_minute
         assert per_minute is not None
         shared = self._shared
