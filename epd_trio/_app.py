@@ -98,8 +98,9 @@ def create_app(
         FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
                       table=tenants, aging=settings.priority_aging,
                       tenant_header=settings.tenant_header,
-                      shared=None if proxy.state is None
-                      else SharedLimits(proxy.state, proxy.metrics),
+                      shared=(SharedLimits(proxy.state, proxy.metrics)
+                              if proxy.state is not None
+                              else None if shared is None else shared.buckets),
                       observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
