@@ -104,6 +104,8 @@ def create_app(
                       observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
+    if isinstance(admission, FairAdmission) and proxy.state is not None:
+        proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys, admission,

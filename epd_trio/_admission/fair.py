@@ -64,6 +64,10 @@ class SharedBuckets(Protocol):
     #: Replicas alive at the last look (the share each enforces while the store is gone).
     live_replicas: int
 
+    def others_inflight(self, tenant: str) -> int:
+        """The tenant's requests in flight elsewhere (other replicas, as last published)."""
+        ...
+
     async def take(self, tenant: str, wants: Sequence[Want]) -> tuple[int, float] | None:
         """All of ``wants`` taken at once: ``(0, 0.0)``; or the 1-based index of the first
         that does not fit and its wait, nothing taken; None: the store did not answer."""
@@ -153,6 +157,8 @@ class FairAdmission:
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
         self._shared = shared
+        #: The tenants with a ``max_inflight``: the only ones a free place may skip.
+        self._capped = [t for t in table.by_name.values() if t.max_inflight is not None]
         self._observer = observer
 
     # -- who ---------------------------------------------------------------------------------
@@ -186,7 +192,18 @@ class FairAdmission:
     def _may_start(self, tenant: Tenant) -> bool:
         cap = tenant.max_inflight
         return self._inflight < self._max and (
-            cap is None or self._per_tenant.get(tenant.name, 0) < cap)
+            cap is None or self._tenant_inflight(tenant.name) < cap)
+
+    def _tenant_inflight(self, name: str) -> int:
+        """The tenant's requests in flight: here, and at the other replicas as they last
+        published them (``EPD_STATE_LOAD_INTERVAL``: a burst may overshoot by what arrives
+        at several replicas within one interval)."""
+        here = self._per_tenant.get(name, 0)
+        return here if self._shared is None else here + self._shared.others_inflight(name)
+
+    def per_tenant(self) -> Mapping[str, int]:
+        """This process's requests in flight per tenant (published to the other replicas)."""
+        return {name: n for name, n in self._per_tenant.items() if n}
 
     def _start(self, name: str) -> None:
         self._inflight += 1
@@ -225,7 +242,7 @@ class FairAdmission:
             return
         waiter.cancelled = True
         cap = tenant.max_inflight
-        held = cap is not None and self._per_tenant.get(name, 0) >= cap
+        held = cap is not None and self._tenant_inflight(name) >= cap
         if observer is not None:
             observer.tenant_queued(name, band, -1)
             observer.tenant_rejected(name, band, "max_inflight" if held else "deadline")
@@ -238,9 +255,8 @@ class FairAdmission:
 
     def _blocked(self) -> set[str]:
         """Tenants at their own ``max_inflight``."""
-        by_name = self._table.by_name
-        return {name for name, n in self._per_tenant.items()
-                if (cap := by_name[name].max_inflight) is not None and n >= cap}
+        return {tenant.name for tenant in self._capped
+                if self._tenant_inflight(tenant.name) >= (tenant.max_inflight or 0)}
 
     def _release(self, tenant: Tenant) -> None:
         self._inflight -= 1

@@ -93,6 +93,9 @@ class SharedLimits:
     def live_replicas(self) -> int:
         return self._link.live_replicas
 
+    def others_inflight(self, tenant: str) -> int:
+        return self._link.others_inflight(tenant)
+
     def _key(self, tenant: str, limit: str) -> bytes:
         return f"{self._prefix}{tenant}:{limit}".encode()
 

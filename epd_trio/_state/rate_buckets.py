@@ -60,6 +60,10 @@ class SharedRateBuckets:
     #: Always 1: the workers share one table, whole (``_admission/fair.SharedBuckets``).
     live_replicas = 1
 
+    def others_inflight(self, tenant: str) -> int:
+        """Not shared between workers (a place is a process's own): 0."""
+        return 0
+
     def _locate(self, tenant: str, limit: str, per_minute: float) -> int | None:
         """The bucket's slot (claimed full when new; call under the lock), None: table full."""
         where = self._where.get((tenant, limit))

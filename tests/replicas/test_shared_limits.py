@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -27,7 +28,8 @@ from real_servers import RedisServer
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 TABLES = {"team": {"keys": ["sk-team"], "requests_per_minute": 30},
           "metered": {"keys": ["sk-tpm"], "tokens_per_minute": 1200},
-          "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000}}
+          "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000},
+          "capped": {"keys": ["sk-capped"], "max_inflight": 2}}
 TEAM = {"authorization": "Bearer sk-team"}
 METERED = {"authorization": "Bearer sk-tpm"}
 
@@ -141,3 +143,28 @@ async def test_redis_killed_under_load_fails_no_request_and_each_replica_takes_i
                        for _, p in replicas) >= 30 + 15
     finally:
         redis.kill()
+
+
+async def test_max_inflight_counts_the_other_replicas_requests(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Two requests of a tenant capped at 2 hang at r0; once r1 has read r0's published
+    counts, r1 keeps a third waiting and answers 429 ``max_inflight`` at its deadline."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=0.3) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        async with trio.open_nursery() as held:
+            for _ in range(2):
+                held.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                        headers=capped))
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["param"] == "max_inflight"
+            assert len(decode.requests()) == 2  # the third never reached the engine
+            held.cancel_scope.cancel()
