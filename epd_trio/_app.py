@@ -106,6 +106,7 @@ def create_app(
         else Admission(settings.max_inflight, settings.admission_timeout))
     if isinstance(admission, FairAdmission) and proxy.state is not None:
         proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
+        proxy.state.on_loads = admission.dispatch  # the others' counts may free a tenant
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys, admission,

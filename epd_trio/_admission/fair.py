@@ -261,6 +261,12 @@ class FairAdmission:
     def _release(self, tenant: Tenant) -> None:
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give the free places to the queue (``FairQueue.pop``): after a release here, and
+        when the other replicas' counts change (a tenant they held at its ``max_inflight``
+        may start again)."""
         if not len(self._queue):
             return
         now = self._clock()

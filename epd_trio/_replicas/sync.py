@@ -203,6 +203,8 @@ class StateLink:
         #: This replica's requests in flight per tenant (fair admission's, set by the app),
         #: published with its loads so that a tenant's ``max_inflight`` holds for the fleet.
         self.tenant_inflight: Callable[[], Mapping[str, int]] = dict
+        #: Called after each read of the other replicas' counts (fair admission's dispatch).
+        self.on_loads: Callable[[], None] = lambda: None
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
@@ -539,6 +541,7 @@ class StateLink:
             for _ in range(bad):
                 self._metrics.state_malformed()
             self._loads.remote = total
+            self.on_loads()
             self._loads_read.set()
             self._loads_read = trio.Event()
             await trio.sleep(interval)

@@ -168,3 +168,44 @@ async def test_max_inflight_counts_the_other_replicas_requests(
             assert r.json()["error"]["param"] == "max_inflight"
             assert len(decode.requests()) == 2  # the third never reached the engine
             held.cancel_scope.cancel()
+
+
+async def test_a_waiter_held_by_other_replicas_starts_when_they_release(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """r1's request waits on the tenant's cap, held by r0's two: when r0's end, r1 learns it
+    from r0's next published counts and starts it, with no release of its own."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=30) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        answers: list[int] = []
+        holding = trio.CancelScope()
+
+        async def hold_two() -> None:
+            with holding:
+                async with trio.open_nursery() as two:
+                    for _ in range(2):
+                        two.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                               headers=capped))
+
+        async def third() -> None:
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            answers.append(r.status_code)
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(hold_two)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            decode.behaviour.hang = False
+            requests.start_soon(third)
+            for _ in range(3):  # r1 has read the counts again: still waiting
+                await proxy1.state.next_load_read()
+            assert answers == [] and len(decode.requests()) == 2
+            holding.cancel()  # r0's two end (their client left)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 3)
+        assert answers == [200]
