@@ -108,6 +108,9 @@ class SharedLimits:
         for _, per_minute, amount in wants:
             args += [str(per_minute).encode(), str(amount).encode()]
         keys = [self._key(tenant, limit) for limit, _, _ in wants]
+        # A reply that comes after the timeout is dropped, though Redis took the amounts: the
+        # request is then counted twice (there, and in the local share): a slow store errs on
+        # the side of the limit, never above it.
         with trio.move_on_after(LIMITS_TIMEOUT):
             try:
                 reply = await lean.call(b"EVAL", _TAKE.encode(), str(len(keys)).encode(), *keys,

@@ -83,7 +83,8 @@ async def test_tokens_reserved_at_one_replica_are_settled_for_all(
     redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
     """1002 of 1200 reserved at r0, about 10 used: once settled, r1 and r2 admit another
-    1002 each in turn; unsettled, the bucket would hold 198."""
+    1002 each in turn (non-stream, stream, non-stream), and a stream whose client leaves
+    settles too; unsettled, the bucket would hold 198."""
     (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
     async with fleet(redis_server, decode) as replicas:
         body = chat_body(max_tokens=1000)
@@ -95,6 +96,16 @@ async def test_tokens_reserved_at_one_replica_are_settled_for_all(
             with trio.fail_after(5):  # the settlement is sent after the answer, unawaited
                 while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
                     await trio.sleep(0.01)
+        # A stream its client leaves after the first bytes settles what it used too.
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 1000, 0.05
+        async with client.stream("POST", replicas[1][0] + CHAT, headers=METERED,
+                                 json={**body, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                break
+        with trio.fail_after(5):
+            while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 8, 0.0
         r = await client.post(replicas[0][0] + CHAT, json=chat_body(max_tokens=5000),
                               headers=METERED)
         assert r.status_code == 429 and r.json()["error"]["param"] == "tokens_per_minute"
