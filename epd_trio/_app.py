@@ -114,6 +114,8 @@ def create_app(
                       shared=(SharedLimits(proxy.state, proxy.metrics)
                               if proxy.state is not None
                               else None if shared is None else shared.buckets),
+                      places=(shared.places
+                              if shared is not None and proxy.state is None else None),
                       observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
@@ -133,6 +135,8 @@ def create_app(
     async def _open() -> None:
         await proxy.start(app.nursery)
         watchdog.append(await app.nursery.start(asgi.watch_stalled_sends))
+        if isinstance(admission, FairAdmission) and admission.across_workers:
+            watchdog.append(await app.nursery.start(admission.follow_workers))
 
     @app.after_serving
     async def _close() -> None:

@@ -45,6 +45,9 @@ from .._core.token_bucket import TokenBucket, retry_after
 from .._core.tracing import usage_of
 
 Clock = Callable[[], float]
+#: Seconds between two looks at the other workers' counts while anyone waits here
+#: (``SharedPlaces``): a waiter whose place another worker freed starts within this.
+WORKERS_RECHECK = 0.025
 #: One limit a request asks of: (its name, the tenant's per-minute value, the amount).
 Want = tuple[str, int, int]
 
@@ -79,6 +82,23 @@ class SharedBuckets(Protocol):
 
     def fell_back(self) -> None:
         """Counts one decision taken on the local share."""
+        ...
+
+
+class SharedPlaces(Protocol):
+    """The capped tenants' requests in flight, counted by every worker of one
+    ``epd-trio serve --workers N`` (``_state/tenant_places``)."""
+
+    def count(self, tenant: str) -> int:
+        """The tenant's requests in flight in every worker."""
+        ...
+
+    def take(self, tenant: str, cap: int) -> bool:
+        """One place of the tenant's ``cap``, taken only if fewer are in flight (atomic)."""
+        ...
+
+    def give(self, tenant: str) -> None:
+        """A place taken by ``take`` is free again."""
         ...
 
 
@@ -146,6 +166,7 @@ class FairAdmission:
     def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
                  aging: float, tenant_header: str | None = None,
                  clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
+                 places: SharedPlaces | None = None,
                  observer: AdmissionObserver | None = None) -> None:
         self._max = max_inflight
         self._timeout = timeout
@@ -157,6 +178,9 @@ class FairAdmission:
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
         self._shared = shared
+        self._places = places
+        #: Set when a request starts to wait (``follow_workers`` sleeps on it while no one does).
+        self._someone_waits = trio.Event()
         #: The tenants with a ``max_inflight``: the only ones a free place may skip.
         self._capped = [t for t in table.by_name.values() if t.max_inflight is not None]
         self._observer = observer
@@ -177,6 +201,12 @@ class FairAdmission:
     def inflight(self) -> int:
         return self._inflight
 
+    @property
+    def across_workers(self) -> bool:
+        """Whether the capped tenants' places are counted by several workers (``places``):
+        then ``follow_workers`` must run."""
+        return self._places is not None
+
     def depth(self) -> Mapping[tuple[str, int], int]:
         """Waiters per (tenant, band)."""
         return self._queue.depth()
@@ -189,15 +219,28 @@ class FairAdmission:
         resources.callback(ticket.settle)
         return ticket
 
-    def _may_start(self, tenant: Tenant) -> bool:
-        cap = tenant.max_inflight
-        return self._inflight < self._max and (
-            cap is None or self._tenant_inflight(tenant.name) < cap)
+    def _try_start(self, tenant: Tenant) -> bool:
+        """Start a request of ``tenant`` if this process has a place and its tenant is under
+        its cap; with ``places``, the cap's place is taken in one locked step, so two
+        workers never both take the last one."""
+        if self._inflight >= self._max:
+            return False
+        cap, name = tenant.max_inflight, tenant.name
+        if cap is not None:
+            if self._places is not None:
+                if not self._places.take(name, cap):
+                    return False
+            elif self._tenant_inflight(name) >= cap:
+                return False
+        self._start(name)
+        return True
 
     def _tenant_inflight(self, name: str) -> int:
-        """The tenant's requests in flight: here, and at the other replicas as they last
-        published them (``EPD_STATE_LOAD_INTERVAL``: a burst may overshoot by what arrives
-        at several replicas within one interval)."""
+        """The tenant's requests in flight: in every worker (``places``); or here, and at
+        the other replicas as they last published them (``EPD_STATE_LOAD_INTERVAL``: a
+        burst may overshoot by what arrives at several replicas within one interval)."""
+        if self._places is not None:
+            return self._places.count(name)
         here = self._per_tenant.get(name, 0)
         return here if self._shared is None else here + self._shared.others_inflight(name)
 
@@ -213,8 +256,7 @@ class FairAdmission:
         observer, name, band = self._observer, tenant.name, tenant.priority
         # Every release hands its place to the queue first, so a free place means that every
         # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
-        if self._may_start(tenant):
-            self._start(name)
+        if self._try_start(tenant):
             if observer is not None:
                 observer.tenant_admitted(name, band, 0.0)
             return
@@ -223,6 +265,7 @@ class FairAdmission:
         waiter = Waiter(tenant=name, priority=band, weight=tenant.weight, enqueued=enqueued,
                         token=admitted)
         self._queue.push(waiter)
+        self._someone_waits.set()
         if observer is not None:
             observer.tenant_queued(name, band, 1)
         try:
@@ -261,6 +304,8 @@ class FairAdmission:
     def _release(self, tenant: Tenant) -> None:
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
+        if self._places is not None and tenant.max_inflight is not None:
+            self._places.give(tenant.name)
         self.dispatch()
 
     def dispatch(self) -> None:
@@ -270,14 +315,38 @@ class FairAdmission:
         if not len(self._queue):
             return
         now = self._clock()
+        lost: set[str] = set()
         while self._inflight < self._max:
-            waiter = self._queue.pop(now, self._blocked())
+            waiter = self._queue.pop(now, self._blocked() | lost)
             if waiter is None:
                 return
-            self._start(waiter.tenant)
+            if not self._try_start(self._table.by_name[waiter.tenant]):
+                # Another worker took the tenant's last place since ``_blocked`` read it:
+                # the waiter goes back to the head of its tenant's line, and its tenant is
+                # skipped for the rest of this round.
+                self._queue.requeue(waiter)
+                lost.add(waiter.tenant)
+                continue
             waiter.token.set()
             if self._observer is not None:
                 self._observer.tenant_queued(waiter.tenant, waiter.priority, -1)
+
+    async def follow_workers(
+        self, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """While anyone waits here, look at the other workers' counts every
+        ``WORKERS_RECHECK`` seconds: a place another worker frees wakes nobody here (there is
+        no cross-process event), so a waiter it unblocks starts at the next look. One task
+        per process (not per waiter), in the app's lifespan nursery, with ``places`` only;
+        idle while no one waits. Reports the cancel scope that stops it."""
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            while True:
+                if not len(self._queue):
+                    self._someone_waits = trio.Event()
+                    await self._someone_waits.wait()
+                await trio.sleep(WORKERS_RECHECK)
+                self.dispatch()
 
     # -- rates -------------------------------------------------------------------------------
     def bucket(self, tenant: str, limit: str, per_minute: float) -> TokenBucket:

@@ -77,6 +77,23 @@ class FairQueue:
         queue.append(waiter)
         self._waiting += 1
 
+    def requeue(self, waiter: Waiter) -> None:
+        """A waiter ``pop`` gave out that could not start after all (another process took
+        its tenant's last place in between): back at the head of its tenant's line, with
+        the credit its turn spent."""
+        band = self._bands.get(waiter.priority)
+        if band is None:
+            band = self._bands[waiter.priority] = _Band()
+        queue = band.queues.get(waiter.tenant)
+        if queue is None:
+            queue = band.queues[waiter.tenant] = deque()
+            band.turns.append(waiter.tenant)
+            band.credit[waiter.tenant] = waiter.weight if len(band.turns) == 1 else 0.0
+        else:
+            band.credit[waiter.tenant] += 1.0
+        queue.appendleft(waiter)
+        self._waiting += 1
+
     def depth(self) -> dict[tuple[str, int], int]:
         """Waiters (the cancelled left out) per (tenant, band)."""
         return {(tenant, priority): n for priority, band in self._bands.items()

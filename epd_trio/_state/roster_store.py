@@ -45,6 +45,7 @@ from .._core.names import STAGES
 from .._core.roster import Roster
 from .loads import LoadTable, LocalLoadTable, SharedLoadTable
 from .rate_buckets import SharedRateBuckets
+from .tenant_places import SharedTenantPlaces
 
 T = TypeVar("T")
 #: A change: the current roster and the counters' values -> the new roster and a result.
@@ -132,6 +133,9 @@ class SharedRoutingState:
         self.loads = SharedLoadTable(ctx)
         #: The tenants' per-minute buckets, shared by the workers (``_state/rate_buckets``).
         self.buckets = SharedRateBuckets(ctx)
+        #: The capped tenants' requests in flight, counted by every worker
+        #: (``_state/tenant_places``).
+        self.places = SharedTenantPlaces(ctx)
         self._init_local()
 
     def _init_local(self) -> None:
@@ -140,7 +144,7 @@ class SharedRoutingState:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_lock": self._lock, "_words": self._words, "_blob": self._blob,
-                "loads": self.loads, "buckets": self.buckets}
+                "loads": self.loads, "buckets": self.buckets, "places": self.places}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -144,3 +144,25 @@ def test_the_queue_never_loses_serves_twice_or_serves_the_blocked(
     while (w := q.pop(now + 100.0)) is not None:
         drained.append(w)
     assert sorted(w.token for w in drained) == sorted(w.token for w in live) and len(q) == 0
+
+
+def test_a_requeued_waiter_goes_back_to_the_head_of_its_line_with_its_credit() -> None:
+    q = FairQueue(aging=0)
+    first, second = waiter("a"), waiter("a")
+    q.push(first)
+    q.push(second)
+    q.push(waiter("b"))
+    popped = q.pop(0.0)
+    assert popped is first
+    q.requeue(first)  # another worker took a's last place: a is blocked now
+    assert served(q, 1, blocked=("a",)) == ["b"]
+    assert q.pop(0.0) is first and q.pop(0.0) is second and len(q) == 0
+
+
+def test_a_requeued_last_waiter_rejoins_its_band() -> None:
+    q = FairQueue(aging=0)
+    only = waiter("a")
+    q.push(only)
+    assert q.pop(0.0) is only and len(q) == 0
+    q.requeue(only)
+    assert len(q) == 1 and q.pop(0.0) is only
