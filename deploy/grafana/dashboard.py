@@ -109,8 +109,9 @@ def build() -> dict[str, Any]:
         f"(sum({failed}) or vector(0)) / sum({rate('epd_trio_requests_total')})",
         "failed / all")],
         unit="percentunit", max_value=1,
-        description="5xx-class outcomes over all requests; client errors and clients that left "
-                    "are not the proxy's failures.")
+        description="5xx-class outcomes over all requests; client errors, tenants over their "
+                    "own limits (rate_limited) and clients that left are not the proxy's "
+                    "failures.")
     g.panel("Admission refusals", [(
         f"sum({rate('epd_trio_admission_refusals_total')})", "refused")], unit="reqps",
         description="Requests refused at EPD_MAX_INFLIGHT (503 with Retry-After).")

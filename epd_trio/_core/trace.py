@@ -18,13 +18,14 @@ from .errors import (
     NoInstance,
     ProxyError,
     ProxyOverloaded,
+    RateLimited,
     UpstreamError,
     UpstreamTimeout,
 )
 
 #: Values of the ``outcome`` label of ``epd_trio_requests_total`` (docs/how-to/operations.md).
-OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "overloaded", "no_instance",
-            "stream_error", "cancelled", "internal_error")
+OUTCOMES = ("ok", "client_error", "rate_limited", "upstream_error", "timeout", "overloaded",
+            "no_instance", "stream_error", "cancelled", "internal_error")
 
 
 @dataclass(slots=True, eq=False)
@@ -151,6 +152,8 @@ def outcome_of(error: ProxyError) -> str:
         return "no_instance"
     if isinstance(error, UpstreamTimeout):
         return "timeout"
+    if isinstance(error, RateLimited):
+        return "rate_limited"  # a tenant over its own limit: the operator's rule, not a bad body
     if isinstance(error, BadRequest) or error.status < 500:
         return "client_error"  # includes a 4xx answer relayed from an instance
     if isinstance(error, UpstreamError):

@@ -15,7 +15,13 @@ import httpx
 import pytest
 import trio.testing
 
-from epd_trio._core.errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
+from epd_trio._core.errors import (
+    BadRequest,
+    ProxyOverloaded,
+    RateLimited,
+    UpstreamStatusError,
+    UpstreamTimeout,
+)
 from epd_trio._core.errors import UpstreamTransportError as Transport
 from epd_trio._core.trace import (
     Attempt,
@@ -47,6 +53,8 @@ CLOSERS = 8
     (Transport("refused", stage="prefill", instance="p"), "upstream_error"),
     (UpstreamTimeout("slow", stage="encode", instance="e"), "timeout"),
     (ProxyOverloaded("full"), "overloaded"),
+    (RateLimited("batch", "requests_per_minute", 10, 6), "rate_limited"),
+    (RateLimited("batch", "max_inflight", 2, 1), "rate_limited"),
 ])
 def test_outcome_of_errors(error: Exception, outcome: str) -> None:
     assert outcome_of(error) == outcome  # type: ignore[arg-type]

@@ -54,6 +54,9 @@ async def test_over_requests_per_minute_a_tenant_gets_a_429_naming_the_limit(
         assert metrics.get("epd_trio_tenant_rejected_total", tenant="interactive", priority="0",
                            reason="requests_per_minute") == 1
         assert metrics.get("epd_trio_tenant_admitted_total", tenant="batch", priority="1") == 1
+        # The 429 is its own outcome, apart from the other 4xx (the 401).
+        assert metrics.by("epd_trio_requests_total", "outcome", endpoint=CHAT) == {
+            "ok": 3, "rate_limited": 1, "client_error": 1}
 
 
 @pytest.mark.parametrize(("headers", "asked", "sent"), [
