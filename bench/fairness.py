@@ -272,7 +272,7 @@ async def admission_cost(args: argparse.Namespace) -> dict[str, Any]:
                     await link.next_change()
             shared = await fair_loop(FairAdmission(
                 max_inflight=10_000, timeout=1.0, table=table, aging=0.5, observer=metrics,
-                shared=SharedLimits(link, metrics)))
+                shared=SharedLimits(link, metrics, timeout=settings.state_limits_timeout)))
             nursery.cancel_scope.cancel()
     return {"requests": n, "single_cap_cpu_us": round(single, 1),
             "fair_local_cpu_us": round(local[0], 1), "fair_redis_cpu_us": round(shared[0], 1),

@@ -111,7 +111,8 @@ def create_app(
         FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
                       table=tenants, aging=settings.priority_aging,
                       tenant_header=settings.tenant_header,
-                      shared=(SharedLimits(proxy.state, proxy.metrics)
+                      shared=(SharedLimits(proxy.state, proxy.metrics,
+                                           timeout=settings.state_limits_timeout)
                               if proxy.state is not None
                               else None if shared is None else shared.buckets),
                       places=(shared.places

@@ -254,6 +254,10 @@ class Settings:
     #: Seconds a routing decision waits for the global cursor before it falls back to the
     #: replica's own cursor (counted in ``epd_trio_global_cursor_fallbacks_total``).
     global_cursor_timeout: float = 0.05
+    #: Seconds an admission waits for the tenants' shared buckets (one script) before it
+    #: decides on this replica's share of the limit (counted in
+    #: ``epd_trio_state_local_limits_total``). Short: it is on the request's path.
+    state_limits_timeout: float = 0.1
     #: Seconds between two full reads of the shared roster (pub/sub is the fast path; this
     #: catches what a disconnect lost, and TTL expiries).
     state_resync_interval: float = 2.0
@@ -637,6 +641,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "replica_id": _key_prefix,
     "global_cursor": _bool,
     "global_cursor_timeout": _seconds,
+    "state_limits_timeout": _seconds,
     "state_resync_interval": _seconds,
     "state_load_interval": _seconds,
     "state_timeout": _seconds,

@@ -160,6 +160,8 @@ MEANINGS: dict[str, Meaning] = {
     "global_cursor": Meaning("exact round-robin across replicas"),
     "global_cursor_timeout": Meaning("seconds a routing decision waits for the global cursor "
                                      "before it uses the replica's own", "seconds"),
+    "state_limits_timeout": Meaning("seconds an admission waits for the tenants' shared "
+                                    "buckets before it uses the replica's share", "seconds"),
     "state_resync_interval": Meaning("seconds between two full reads of the shared roster",
                                      "seconds"),
     "state_load_interval": Meaning("seconds between two publications of this replica's "

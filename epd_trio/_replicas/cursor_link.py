@@ -55,8 +55,9 @@ Reply = int | bytes | CommandRefused | list[int]
 
 def parse_replies(buffer: bytearray) -> list[Reply]:
     """Take every complete simple reply off the front of ``buffer``: integers (``:n``), status
-    lines (``+OK``, as bytes), error lines (``-ERR ...``, as ``CommandRefused``) and arrays of
-    integers (``*n``, a script's answer, as a list). Any other type is ``LinkBroken``."""
+    lines (``+OK``, as bytes), bulk strings (``$n``, as bytes), error lines (``-ERR ...``, as
+    ``CommandRefused``) and arrays of integers (``*n``, a script's answer, as a list). Any
+    other type (a null, a nested array) is ``LinkBroken``."""
     replies: list[Reply] = []
     pos = 0
     while (parsed := _one_reply(buffer, pos)) is not None:
@@ -83,6 +84,11 @@ def _one_reply(buffer: bytearray, pos: int) -> tuple[Reply, int] | None:
         return rest, pos
     if kind == b"-":
         return CommandRefused(f"Redis answered {rest[:200].decode(errors='replace')}"), pos
+    if kind == b"$" and rest.isdigit():  # a bulk string (``SCRIPT LOAD``'s SHA-1)
+        size = int(rest)
+        if len(buffer) < pos + size + 2:
+            return None
+        return bytes(buffer[pos:pos + size]), pos + size + 2
     if kind == b"*" and rest.isdigit():
         items: list[int] = []
         for _ in range(int(rest)):

@@ -3,20 +3,31 @@
 Why one script: a request's ``requests_per_minute`` and ``tokens_per_minute`` are taken
 together, all or nothing, on Redis's own clock (``TIME``: replicas whose clocks disagree still
 agree on a bucket's refill), in one round trip on the state link's lean connection
-(``cursor_link``), so an admission costs one round trip at most and a token none. Settlement
-is sent without waiting for its reply (the request is over; nobody waits for it).
+(``cursor_link``), so an admission costs one round trip and a token none. Settlement is sent
+without waiting for its reply (the request is over; nobody waits for it).
+
+Why ``EVALSHA``: the script goes by its SHA-1 (40 bytes), not its text (about 800), so Redis
+neither reads nor hashes it on every admission. A Redis that does not know it (restarted, a
+``SCRIPT FLUSH``, a promoted replica) answers ``NOSCRIPT``; the take is then sent again as
+``EVAL``, which also caches the script: one round trip per admission, two on the first after
+the cache was lost. A settlement's ``EVALSHA`` is not awaited, so a ``NOSCRIPT`` there loses
+it; the ``EVAL`` of the take that meets ``NOSCRIPT`` also loads the settlement's script
+(``SCRIPT LOAD``, not awaited). A lost settlement only keeps a reservation taken for up to a
+minute (the bucket refills): on the side of the limit, never above it; after a restart without
+persistence the bucket it was for is gone anyway.
 
 Each bucket is a hash (``level``, ``updated``) that expires two minutes after its last use: a
 bucket untouched for a minute is full again, and a missing one counts as full.
 
-When the store does not answer in ``LIMITS_TIMEOUT`` (down, paused, a key of the wrong type
-written by hand), ``take`` answers None and the caller enforces its share of the limit (the
+When the store does not answer in ``EPD_STATE_LIMITS_TIMEOUT`` (down, paused, a key of the
+wrong type written by hand), ``take`` answers None and the caller enforces its share of the limit (the
 limit divided by the replicas alive at the last look) on its own, counted in
 ``epd_trio_state_local_limits_total``: no request fails because Redis is gone.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,9 +39,6 @@ if TYPE_CHECKING:
     from .._observe.metrics import ProxyMetrics
     from .sync import StateLink
 
-#: Seconds an admission waits for the store before it decides on the local share. Short: it
-#: is on the request's path, and the local share is a fine answer.
-LIMITS_TIMEOUT = 0.1
 #: Milliseconds a bucket outlives its last use (one minute refills it whole).
 BUCKET_EXPIRY_MS = 120_000
 
@@ -81,12 +89,23 @@ return 0
 """
 
 
-class SharedLimits:
-    """``_admission.fair.SharedBuckets`` on the state link of one replica."""
+_TAKE_SHA = hashlib.sha1(_TAKE.encode()).hexdigest().encode()
+_SETTLE_SHA = hashlib.sha1(_SETTLE.encode()).hexdigest().encode()
 
-    def __init__(self, link: StateLink, metrics: ProxyMetrics) -> None:
+
+def _unknown_script(refused: CommandRefused) -> bool:
+    return "NOSCRIPT" in str(refused)
+
+
+class SharedLimits:
+    """``_admission.fair.SharedBuckets`` on the state link of one replica; an admission waits
+    ``timeout`` seconds for the store (``EPD_STATE_LIMITS_TIMEOUT``), then decides on the
+    replica's share."""
+
+    def __init__(self, link: StateLink, metrics: ProxyMetrics, *, timeout: float) -> None:
         self._link = link
         self._metrics = metrics
+        self._timeout = timeout
         self._prefix = link.keys.prefix + "limit:"
 
     @property
@@ -111,10 +130,16 @@ class SharedLimits:
         # A reply that comes after the timeout is dropped, though Redis took the amounts: the
         # request is then counted twice (there, and in the local share): a slow store errs on
         # the side of the limit, never above it.
-        with trio.move_on_after(LIMITS_TIMEOUT):
+        tail = (str(len(keys)).encode(), *keys, *args, str(BUCKET_EXPIRY_MS).encode())
+        with trio.move_on_after(self._timeout):
             try:
-                reply = await lean.call(b"EVAL", _TAKE.encode(), str(len(keys)).encode(), *keys,
-                                        *args, str(BUCKET_EXPIRY_MS).encode())
+                try:
+                    reply = await lean.call(b"EVALSHA", _TAKE_SHA, *tail)
+                except CommandRefused as refused:
+                    if not _unknown_script(refused):
+                        raise
+                    lean.send(b"SCRIPT", b"LOAD", _SETTLE.encode())
+                    reply = await lean.call(b"EVAL", _TAKE.encode(), *tail)
             except (LinkBroken, CommandRefused):
                 return None
             if isinstance(reply, list) and len(reply) == 2:
@@ -126,7 +151,7 @@ class SharedLimits:
         if lean is None:
             return False
         try:
-            lean.send(b"EVAL", _SETTLE.encode(), b"1", self._key(tenant, limit),
+            lean.send(b"EVALSHA", _SETTLE_SHA, b"1", self._key(tenant, limit),
                       str(per_minute).encode(), str(delta).encode(),
                       str(BUCKET_EXPIRY_MS).encode())
         except LinkBroken:

@@ -45,9 +45,21 @@ def test_an_array_of_integers_is_taken_whole() -> None:
         assert got == [[1, -250], [], 7] and not buffer
 
 
-@pytest.mark.parametrize("reply", [b"$3\r\nabc\r\n", b":12x\r\n", b"*1\r\n+OK\r\n",
-                                   b"*-1\r\n"])
-def test_anything_but_an_integer_a_status_or_an_error_breaks_the_link(reply: bytes) -> None:
+def test_a_bulk_string_is_taken_whole() -> None:
+    stream = b"$40\r\n" + b"a" * 40 + b"\r\n$0\r\n\r\n:1\r\n"
+    for cut in range(len(stream) + 1):
+        buffer = bytearray(stream[:cut])
+        got = parse_replies(buffer)
+        buffer += stream[cut:]
+        got += parse_replies(buffer)
+        assert got == [b"a" * 40, b"", 1] and not buffer
+
+
+@pytest.mark.parametrize("reply", [b"$-1\r\n", b":12x\r\n", b"*1\r\n+OK\r\n",
+                                   b"*-1\r\n", b"*1\r\n$1\r\na\r\n"])
+def test_anything_but_an_integer_a_status_a_string_or_an_error_breaks_the_link(
+    reply: bytes,
+) -> None:
     with pytest.raises(LinkBroken):
         parse_replies(bytearray(reply))
 

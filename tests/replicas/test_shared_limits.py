@@ -29,7 +29,8 @@ SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 TABLES = {"team": {"keys": ["sk-team"], "requests_per_minute": 30},
           "metered": {"keys": ["sk-tpm"], "tokens_per_minute": 1200},
           "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000},
-          "capped": {"keys": ["sk-capped"], "max_inflight": 2}}
+          "capped": {"keys": ["sk-capped"], "max_inflight": 2},
+          "trio": {"keys": ["sk-trio"], "requests_per_minute": 3}}
 TEAM = {"authorization": "Bearer sk-team"}
 METERED = {"authorization": "Bearer sk-tpm"}
 
@@ -220,3 +221,47 @@ async def test_a_waiter_held_by_other_replicas_starts_when_they_release(
             with trio.fail_after(10):
                 await decode.wait_until(lambda: len(decode.requests()) == 3)
         assert answers == [200]
+
+
+def command_calls(redis: RedisServer, name: str) -> int:
+    """How many times Redis ran ``name`` since its stats were reset (``INFO commandstats``)."""
+    for line in redis.command("INFO", "commandstats").splitlines():
+        if line.startswith(f"cmdstat_{name}:"):
+            return int(line.split("calls=", 1)[1].split(",", 1)[0])
+    return 0
+
+
+async def test_admissions_go_by_sha_and_survive_a_script_flush(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Each admission is one ``EVALSHA``; Redis without the script (a fresh one, then a
+    ``SCRIPT FLUSH``) answers ``NOSCRIPT`` once and gets the ``EVAL``; no decision falls back
+    to the replica's share, and the bucket counts across the flush (3 a minute: the 4th is
+    refused)."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+        redis_server.command("SCRIPT", "FLUSH")
+        redis_server.command("CONFIG", "RESETSTAT")
+        team = {"authorization": "Bearer sk-trio"}
+        statuses = []
+        for n in range(4):
+            if n == 2:
+                redis_server.command("SCRIPT", "FLUSH")
+            r = await client.post(url + CHAT, json=chat_body(), headers=team)
+            statuses.append(r.status_code)
+        assert statuses == [200, 200, 200, 429]
+        assert command_calls(redis_server, "eval") == 2  # after each flush, once
+        assert command_calls(redis_server, "evalsha") >= 4
+        assert metric(proxy, "epd_trio_state_local_limits_total") == 0
+
+
+async def test_the_limits_timeout_is_a_setting(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """``EPD_STATE_LIMITS_TIMEOUT`` 0: no answer from the store can come in time, so every
+    decision is the replica's share, counted."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    async with fleet(redis_server, decode, count=1, state_limits_timeout=0.0) as [(url, proxy)]:
+        r = await client.post(url + CHAT, json=chat_body(), headers=TEAM)
+        assert r.status_code == 200
+        assert metric(proxy, "epd_trio_state_local_limits_total") == 1
