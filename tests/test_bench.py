@@ -83,6 +83,30 @@ async def test_fairness_cost_measures_each_kind_of_admission() -> None:
     assert len(figures) == 4 and all(float(f) > 0 for f in figures), out
 
 
+async def test_fairness_flood_runs_its_three_phases_in_small(tmp_path: Path) -> None:
+    """``bench.fairness`` itself, one replica, fair mode, one second a phase: the lean fakes,
+    a real ``epd-trio serve``, capacity, idle and flood each measured, its line printed and
+    its JSON written (a figure that is missing or never measured fails here, not in a
+    15-second run)."""
+    report_path = tmp_path / "fairness.json"
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.fairness", "--duration", "1", "--replicas", "1",
+             "--modes", "fair", "--capacity", "2", "--flood", "2", "--share", "0.5",
+             "--decodes", "1", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert out.startswith("1 replica(s), fair: capacity "), out
+    (run,) = json.loads(report_path.read_text())["results"]
+    assert (run["mode"], run["replicas"]) == ("fair", 1)
+    assert run["capacity_per_second"] > 0 and run["interactive_rate"] > 0
+    flood = run["flood"]
+    assert run["idle"]["ok"] and flood["interactive"]["ok"] and flood["batch"]["ok"], run
+    assert run["interactive_refused"] == 0 and not flood["batch"]["refused"], run
+    assert run["p99_ratio"] is not None and run["batch_share"] is not None
+
+
 def test_discovery_cost_measures_each_apply() -> None:
     from bench.discovery_cost import apply_cost
 
