@@ -110,7 +110,7 @@ def test_a_tenant_that_leaves_and_returns_starts_without_old_credit() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "cancel"]),
+@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "cancel", "lose"]),
                           st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.booleans()),
                 max_size=80),
        st.sampled_from([0.0, 0.5]))
@@ -131,13 +131,16 @@ def test_the_queue_never_loses_serves_twice_or_serves_the_blocked(
             live.append(w)
         elif op == "cancel" and live:
             live.pop(index % len(live)).cancelled = True
-        elif op == "pop":
+        elif op in ("pop", "lose"):  # lose: popped, then its place taken by another process
             blocked = (tenant,) if block else ()
             w = q.pop(now, blocked)
             if w is None:
                 assert all(x.tenant in blocked for x in live)
             else:
                 assert w in live and w.tenant not in blocked and w.token not in served_ids
+                if op == "lose":
+                    q.requeue(w)
+                    continue
                 served_ids.add(w.token)
                 live.remove(w)
     drained = []
