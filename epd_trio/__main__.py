@@ -43,7 +43,6 @@ from ._environment import load_settings
 from ._observe.tracing import check_tracing
 from ._replicas.tls import tls_context
 from ._serve.runner import (
-    DEFAULT_GRACEFUL_TIMEOUT,
     WATCHDOG_MARGIN,
     ServeOptions,
     cannot_listen,
@@ -203,10 +202,6 @@ def _add_serve(commands: Any) -> None:
                        help=f"listen backlog (default {DEFAULT_BACKLOG})")
     serve.add_argument("--keep-alive", type=float, default=DEFAULT_KEEP_ALIVE,
                        help=f"idle keep-alive seconds (default {DEFAULT_KEEP_ALIVE:g})")
-    serve.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT,
-                       help="seconds in-flight requests get at shutdown before being cancelled "
-                            f"(default {DEFAULT_GRACEFUL_TIMEOUT:g}; the process exits within "
-                            f"this + {WATCHDOG_MARGIN + 1:g} s)")
     serve.add_argument("--access-log", action="store_true", help="log every request (off)")
     serve.add_argument("--config", metavar="FILE", help="TOML file of settings (EPD_CONFIG)")
     for field in FLAG_FIELDS:
@@ -224,6 +219,13 @@ def _add_serve(commands: Any) -> None:
                 serve.add_argument("--selector", dest="selector", nargs="+", action="extend",
                                    metavar="KEY=VALUE", help="vllm-router's --selector (a fleet "
                                    "without a prefill/decode split): --decode-selector")
+        elif field == "shutdown_grace":
+            help_ = (f"seconds requests in flight get at shutdown before they are ended with a "
+                     f"shutting_down error ({env}, default {SETTING_DEFAULTS[field]:g}; the "
+                     f"process exits within this + {WATCHDOG_MARGIN + 1:g} s)")
+            serve.add_argument(flag_name(field), "--graceful-timeout", dest=field,
+                               metavar="SECONDS", help=help_ + "; --graceful-timeout is "
+                               "Hypercorn's name for it")
         elif isinstance(SETTING_DEFAULTS[field], bool):
             serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
                                default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")
@@ -287,7 +289,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
-                           graceful_timeout=args.graceful_timeout, access_log=args.access_log)
+                           access_log=args.access_log)
     if options.workers < 1:
         print("epd-trio: --workers must be at least 1", file=sys.stderr)
         return 2

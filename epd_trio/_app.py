@@ -31,6 +31,7 @@ from ._pipeline import Reply
 from ._proxy import Proxy
 from ._state.roster_store import SharedRoutingState
 from ._web.asgi import ProxyASGI
+from ._web.drain import Drain
 from ._web.endpoints import CompletionEndpoints
 
 log = logging.getLogger("epd_trio")
@@ -90,13 +91,18 @@ def create_app(
     app.extensions["epd_trio.proxy"] = proxy
     client_keys = ClientKeys(settings.api_keys)
     admin_key = AdminKey(settings.admin_key)
+    accounting = proxy.pipeline.accounting
+    # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
+    drain = Drain(settings.shutdown_grace,
+                  on_cut=lambda: setattr(accounting, "shutting_down", True))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys,
                          Admission(settings.max_inflight, settings.admission_timeout),
-                         body_timeout=settings.body_timeout))
+                         body_timeout=settings.body_timeout, drain=drain))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
+    app.extensions["epd_trio.drain"] = drain
 
     watchdog: list[trio.CancelScope] = []
 
@@ -129,6 +135,8 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         ok, reason = proxy.readiness()
+        if drain.draining:  # at once: a load balancer stops sending here before the exit
+            ok, reason = False, "the proxy is shutting down"
         body: dict[str, object] = {"ready": ok, "roles": proxy.roles()}
         if reason is not None:
             body["reason"] = reason

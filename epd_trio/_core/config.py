@@ -139,6 +139,10 @@ class Settings:
     #: holds its admission place while its body arrives: without this, clients trickling
     #: bodies would hold every place of ``max_inflight`` for ever.
     body_timeout: float = 60.0
+    #: Seconds the requests in flight get to end when ``epd-trio serve`` is told to stop
+    #: (SIGTERM); what still runs then is ended with a ``shutting_down`` error (a stream: as
+    #: its last SSE event). New requests are refused from the start of the drain.
+    shutdown_grace: float = 10.0
     #: Attempts per encoder sub-request and per prefill call (each on a different instance).
     max_attempts: int = 2
     #: Extra decode attempts (each re-runs prefill) when decode fails before its first byte.
@@ -577,6 +581,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "admission_timeout": _non_negative_seconds,
     "max_body_bytes": _positive_int,
     "body_timeout": _seconds,
+    "shutdown_grace": _non_negative_seconds,
     "max_attempts": _positive_int,
     "decode_retries": _non_negative_int,
     "health_interval": _seconds,

@@ -16,13 +16,14 @@ from .errors import (
     NoInstance,
     ProxyError,
     ProxyOverloaded,
+    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
 
 #: Values of the ``outcome`` label of ``epd_trio_requests_total`` (docs/how-to/operations.md).
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "overloaded", "no_instance",
-            "stream_error", "cancelled", "internal_error")
+            "stream_error", "cancelled", "shutdown", "internal_error")
 
 
 @dataclass(slots=True, eq=False)
@@ -143,6 +144,8 @@ class RequestTrace:
 
 def outcome_of(error: ProxyError) -> str:
     """The ``outcome`` label for a request that failed with ``error`` before its first byte."""
+    if isinstance(error, ShuttingDown):
+        return "shutdown"
     if isinstance(error, ProxyOverloaded):
         return "overloaded"
     if isinstance(error, NoInstance):

@@ -43,6 +43,7 @@ from .._observe.tracing import NO_TRACE_CONTEXT
 from .._pipeline import Reply
 from .._proxy import Proxy
 from .client_gone import client_gone
+from .drain import Drain, InFlight
 
 log = logging.getLogger("epd_trio")
 
@@ -58,8 +59,11 @@ class CompletionEndpoints:
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
-                 admission: Admission | None = None, body_timeout: float = 60.0) -> None:
+                 admission: Admission | None = None, body_timeout: float = 60.0,
+                 drain: Drain | None = None) -> None:
         self._proxy = proxy
+        #: The requests in flight, and the shutdown that refuses new ones (``_web/drain``).
+        self.drain = drain if drain is not None else Drain(0.0, lambda: None)
         self._body_timeout = body_timeout
         self._admission = admission
         self._max_body_bytes = max_body_bytes
@@ -73,6 +77,8 @@ class CompletionEndpoints:
         # The id first: a refusal below carries it and is logged under it, like an answer.
         request_id = new_request_id(_header(headers, b"x-request-id"))
         try:
+            if self.drain.draining:  # before anything else: the process is about to exit
+                raise self.drain.refusal()
             if scope["method"] != "POST":
                 raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
@@ -94,14 +100,22 @@ class CompletionEndpoints:
                          else client_context(traceparent, _header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
         gone = client_gone(scope)
-        if gone is not None:  # the connection cancels the request if its client leaves
-            with trio.CancelScope() as request, gone.cancelling(request):
-                await self._respond(kind, raw, request_id, send, resources, trace_context)
-            return
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(kind, raw, request_id, send, resources, trace_context)
-            nursery.cancel_scope.cancel()
+        with self.drain.tracking() as entry:
+            if gone is not None:  # the connection cancels the request if its client leaves
+                with trio.CancelScope() as request, gone.cancelling(request):
+                    entry.scope = request
+                    await self._respond(kind, raw, request_id, send, resources, trace_context,
+                                        entry)
+            else:
+                async with trio.open_nursery() as nursery:
+                    entry.scope = nursery.cancel_scope
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                    await self._respond(kind, raw, request_id, send, resources, trace_context,
+                                        entry)
+                    nursery.cancel_scope.cancel()
+            if entry.cut and not entry.started:  # the shutdown cancelled it before its reply
+                await _send_error(send, self.drain.refusal_at_end(),
+                                  {"x-request-id": request_id})
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
                          receive: ASGIReceiveCallable) -> bytes:
@@ -124,7 +138,8 @@ class CompletionEndpoints:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
-                       resources: AsyncExitStack, trace_context: Mapping[str, str]) -> None:
+                       resources: AsyncExitStack, trace_context: Mapping[str, str],
+                       entry: InFlight) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
                                              resources=resources, trace_context=trace_context)
@@ -132,12 +147,14 @@ class CompletionEndpoints:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,
                               request_id)
+            entry.started = True
             await _send_error(send, exc, {"x-request-id": request_id})
             return
-        await _send_reply(send, reply, request_id)
+        await _send_reply(send, reply, request_id, entry)
 
 
-async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
+async def _send_reply(send: Send, reply: Reply, request_id: str, entry: InFlight) -> None:
+    entry.started = True
     if reply.stream is None:
         # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
         # no terminating chunk as a third write (the server can send head and body as one).
@@ -148,6 +165,7 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": _asgi_headers(reply.headers)})
     stream = reply.stream
+    entry.relay = stream  # the shutdown ends it with an error event, not a cancellation
 
     async def send_body(chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
