@@ -460,3 +460,47 @@ async def test_a_stream_still_running_when_the_grace_ends_gets_a_shutdown_event(
     assert (request["request_id"], request["outcome"]) == ("cut", "shutdown")
     assert any("shutdown grace of 0.2 s over: ending 1 request(s)" in str(line.get("message"))
                for line in lines)
+
+
+async def test_registering_an_encoder_keeps_every_worker_ready(nursery: trio.Nursery) -> None:
+    """Issue 31: with ``--workers 2`` and a registered ``prefill_decode``, registering an
+    encoder turned ``/ready`` 503 (in each worker, until its own probe of the newcomer
+    succeeded), though the encoder served requests. Here the newcomer's probes fail (below
+    the threshold): both workers stay ready."""
+    decode, encoder = FakeVLLM("prefill_decode"), FakeVLLM("encode")
+    encoder.behaviour.healthy = False
+    await start_fakes(nursery, decode, encoder)
+    admin = {"x-api-key": "admin-secret"}
+    # Probes often (each worker's first probe of the decode comes soon), failing never enough
+    # to evict the encoder.
+    async with serving("--workers", "2", "--health-interval", "0.1", "--health-threshold",
+                       "100000", env={"EPD_ADMIN_KEY": "admin-secret"}) as (_, url):
+
+        async def ready_by_worker() -> tuple[int, httpx.Response]:
+            # A fresh connection per call (either worker may accept it); the same one for
+            # /instances, which names the worker.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                pid = (await client.get(url + "/instances", headers=admin)).json()["worker_pid"]
+                return pid, await client.get(url + "/ready")
+
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            r = await client.post(url + "/instances", headers=admin,
+                                  json={"role": "prefill_decode", "url": decode.url})
+            assert r.json() == {"registered": True}
+        seen: set[int] = set()
+        with trio.fail_after(60):  # each worker probes the decode at once, then is ready
+            while len(seen) < 2:
+                pid, ready = await ready_by_worker()
+                if ready.status_code == 200:
+                    seen.add(pid)
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            r = await client.post(url + "/instances", headers=admin,
+                                  json={"role": "encode", "url": encoder.url})
+            assert r.json() == {"registered": True}
+        answered: dict[int, list[int]] = {}
+        with trio.fail_after(60):
+            while len(answered) < 2:
+                pid, ready = await ready_by_worker()
+                answered.setdefault(pid, []).append(ready.status_code)
+                assert set(ready.json()["roles"]) == {"encode", "prefill_decode"}, ready.text
+        assert all(statuses == [200] * len(statuses) for statuses in answered.values()), answered
