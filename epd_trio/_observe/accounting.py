@@ -76,6 +76,16 @@ class Accounting:
                                                         error.message)
             log_request(trace, time.perf_counter())
 
+    def left_early(self, endpoint: str, request_id: str, started: float) -> None:
+        """The client left before its body was complete: nobody to answer, but the request
+        is counted and logged (``cancelled``, 499) like one that left later."""
+        self.metrics.request_done(endpoint, "cancelled")
+        if self.request_log:
+            trace = RequestTrace(request_id, endpoint, started)
+            trace.outcome, trace.status = "cancelled", 499
+            trace.error = "the client left before its body was complete"
+            log_request(trace, time.perf_counter())
+
     def count_failure(self, state: InstanceState, error: UpstreamError) -> None:
         """An upstream failure at ``state``'s instance: its error count, and its health."""
         if is_retryable(error):  # a 4xx is the client's fault, not the instance's

@@ -90,6 +90,7 @@ class CompletionEndpoints:
             if reading.cancelled_caught:
                 raise BodyTimeout(self._body_timeout)
         except _ClientGone:
+            self._proxy.pipeline.accounting.left_early(scope["path"], request_id, started)
             return
         except ProxyError as exc:
             self._proxy.pipeline.accounting.refused(scope["path"], request_id, started, exc)

@@ -97,3 +97,20 @@ async def test_100_continue_still_comes_when_the_body_is_read() -> None:
             await stream.send_all(body)
             answer = seen + await read_response(stream)
         assert b"\r\n\r\nHTTP/1.1 200 " in answer, answer
+
+
+async def test_a_client_that_leaves_before_its_body_ends_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    async with run_cluster(decodes=1, request_log=True) as c:
+        host, port = c.proxy_url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"
+                                  "x-request-id: gone\r\n\r\n{".encode())
+            await trio.testing.wait_all_tasks_blocked()  # the proxy reads the body: wait
+        await trio.testing.wait_all_tasks_blocked()  # it sees the close
+        assert request_lines(caplog) == [("gone", CHAT, "cancelled", 499)]
+        assert metric(c.proxy, "epd_trio_requests_total", endpoint=CHAT,
+                      outcome="cancelled") == 1
