@@ -45,7 +45,7 @@ class Cuttable(Protocol):
 class InFlight:
     """One completion request while it runs: how to cut it, and whether it was cut."""
 
-    __slots__ = ("cut", "relay", "scope", "started")
+    __slots__ = ("cut", "handed", "relay", "scope", "started")
 
     def __init__(self) -> None:
         #: Cancels the request (set by the endpoint once the request's scope exists).
@@ -56,6 +56,8 @@ class InFlight:
         self.started = False
         #: The drain cancelled it.
         self.cut = False
+        #: Its body is read and it went to the pipeline (whose accounting then counts it).
+        self.handed = False
 
     def end(self, error: ShuttingDown) -> None:
         if self.relay is not None:

@@ -76,9 +76,32 @@ class CompletionEndpoints:
         headers = scope["headers"]
         # The id first: a refusal below carries it and is logged under it, like an answer.
         request_id = new_request_id(_header(headers, b"x-request-id"))
+        if self.drain.draining:  # before anything else: the process is about to exit
+            await self._refuse(scope["path"], request_id, started, send, self.drain.refusal())
+            return
+        # In flight from here: the shutdown's grace covers reading its body too.
+        with self.drain.tracking() as entry:
+            with trio.CancelScope() as whole:
+                entry.scope = whole
+                await self._handle(scope, receive, send, resources, request_id, started, entry)
+            if entry.cut and not entry.started:  # the shutdown ended it before its reply
+                error = self.drain.refusal_at_end()
+                if entry.handed:  # the pipeline's accounting counted it
+                    await _send_error(send, error, {"x-request-id": request_id})
+                else:
+                    await self._refuse(scope["path"], request_id, started, send, error)
+
+    async def _refuse(self, path: str, request_id: str, started: float, send: Send,
+                      error: ProxyError) -> None:
+        """Answer ``error`` before the pipeline ran: counted and logged like any request."""
+        self._proxy.pipeline.accounting.refused(path, request_id, started, error)
+        await _send_error(send, error, {"x-request-id": request_id})
+
+    async def _handle(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
+                      resources: AsyncExitStack, request_id: str, started: float,
+                      entry: InFlight) -> None:
+        headers = scope["headers"]
         try:
-            if self.drain.draining:  # before anything else: the process is about to exit
-                raise self.drain.refusal()
             if scope["method"] != "POST":
                 raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
@@ -93,30 +116,23 @@ class CompletionEndpoints:
             self._proxy.pipeline.accounting.left_early(scope["path"], request_id, started)
             return
         except ProxyError as exc:
-            self._proxy.pipeline.accounting.refused(scope["path"], request_id, started, exc)
-            await _send_error(send, exc, {"x-request-id": request_id})
+            entry.started = True
+            await self._refuse(scope["path"], request_id, started, send, exc)
             return
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
         gone = client_gone(scope)
-        with self.drain.tracking() as entry:
-            if gone is not None:  # the connection cancels the request if its client leaves
-                with trio.CancelScope() as request, gone.cancelling(request):
-                    entry.scope = request
-                    await self._respond(kind, raw, request_id, send, resources, trace_context,
-                                        entry)
-            else:
-                async with trio.open_nursery() as nursery:
-                    entry.scope = nursery.cancel_scope
-                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-                    await self._respond(kind, raw, request_id, send, resources, trace_context,
-                                        entry)
-                    nursery.cancel_scope.cancel()
-            if entry.cut and not entry.started:  # the shutdown cancelled it before its reply
-                await _send_error(send, self.drain.refusal_at_end(),
-                                  {"x-request-id": request_id})
+        entry.handed = True
+        if gone is not None:  # the connection cancels the request if its client leaves
+            with trio.CancelScope() as request, gone.cancelling(request):
+                await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
+            return
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
+            nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
                          receive: ASGIReceiveCallable) -> bytes:

@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import trio
+import trio.testing
 
 from epd_trio import Instance
 from epd_trio._app import create_app
@@ -61,3 +62,38 @@ async def drain_while_a_request_waits(client: httpx.AsyncClient, url: str, app: 
     r = await client.post(url + CHAT, json=chat_body())
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert metric(proxy, "epd_trio_requests_total", endpoint=CHAT, outcome="shutdown") == 2
+
+
+async def test_a_body_still_arriving_when_the_grace_ends_gets_503_shutting_down(
+    nursery: trio.Nursery,
+) -> None:
+    """The grace covers a request from its head on: one whose body is still arriving is in
+    flight, and is answered (not dropped) when the grace ends."""
+    decode = FakeVLLM("prefill_decode")
+    await start_fakes(nursery, decode)
+    app = create_app(Settings(decode_urls=(Instance(decode.url),), shutdown_grace=0))
+    stop = trio.Event()
+    async with trio.open_nursery() as server:
+        url = await server.start(serve_app, app, quiet_config(), stop)
+        try:
+            host, port = url.removeprefix("http://").split(":")
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream:
+                await stream.send_all(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100"
+                                      "\r\nx-request-id: slow\r\n\r\n{".encode())
+                await trio.testing.wait_all_tasks_blocked()  # its body is being read
+                drain = app.extensions["epd_trio.drain"]
+                assert len(drain) == 1
+                with trio.fail_after(10):
+                    await drain.run()
+                answer = b""
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some():
+                        answer += chunk
+        finally:
+            stop.set()
+    assert answer.startswith(b"HTTP/1.1 503 ") and b"shutting_down" in answer
+    assert b"\r\nx-request-id: slow\r\n" in answer
+    proxy = app.extensions["epd_trio.proxy"]
+    assert metric(proxy, "epd_trio_requests_total", endpoint=CHAT, outcome="shutdown") == 1
+    assert not decode.requests()
