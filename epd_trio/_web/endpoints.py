@@ -79,17 +79,30 @@ class CompletionEndpoints:
         if self.drain.draining:  # before anything else: the process is about to exit
             await self._refuse(scope["path"], request_id, started, send, self.drain.refusal())
             return
-        # In flight from here: the shutdown's grace covers reading its body too.
-        with self.drain.tracking() as entry:
+        # In flight from here: the shutdown's grace covers reading its body too. One cancel
+        # scope serves the drain and, under epd-trio serve, the client's leaving.
+        entry = self.drain.add()
+        try:
+            gone = client_gone(scope)
             with trio.CancelScope() as whole:
                 entry.scope = whole
-                await self._handle(scope, receive, send, resources, request_id, started, entry)
+                if gone is None:
+                    await self._handle(scope, receive, send, resources, request_id, started,
+                                       entry)
+                else:  # the connection cancels the request if its client leaves
+                    with gone.cancelling(whole):
+                        await self._handle(scope, receive, send, resources, request_id,
+                                           started, entry, watch=False)
             if entry.cut and not entry.started:  # the shutdown ended it before its reply
                 error = self.drain.refusal_at_end()
                 if entry.handed:  # the pipeline's accounting counted it
                     await _send_error(send, error, {"x-request-id": request_id})
                 else:
                     await self._refuse(scope["path"], request_id, started, send, error)
+            elif whole.cancelled_caught and not entry.handed:  # it left while sending its body
+                self._proxy.pipeline.accounting.left_early(scope["path"], request_id, started)
+        finally:
+            self.drain.discard(entry)
 
     async def _refuse(self, path: str, request_id: str, started: float, send: Send,
                       error: ProxyError) -> None:
@@ -99,7 +112,9 @@ class CompletionEndpoints:
 
     async def _handle(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                       resources: AsyncExitStack, request_id: str, started: float,
-                      entry: InFlight) -> None:
+                      entry: InFlight, *, watch: bool = True) -> None:
+        """The request, once in flight: refusals, its body, the pipeline. ``watch``: start a
+        task that cancels it on ``http.disconnect`` (no ``ClientGone`` to do it)."""
         headers = scope["headers"]
         try:
             if scope["method"] != "POST":
@@ -123,11 +138,9 @@ class CompletionEndpoints:
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
-        gone = client_gone(scope)
         entry.handed = True
-        if gone is not None:  # the connection cancels the request if its client leaves
-            with trio.CancelScope() as request, gone.cancelling(request):
-                await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
+        if not watch:
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
