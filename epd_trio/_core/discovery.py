@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from .routing import MAX_DP_SIZE, Instance, split_dp_suffix
-from .urls import check_base_url
+from .urls import check_base_url, echo
 
 #: The URL prefixes that name a DNS name to expand: scheme -> (instance scheme, SRV form).
 DNS_PREFIXES = {"dns+http": ("http", False), "dns+https": ("https", False),
@@ -333,8 +333,8 @@ def _annotated_int(annotations: Mapping[str, str], key: str, default: int, low: 
     if raw is None:
         return default
     value = raw.strip()
-    if not value.isdigit() or not low <= int(value) <= high:
-        raise ValueError(f"{key} must be an integer from {low} to {high}, got {raw!r}")
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+        raise ValueError(f"{key} must be an integer from {low} to {high}, got {echo(raw)}")
     return int(value)
 
 

@@ -246,6 +246,21 @@ def test_pod_annotations_give_sizes_port_scheme_and_ec_addresses() -> None:
         assert problem in pod_endpoint(pod("d", **bad), 8000, "decode")  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("ip, annotations", [
+    ("10.1.0.5 ", {}), ("not-an-ip:1", {}), ("user:pw@10.1.0.5", {}),
+    ("10.1.0.5", {"epd-trio.io/dp-size": "5000"}), ("10.1.0.5", {"epd-trio.io/port": "0"}),
+    ("10.1.0.5", {"epd-trio.io/port": "\uff18"}),
+])
+def test_a_pod_that_is_no_usable_instance_is_skipped_with_a_reason(
+    ip: str, annotations: dict[str, str]
+) -> None:
+    """Issue 31: the watch loop must survive what the API server feeds it: such a pod is a
+    reason for the log (and no instance), never an exception in the loop."""
+    problem = pod_endpoint(pod("d9", ip, **annotations), 8000, "decode")
+    assert isinstance(problem, str) and problem.startswith("pod d9 skipped: ")
+    assert "pw" not in problem
+
+
 def line(type_: str, obj: dict) -> bytes:
     return orjson.dumps({"type": type_, "object": obj})
 
