@@ -541,7 +541,8 @@ def _text(raw: Any) -> str:
 
 
 def _api_url(raw: Any) -> str:
-    return check_base_url(raw.strip() if isinstance(raw, str) else raw)
+    return check_base_url(raw.strip() if isinstance(raw, str) else raw,
+                          what="the API server's URL")
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
