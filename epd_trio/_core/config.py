@@ -20,16 +20,17 @@ from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
-from .urls import check_base_url, check_host, echo
+from .urls import check_base_url, check_host, echo, redact_url
 
 ENV_PREFIX = "EPD_"
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; ``str()`` is the one line shown at start-up."""
+    """A setting is missing or malformed; ``str()`` is the one line shown at start-up: one
+    line whatever the value held, and never a URL's user or password (``redact_url``)."""
 
     def __init__(self, variable: str, problem: str) -> None:
-        super().__init__(f"{variable}: {problem}")
+        super().__init__(redact_url(" ".join(f"{variable}: {problem}".splitlines())))
         self.variable = variable
 
 

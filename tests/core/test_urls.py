@@ -129,3 +129,9 @@ def test_dp_size_is_bounded_at_registration(dp_size: object) -> None:
 ])
 def test_redact_url_hides_the_userinfo_of_every_url(value: str, shown: str) -> None:
     assert redact_url(value) == shown
+
+
+def test_no_configuration_error_shows_a_password_or_a_second_line() -> None:
+    """The last net under every parser: ``ConfigError`` itself redacts and joins lines."""
+    error = ConfigError("EPD_X", "cannot reach redis://app:secret@r:1\nsecond line")
+    assert str(error) == "EPD_X: cannot reach redis://***@r:1 second line"
