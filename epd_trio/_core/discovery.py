@@ -173,6 +173,31 @@ def address_queries(name: DnsName, srv_answer: Answer | None = None) -> list[Que
     return [(target, t) for target in sorted(targets) for t in ADDRESS_TYPES]
 
 
+#: Where the system names hosts before it asks DNS (``hosts: files dns`` in nsswitch.conf).
+HOSTS_FILE = "/etc/hosts"
+
+
+def hosts_file_answers(text: str, host: str) -> dict[Query, Answer]:
+    """The A and AAAA answers a hosts file gives ``host``, or nothing when it does not name it.
+
+    Why: dnspython asks DNS servers only, so ``dns+http://localhost:8000`` (or a name that
+    Docker's ``extra_hosts`` put in ``/etc/hosts``) failed every round although every other
+    program on the machine resolves it. As glibc does with ``files`` before ``dns``, a name
+    the file lists is answered from the file alone; a family it does not list is empty."""
+    wanted = host.rstrip(".").lower()
+    found: dict[str, set[str]] = {"A": set(), "AAAA": set()}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        address = ip_address_of(fields[0]) if len(fields) > 1 else None
+        if address is not None and wanted in (n.rstrip(".").lower() for n in fields[1:]):
+            found["AAAA" if ":" in address else "A"].add(address)
+    if not any(found.values()):
+        return {}
+    return {(host, rdtype): Found(frozenset(addresses)) if addresses
+            else Empty(f"{host}: the hosts file lists no {rdtype} address")
+            for rdtype, addresses in found.items()}
+
+
 def next_view(
     name: DnsName, view: DnsView, answers: Mapping[Query, Answer],
     confirmations: int = EMPTY_CONFIRMATIONS,

@@ -365,3 +365,18 @@ def test_discovered_members_stay_each_replicas_own_with_a_shared_roster() -> Non
     assert not skipped
     assert [(m.url, m.source) for m in merged.members] == [
         ("http://static:1", None), ("http://a:1", "dns+http://d:1"), ("http://r:1", None)]
+
+
+def test_the_hosts_file_answers_the_names_it_lists() -> None:
+    from epd_trio._core.discovery import Empty, Found, hosts_file_answers
+    text = ("127.0.0.1 localhost\n::1 localhost ip6-localhost  # both families\n"
+            "# 10.0.0.9 commented\n10.0.0.5 vllm-a VLLM-B.local.\nnot-an-ip vllm-c\n\n")
+    assert hosts_file_answers(text, "localhost") == {
+        ("localhost", "A"): Found(frozenset({"127.0.0.1"})),
+        ("localhost", "AAAA"): Found(frozenset({"::1"}))}
+    answers = hosts_file_answers(text, "vllm-b.local")
+    assert answers[("vllm-b.local", "A")] == Found(frozenset({"10.0.0.5"}))
+    assert isinstance(answers[("vllm-b.local", "AAAA")], Empty)
+    assert hosts_file_answers(text, "vllm-c") == {}  # a bad line names nothing
+    assert hosts_file_answers(text, "commented") == {}
+    assert hosts_file_answers("", "localhost") == {}
