@@ -52,5 +52,5 @@ def test_values_that_are_no_count_are_skipped() -> None:
             'vllm:num_requests_running{engine="1"} 2\n'
             'vllm:kv_cache_usage_perc{engine="0"} nan\n')
     loads = engine_loads(page)
-    assert rank_loads(loads, 2) == {0: 0, 1: 2}
+    assert rank_loads(loads, 2) == {1: 2}  # engine 0 said nothing usable
     assert rank_loads(loads, 1) == {None: 2}
