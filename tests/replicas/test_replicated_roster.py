@@ -180,13 +180,9 @@ def test_a_state_link_failure_shown_on_health_never_carries_a_password() -> None
     library's words, which may hold the URL as given."""
     from epd_trio._replicas.sync import _described
 
-    try:
-        try:
-            raise OSError("connect to rediss://app:hunter2@r:6380 refused")
-        except OSError as cause:
-            raise ConnectionError("Error connecting to redis://:hunter2@r:6380") from cause
-    except ConnectionError as exc:
-        shown = _described(exc)
+    exc = ConnectionError("Error connecting to redis://:hunter2@r:6380")
+    exc.__cause__ = OSError("connect to rediss://app:hunter2@r:6380 refused")
+    shown = _described(exc)
     assert "hunter2" not in shown and "app" not in shown
     assert shown == ("ConnectionError: Error connecting to redis://***@r:6380 "
                      "(OSError: connect to rediss://***@r:6380 refused)")
