@@ -27,10 +27,15 @@ ENV_PREFIX = "EPD_"
 
 class ConfigError(ValueError):
     """A setting is missing or malformed; ``str()`` is the one line shown at start-up: one
-    line whatever the value held, and never a URL's user or password (``redact_url``)."""
+    line whatever the value held, never a URL's user or password (``redact_url``), and cut
+    at ``MAX_LINE`` characters (a value of megabytes must not become a line of megabytes)."""
+
+    #: The longest line shown; the start names the setting and the problem.
+    MAX_LINE = 300
 
     def __init__(self, variable: str, problem: str) -> None:
-        super().__init__(redact_url(" ".join(f"{variable}: {problem}".splitlines())))
+        line = redact_url(" ".join(f"{variable}: {problem}".splitlines()))
+        super().__init__(line if len(line) <= self.MAX_LINE else line[:self.MAX_LINE] + "...")
         self.variable = variable
 
 

@@ -173,3 +173,10 @@ def test_dns_names_registered_are_refused_naming_the_field(value: str) -> None:
                                       "#dp=2&dp=3", "#kv_events_replay=tcp://h:1"])
 def test_a_bad_fragment_is_refused(fragment: str) -> None:
     _refused({"EPD_PREFILL_URLS": f"http://p:1{fragment}"}, "EPD_PREFILL_URLS")
+
+
+@pytest.mark.parametrize("variable", ["EPD_HEALTH_TIMEOUT", "EPD_DECODE_POLICY", "EPD_METRICS",
+                                      "EPD_STATE_PREFIX", "EPD_SERVICE_DISCOVERY_NAMESPACE"])
+def test_a_huge_value_of_any_setting_is_still_one_short_line(variable: str) -> None:
+    message = _refused({variable: "x y" * 100_000}, variable)  # a space: no value takes it
+    assert len(message) <= ConfigError.MAX_LINE + 3
