@@ -19,16 +19,19 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._admission.fair import FairAdmission
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
 from ._core.errors import BodyTooLarge, ProxyError, error_reply
 from ._core.rewrite import json_object
+from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
+from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
 from ._state.tasks import named
 from ._web.asgi import ProxyASGI
@@ -37,6 +40,19 @@ from ._web.endpoints import CompletionEndpoints
 log = logging.getLogger("epd_trio")
 
 _OPENAI_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def _routing_message(status: int, method: str, path: str, exc: HTTPException) -> str | None:
+    """404 and 405 in the words of OpenAI's own API ("Invalid URL (GET /v1/nope)"), not
+    Werkzeug's prose for a browser ("If you entered the URL manually..."); None for any other
+    status, whose own description is kept."""
+    if status == 404:
+        return f"Invalid URL ({method} {path})"
+    if isinstance(exc, MethodNotAllowed):
+        allowed = ", ".join(exc.valid_methods or ())
+        return f"method {method} is not allowed on {path}" + (
+            f" (allowed: {allowed})" if allowed else "")
+    return None
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> Response:
@@ -91,12 +107,20 @@ def create_app(
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
                   clock=clock, tracing=tracing, on_failure=on_failure)
     app.extensions["epd_trio.proxy"] = proxy
-    client_keys = ClientKeys(settings.api_keys)
+    tenants = TenantTable(settings.tenants)
+    client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
+    admission: Admission | FairAdmission = (
+        FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
+                      table=tenants, aging=settings.priority_aging,
+                      tenant_header=settings.tenant_header,
+                      shared=None if proxy.state is None
+                      else SharedLimits(proxy.state, proxy.metrics))
+        if settings.tenants or settings.tenant_header is not None
+        else Admission(settings.max_inflight, settings.admission_timeout))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
-                         proxy, settings.max_body_bytes, client_keys,
-                         Admission(settings.max_inflight, settings.admission_timeout),
+                         proxy, settings.max_body_bytes, client_keys, admission,
                          body_timeout=settings.body_timeout))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
@@ -137,7 +161,7 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         ok, reason = proxy.readiness()
-        body: dict[str, object] = {"ready": ok, "roles": proxy.registry.report()}
+        body: dict[str, object] = {"ready": ok, "roles": proxy.roles()}
         if reason is not None:
             body["reason"] = reason
         return _json(200 if ok else 503, body)
@@ -197,8 +221,13 @@ def create_app(
         status = exc.code or 500
         if status == 413:
             return _error(BodyTooLarge(settings.max_body_bytes))
-        return _error(ProxyError(exc.description or exc.name, status=status,
-                                 type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        response = _error(ProxyError(
+            _routing_message(status, request.method, request.path, exc)
+            or exc.description or exc.name,
+            status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["allow"] = ", ".join(exc.valid_methods)
+        return response
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.counters import CursorCounters
 from ._core.errors import NoInstance, UpstreamError
@@ -343,12 +344,13 @@ class Proxy:
     # -- client requests -------------------------------------------------------------------------
     async def handle(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
-        trace_context: TraceHeaders = NO_TRACE_CONTEXT,
+        trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
     ) -> Reply:
         """One client request: ``Pipeline.run``, on the roster as it is now."""
         self.sync()  # one word read: did the roster change (here, or in another worker)?
         return await self.pipeline.run(kind, raw_body, request_id=request_id,
-                                       resources=resources, trace_context=trace_context)
+                                       resources=resources, trace_context=trace_context,
+                                       ticket=ticket)
 
     # -- other endpoints -----------------------------------------------------------------------
     async def models(self) -> Reply:
@@ -378,12 +380,22 @@ class Proxy:
         failure = self.tasks.failure
         report = {"status": "failed" if failure else self.registry.status(),
                   "layout": layout_name(self.roster),
-                  "ready": self.registry.ready() and not failure, "roles": self.registry.report()}
+                  "ready": self.registry.ready() and not failure, "roles": self.roles()}
         if failure:
             report["failure"] = failure
         if self.state is not None:
             report["state"] = self.state.describe()
         return report
+
+    def roles(self) -> dict[str, list[dict[str, Any]]]:
+        """Each instance's health by its role, named as ``GET /instances`` names it (a combined
+        instance is ``prefill_decode``, though it serves the decode stage)."""
+        self.sync()
+        listing: dict[str, list[dict[str, Any]]] = {}
+        for member in self.roster.members:
+            state = self.registry.state_for(member.stage, member.instance)
+            listing.setdefault(member.role, []).append(state.report())
+        return listing
 
     def ready(self) -> bool:
         return self.readiness()[0]
@@ -426,7 +438,7 @@ def stage_policy(settings: Settings, stage: str) -> StagePolicy:
 
 def _log_health_change(state: Any) -> None:
     if state.live:
-        log.warning("%s instance %s is back in rotation", state.stage, state.url)
+        log.info("%s instance %s is back in rotation", state.stage, state.url)
     else:
         log.warning("%s instance %s left the rotation after %d consecutive failure(s)",
                     state.stage, state.url, state.consecutive_failures)

@@ -292,6 +292,24 @@ def test_policies_decisions_only_prints_the_costs(capsys: pytest.CaptureFixture[
     assert out.startswith("decision cost") and "cache_aware" in out and "|" not in out
 
 
+def test_kv_index_bench_measures_a_decision_and_ingestion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.kv_index import main
+    assert main(["--slots", "4", "--blocks", "2000", "--decisions", "300", "--batches", "200",
+                 "--json"]) == 0
+    parts = {line["part"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(parts) == {"reference", "ingestion", "decision"}
+    ingestion, decision = parts["ingestion"], parts["decision"]
+    # Every stored event was indexed: each batch continues a chain it stored, nothing evicted.
+    assert ingestion["events"] == 800 and ingestion["orphans"] == 0
+    assert ingestion["evictions"] == 0 and ingestion["blocks"] >= 800
+    assert decision["decisions"] == 300 and decision["slots"] == 4
+    # Half the requests repeat a stored chain: the policy sends those to a slot holding it.
+    assert 100 < decision["chose_a_holder"] <= 300
+    assert 0 < decision["match_p50_us"] <= decision["p50_us"] <= decision["p99_us"]
+    assert decision["p99_us"] <= decision["with_keys_p99_us"]
+
+
 async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     with trio.fail_after(120):

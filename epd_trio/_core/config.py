@@ -20,6 +20,7 @@ from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
+from .tenants import Tenant, parse_tenants
 from .urls import check_base_url, check_host, echo, redact_url
 
 ENV_PREFIX = "EPD_"
@@ -169,6 +170,16 @@ class Settings:
     #: Keys clients must send as ``Authorization: Bearer <key>`` on the OpenAI routes (empty: no
     #: client authentication).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: Tenants (``_core/tenants.py``): ``[tenants.NAME]`` tables in the config file, or the same
+    #: tables as a JSON object. Each names its keys (they join ``api_keys``), its priority
+    #: band, its weight in the band and its own limits. None: one ``default`` tenant, no limit.
+    tenants: tuple[Tenant, ...] = field(default=(), repr=False)
+    #: The header naming a request's tenant when it presents no tenant's key (None: only
+    #: keys name tenants).
+    tenant_header: str | None = None
+    #: Seconds of waiting that move a queued request up one priority step
+    #: (``_core/fair_queue.py``; 0: strict bands, a lower one may starve).
+    priority_aging: float = 0.5
     #: The key sent upstream as ``Authorization: Bearer <key>`` on every call to vLLM (its
     #: ``--api-key``), probes and profiling included.
     upstream_api_key: str | None = field(default=None, repr=False)
@@ -546,6 +557,14 @@ def _text(raw: Any) -> str:
     return value
 
 
+def _header_name(raw: Any) -> str:
+    """An HTTP header's name (a token), lowercased as ASGI delivers it."""
+    value = str(raw).strip().lower()
+    if not re.fullmatch(r"[a-z0-9!#$%&'*+.^_`|~-]+", value):
+        raise ValueError(f"expected an HTTP header name, got {raw!r}")
+    return value
+
+
 def _api_url(raw: Any) -> str:
     return check_base_url(raw.strip() if isinstance(raw, str) else raw,
                           what="the API server's URL")
@@ -595,6 +614,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "profile_timeout": _seconds,
     "admin_key": _secret,
     "api_keys": _secrets,
+    "tenants": parse_tenants,
+    "tenant_header": _header_name,
+    "priority_aging": _non_negative_seconds,
     "upstream_api_key": _secret,
     "metrics": _bool,
     "request_log": _bool,
@@ -665,7 +687,7 @@ def flag_name(field: str) -> str:
 SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
 #: Keys: set through the environment or the config file only. A command-line flag would put
 #: them in every ``ps`` listing and shell history.
-SECRET_FIELDS = frozenset({"admin_key", "api_keys", "upstream_api_key"})
+SECRET_FIELDS = frozenset({"admin_key", "api_keys", "upstream_api_key", "tenants"})
 FLAG_FIELDS: tuple[str, ...] = tuple(f for f in SETTING_FIELDS if f not in SECRET_FIELDS)
 SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 

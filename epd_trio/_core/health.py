@@ -88,6 +88,8 @@ class Registry:
     clock: Callable[[], float] = time.monotonic
     _index: dict[tuple[str, str], InstanceState] = field(default_factory=dict, repr=False)
     _live: dict[str, set[str]] = field(default_factory=dict, repr=False)
+    #: Every stage has had an instance answer a probe once (``ready``'s start-up gate).
+    _settled: bool = field(default=False, repr=False)
 
     @classmethod
     def from_stages(
@@ -155,6 +157,8 @@ class Registry:
         if state.record_success():
             state.evicted_since = None
             self._changed(state)
+        if not self._settled:
+            self._settled = self._all_probed()
 
     def failed(self, state: InstanceState, *, down: bool = False) -> None:
         if state.record_failure(self.threshold, down=down):
@@ -187,7 +191,20 @@ class Registry:
             any(s.live for s in states) for states in self.stages.values() if states)
 
     def ready(self) -> bool:
-        """There is a decode-side instance, and every stage has an instance that answered a probe."""
+        """Whether every stage can serve now (``/ready``).
+
+        At start, until every stage has had an instance answer a probe, so a new proxy gets
+        no traffic before it has seen its instances work. From then on, ``healthy``: every
+        stage has an instance in rotation. Not "probed" then: an instance registered later
+        starts in rotation and serves at once, and gating readiness on its first probe pulled
+        the proxy out of its Service for a health interval each time an encoder scaled up (and
+        each worker, probing on its own clock, said something else meanwhile).
+        """
+        if not self._settled:
+            self._settled = self._all_probed()
+        return self._settled and self.healthy()
+
+    def _all_probed(self) -> bool:
         return self.has("decode") and all(
             any(s.probed for s in states) for states in self.stages.values() if states)
 

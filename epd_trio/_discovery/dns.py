@@ -231,7 +231,7 @@ class DnsDiscovery:
                 wanted = {key for key in self._registered() if key not in configured}
                 for role, spec in wanted - running.keys():
                     name = parse_dns_url(spec)
-                    log.warning("DNS name %s registered as %s: resolving it every %g s", spec,
+                    log.info("DNS name %s registered as %s: resolving it every %g s", spec,
                                 role, self._interval)
                     self.views[spec] = DnsView()
                     running[(role, spec)] = scope = trio.CancelScope()
@@ -240,7 +240,7 @@ class DnsDiscovery:
                 for key in running.keys() - wanted:
                     running.pop(key).cancel()
                     self.views.pop(key[1], None)
-                    log.warning("DNS name %s unregistered", key[1])
+                    log.info("DNS name %s unregistered", key[1])
                     self._signal()
                 await trio.sleep(self._interval)
 
@@ -291,9 +291,9 @@ class DnsDiscovery:
         self.views[name.spec] = new
         joined, left = apply(name.spec, role, dns_instances(name, new))
         for url in joined:
-            log.warning("%s instance %s joined (DNS %s)", role, url, name.spec)
+            log.info("%s instance %s joined (DNS %s)", role, url, name.spec)
         for url in left:
-            log.warning("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
+            log.info("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
 
     async def _read_hosts(self) -> str:
         """The hosts file now (a missing or unreadable one names nothing)."""
@@ -313,4 +313,4 @@ class DnsDiscovery:
             log.warning("DNS %s: %s; keeping its last answer (%d instances)", name.spec,
                         new.problem, len(new.endpoints))
         elif old.problem and not new.problem:
-            log.warning("DNS %s answers again (%d instances)", name.spec, len(new.endpoints))
+            log.info("DNS %s answers again (%d instances)", name.spec, len(new.endpoints))

@@ -270,9 +270,9 @@ class KubernetesDiscovery:
         self._skipped[role] = skipped
         joined, left = self._apply(self.source(role, selector), role, instances)
         for url in joined:
-            log.warning("%s instance %s joined (Kubernetes pod, %s)", role, url, selector)
+            log.info("%s instance %s joined (Kubernetes pod, %s)", role, url, selector)
         for url in left:
-            log.warning("%s instance %s left (its pod is gone or not Ready)", role, url)
+            log.info("%s instance %s left (its pod is gone or not Ready)", role, url)
         self._step()
 
 

@@ -174,7 +174,7 @@ class Membership:
         member = parse_registration(raw_body, time.monotonic())
         created = self._update(lambda roster, counters: register(roster, member, counters))
         if created:
-            log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
+            log.info("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
 
@@ -187,12 +187,12 @@ class Membership:
             removed = self._update(
                 lambda roster, counters: unregister_name(roster, spec, counters))
             if removed:
-                log.warning("DNS name %s unregistered", spec)
+                log.info("DNS name %s unregistered", spec)
             return removed
         target = parse_instance_url(url).url
         removed = self._update(lambda roster, counters: unregister(roster, target, counters))
         if removed:
-            log.warning("instance %s unregistered", target)
+            log.info("instance %s unregistered", target)
         return removed
 
     def discovered(
@@ -224,7 +224,7 @@ class Membership:
         created = self._update(
             lambda roster, counters: register_moriio(roster, registration, counters, now))
         if created:
-            log.warning("MoRIIO %s instance %s registered (dp_size %d, tp_size %d, %s, zmq %s)",
+            log.info("MoRIIO %s instance %s registered (dp_size %d, tp_size %d, %s, zmq %s)",
                         registration.role, registration.instance.url,
                         registration.peer.dp_size, registration.peer.tp_size,
                         registration.transfer_mode, registration.peer.zmq_address)
@@ -266,7 +266,7 @@ class Membership:
 
         urls = self._update(change)
         for url in urls:
-            log.warning("instance %s forgotten: out of rotation and not registered for %g s",
+            log.info("instance %s forgotten: out of rotation and not registered for %g s",
                         url, ttl)
         return urls
 

@@ -60,6 +60,19 @@ class Accounting:
         return RequestAccount(self, RequestTrace(request_id, endpoint, started),
                               self.tracing.begin(endpoint, trace_context, started))
 
+    def refused(self, endpoint: str, request_id: str, started: float,
+                error: ProxyError) -> None:
+        """A request refused before its body reached the pipeline (a bad key, the admission
+        cap, a body over the limit or too slow, another method): counted under its outcome and
+        logged like any other request, so a refusal is as visible as an answer. No span:
+        nothing went upstream. ``started``: its ``perf_counter()`` on arrival."""
+        self.metrics.rejected(endpoint, error)
+        if self.request_log:
+            trace = RequestTrace(request_id, endpoint, started)
+            trace.outcome, trace.status, trace.error = (outcome_of(error), error.status,
+                                                        error.message)
+            log_request(trace, time.perf_counter())
+
     def count_failure(self, state: InstanceState, error: UpstreamError) -> None:
         """An upstream failure at ``state``'s instance: its error count, and its health."""
         if is_retryable(error):  # a 4xx is the client's fault, not the instance's

@@ -180,6 +180,10 @@ class ProxyMetrics:
         self._state_malformed = state_metric(
             Counter, "epd_trio_state_malformed_entries",
             "Entries of the shared state store skipped because they could not be read")
+        self._local_limits = state_metric(
+            Counter, "epd_trio_state_local_limits",
+            "Tenant rate-limit decisions taken on this replica's share of the limit (limit / "
+            "live replicas) because the shared state store did not answer")
         self._cursor_fallbacks = state_metric(
             Counter, "epd_trio_global_cursor_fallbacks",
             "Routing decisions that used the replica's own cursor instead of the global one",
@@ -358,6 +362,9 @@ class ProxyMetrics:
 
     def state_malformed(self) -> None:
         self._state_malformed.inc()
+
+    def state_local_limit(self) -> None:
+        self._local_limits.inc()
 
     def global_cursor_fallback(self, stage: str) -> None:
         self._cursor_fallbacks.labels(stage).inc()

@@ -193,6 +193,11 @@ class StateLink:
         self.keys = StateKeys(settings.state_prefix)
         self._redis: coredis.Redis[bytes] | None = None
         self._cursor: CursorLink | None = None
+        #: The tenants' shared buckets' lean connection (``_replicas/limits``), while up.
+        self.limits_link: CursorLink | None = None
+        #: Replicas alive at the last load exchange, this one included (the share of a
+        #: tenant's limit each enforces while the store is gone).
+        self.live_replicas = 1
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
@@ -283,12 +288,20 @@ class StateLink:
                 with trio.fail_after(self._settings.state_timeout):
                     cursor = await CursorLink.open(self._url, self._tls)
                 await nursery.start(cursor.run)
+            limits = None
+            if any(t.requests_per_minute or t.tokens_per_minute
+                   for t in self._settings.tenants):
+                # The tenants' buckets: one script per admission, on a lean link of its own.
+                with trio.fail_after(self._settings.state_timeout):
+                    limits = await CursorLink.open(self._url, self._tls)
+                await nursery.start(limits.run)
             self.roster_loaded.set()
             self._redis, self._cursor, self.problem = redis, cursor, None
+            self.limits_link = limits
             self._sessions += 1
             self._metrics.state_up(True)
             self._changed()
-            log.warning("shared state %s: connected as replica %s (roster loaded)",
+            log.info("shared state %s: connected as replica %s (roster loaded)",
                         self._url.redacted(), self.replica_id)
             try:
                 nursery.start_soon(self._listen, pubsub)
@@ -297,11 +310,11 @@ class StateLink:
                 nursery.start_soon(self._load_loop, redis)
                 await trio.sleep_forever()
             finally:
-                self._redis = self._cursor = None
+                self._redis = self._cursor = self.limits_link = None
 
     def _lost(self, exc: BaseException) -> None:
         was_up = self.up or self.problem is None
-        self._redis = self._cursor = None
+        self._redis = self._cursor = self.limits_link = None
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
         self._changed()
@@ -509,6 +522,7 @@ class StateLink:
                           self.replica_id)
             elif not clash:
                 self.duplicate_id = False
+            self.live_replicas = 1 + len(replies or ())
             total, bad = sum_loads(_as_mapping(reply) for reply in replies or ())
             for _ in range(bad):
                 self._metrics.state_malformed()

@@ -18,6 +18,7 @@ worker to die. With one worker everything runs in the parent process.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -43,6 +44,14 @@ from .._core.shared_state import worker_replica_id
 from .._observe.metrics import MULTIPROC_ENV
 from .._replicas.identity import default_replica_id
 from .._state.roster_store import SharedRoutingState
+from .logs import (
+    ACCESS_LOGGER,
+    SERVE_LOGGER,
+    SERVER_LOGGER,
+    AccessLogger,
+    capture_process_output,
+    configure_logging,
+)
 from .process import setup_serving_process
 from .server import worker_serve  # Hypercorn's worker, our connection class (see _server)
 from .serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
@@ -73,14 +82,27 @@ def hypercorn_config(options: ServeOptions) -> Config:
     config.backlog = options.backlog
     config.keep_alive_timeout = options.keep_alive
     config.graceful_timeout = options.graceful_timeout
-    config.accesslog = "-" if options.access_log else None
-    config.errorlog = "-"
+    # Hypercorn's lines go to loggers under epd_trio (one format, one stream: stderr), not to
+    # handlers of its own on stdout (access) and stderr (the rest).
+    config.accesslog = logging.getLogger(ACCESS_LOGGER) if options.access_log else None
+    config.errorlog = logging.getLogger(SERVER_LOGGER)
+    config.logger_class = AccessLogger
     config.worker_class = "trio"
     return config
 
 
-def _say(message: str) -> None:
-    print(f"epd-trio: {message}", file=sys.stderr, flush=True)
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    """The one line for a listening socket that could not be had: the address, the flags that
+    chose it, and the system's reason (``[Errno 98] Address already in use`` alone names no
+    address)."""
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    reason = exc.strerror or str(exc)
+    return f"cannot listen on {address} (--host/--port): {reason}"
+
+
+def _say(message: str, level: int = logging.INFO) -> None:
+    """A lifecycle line of the serve command (``epd_trio.serve``: written at any log level)."""
+    logging.getLogger(SERVE_LOGGER).log(level, "%s", message)
 
 
 def _arm_watchdog(limit: float, who: str) -> None:
@@ -88,7 +110,7 @@ def _arm_watchdog(limit: float, who: str) -> None:
 
     def expire() -> None:
         _say(f"{who}: shutdown still not finished after {limit:g} s "
-             "(a client stopped reading?); exiting")
+             "(a client stopped reading?); exiting", logging.ERROR)
         os._exit(FORCED_EXIT)
 
     timer = threading.Timer(limit, expire)
@@ -109,6 +131,7 @@ async def _serve(
     """Serve until ``stop``; a per-process task that dies (``_state/tasks.py``) is appended to
     ``failures`` and stops the process too, which then exits non-zero."""
     setup_serving_process(settings)
+    capture_process_output(settings.log_level)
 
     def on_failure(reason: str) -> None:
         if failures is not None:
@@ -173,9 +196,15 @@ def _worker_main(
 
 def serve(settings: Settings, options: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status."""
+    configure_logging(settings.log_level, settings.log_format)
+    capture_process_output(settings.log_level)
     config = hypercorn_config(options)
     # Listening before any worker runs: early connections wait in the backlog, not refused.
-    sockets = listening_sockets(config, settings.client_write_timeout)
+    try:
+        sockets = listening_sockets(config, settings.client_write_timeout)
+    except OSError as exc:  # taken, not ours, or no such address: the operator's to fix
+        _say(cannot_listen(options.host, options.port, exc), logging.ERROR)
+        return 2
     for sock in sockets.insecure_sockets:
         host, port = sock.getsockname()[:2]
         _say(f"proxy ({settings.layout}, {options.workers} worker"
@@ -286,7 +315,7 @@ def _run_workers(
             for process in processes:
                 if process.sentinel in ready:
                     forget(process)
-            _say(f"{', '.join(dead)} exited on its own; stopping")
+            _say(f"{', '.join(dead)} exited on its own; stopping", logging.ERROR)
             status = 1
             break
     if signalled:

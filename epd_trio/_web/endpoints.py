@@ -17,6 +17,7 @@ cancels the request's nursery.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
@@ -24,12 +25,14 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
+from .._admission.fair import FairAdmission, Ticket
 from .._admission.gate import Admission
 from .._core.auth import ClientKeys
 from .._core.errors import (
     INTERNAL_ERROR,
     BodyTimeout,
     BodyTooLarge,
+    MethodNotAllowed,
     ProxyError,
     error_reply,
     sse_error_event,
@@ -56,7 +59,8 @@ class CompletionEndpoints:
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
-                 admission: Admission | None = None, body_timeout: float = 60.0) -> None:
+                 admission: Admission | FairAdmission | None = None,
+                 body_timeout: float = 60.0) -> None:
         self._proxy = proxy
         self._body_timeout = body_timeout
         self._admission = admission
@@ -66,17 +70,21 @@ class CompletionEndpoints:
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                        resources: AsyncExitStack) -> None:
-        if scope["method"] != "POST":
-            await _send_error(send, ProxyError(
-                f"method {scope['method']} is not allowed here; use POST", status=405,
-                type="invalid_request_error"), {"allow": "POST"})
-            return
+        started = time.perf_counter()
         headers = scope["headers"]
+        # The id first: a refusal below carries it and is logged under it, like an answer.
+        request_id = new_request_id(_header(headers, b"x-request-id"))
+        ticket: Ticket | None = None
         try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
                 self._client_keys.check(_header(headers, b"authorization"))
-            if self._admission is not None:  # before reading it too: the cap bounds memory
-                await self._admission.enter(resources)
+            admission = self._admission  # before reading it too: the cap bounds memory
+            if isinstance(admission, FairAdmission):
+                ticket = await admission.enter(admission.tenant_of(headers), resources)
+            elif admission is not None:
+                await admission.enter(resources)
             with trio.move_on_after(self._body_timeout) as reading:
                 raw = await self._read_body(headers, receive)
             if reading.cancelled_caught:
@@ -84,10 +92,9 @@ class CompletionEndpoints:
         except _ClientGone:
             return
         except ProxyError as exc:
-            self._proxy.metrics.rejected(scope["path"], exc)
-            await _send_error(send, exc)
+            self._proxy.pipeline.accounting.refused(scope["path"], request_id, started, exc)
+            await _send_error(send, exc, {"x-request-id": request_id})
             return
-        request_id = new_request_id(_header(headers, b"x-request-id"))
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))
@@ -95,11 +102,12 @@ class CompletionEndpoints:
         gone = client_gone(scope)
         if gone is not None:  # the connection cancels the request if its client leaves
             with trio.CancelScope() as request, gone.cancelling(request):
-                await self._respond(kind, raw, request_id, send, resources, trace_context)
+                await self._respond(kind, raw, request_id, send, resources, trace_context,
+                                    ticket)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(kind, raw, request_id, send, resources, trace_context)
+            await self._respond(kind, raw, request_id, send, resources, trace_context, ticket)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -123,20 +131,23 @@ class CompletionEndpoints:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
-                       resources: AsyncExitStack, trace_context: Mapping[str, str]) -> None:
+                       resources: AsyncExitStack, trace_context: Mapping[str, str],
+                       ticket: Ticket | None) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
-                                             resources=resources, trace_context=trace_context)
+                                             resources=resources, trace_context=trace_context,
+                                             ticket=ticket)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,
                               request_id)
             await _send_error(send, exc, {"x-request-id": request_id})
             return
-        await _send_reply(send, reply, request_id)
+        await _send_reply(send, reply, request_id, ticket)
 
 
-async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
+async def _send_reply(send: Send, reply: Reply, request_id: str,
+                      ticket: Ticket | None = None) -> None:
     if reply.stream is None:
         # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
         # no terminating chunk as a third write (the server can send head and body as one).
@@ -150,6 +161,13 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
 
     async def send_body(chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    if ticket is not None and ticket.metered:  # a stream without usage settles what it sent
+        plain_send = send_body
+
+        async def send_body(chunk: bytes) -> None:
+            ticket.relayed(chunk)
+            await plain_send(chunk)
 
     try:
         await stream.pump(send_body)  # closes the stream, however it ends

@@ -47,6 +47,22 @@ def test_registry_panic_mode_and_readiness() -> None:
     assert registry.ready() and registry.healthy()
 
 
+def test_readiness_waits_for_probes_at_start_only() -> None:
+    """Once every stage has answered a probe, readiness is "every stage has an instance in
+    rotation": a stage added later (an encoder registered) does not wait for its first probe,
+    and a stage whose instances all left the rotation is not ready."""
+    d, e = Instance("http://d:1"), Instance("http://e:1")
+    registry = Registry.from_stages({"decode": [d]}, threshold=1)
+    assert not registry.ready()
+    registry.succeeded(registry.state("decode", d.url))
+    registry.set_members({"encode": [e], "decode": [d]})
+    assert registry.ready()
+    registry.failed(registry.state("encode", e.url))
+    assert not registry.ready()
+    registry.succeeded(registry.state("encode", e.url))
+    assert registry.ready()
+
+
 def test_skipping_an_instance_keeps_the_order_of_the_others() -> None:
     a, b, c = (Instance(f"http://{n}:1", 2) for n in "abc")
     cursor = SlotCursor([a, b, c])

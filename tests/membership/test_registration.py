@@ -75,6 +75,34 @@ async def test_zero_static_instances_until_one_registers(
         assert health.json()["status"] == "ok"
 
 
+async def test_registering_an_encoder_keeps_a_ready_proxy_ready(
+    client: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    """Issue 31: once every role has served, a newly registered instance (here the first
+    encoder, not yet probed: its probes fail, below the threshold) leaves ``/ready`` at 200;
+    it used to answer 503 until the newcomer's first successful probe. ``/health`` and
+    ``/ready`` name a combined instance ``prefill_decode``, as ``/instances`` does."""
+    async with run_cluster(decodes=0, admin_key=KEY, health_interval=3600) as c:
+        pd = await register_new(client, c, nursery, "prefill_decode")
+        assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
+        await wait_ready(client, c, pd)
+        encoder = FakeVLLM("encode")
+        encoder.behaviour.healthy = False  # never probed successfully
+        await start_fakes(nursery, encoder)
+        r = await client.post(c.proxy_url + "/instances", headers=ADMIN,
+                              json=registration("encode", encoder))
+        assert r.status_code == 200
+        ready = await client.get(c.proxy_url + "/ready")
+        assert ready.status_code == 200, ready.text
+        assert set(ready.json()["roles"]) == {"encode", "prefill_decode"}
+        health = (await client.get(c.proxy_url + "/health")).json()
+        assert health["layout"] == "E+PD" and health["ready"] is True
+        assert [e["url"] for e in health["roles"]["prefill_decode"]] == [pd.url]
+        assert [e["probed"] for e in health["roles"]["encode"]] == [False]
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(image(0)))
+        assert r.status_code == 200 and len(encoder.requests()) == 1
+
+
 async def test_admin_routes_are_off_without_a_key_and_need_the_right_one(
     client: httpx.AsyncClient,
 ) -> None:

@@ -21,7 +21,17 @@ from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
 
-from helpers import CHAT, Samples, chat_body, image, moriio_pair, open_stuck_stream, scrape, start_fakes
+from helpers import (
+    CHAT,
+    SERVING,
+    Samples,
+    chat_body,
+    image,
+    moriio_pair,
+    open_stuck_stream,
+    scrape,
+    start_fakes,
+)
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
@@ -35,7 +45,7 @@ async def serving(
         env={**os.environ, **env} if env is not None else None)
     try:
         assert process.stderr is not None
-        url = await read_url(process.stderr, rb"listening on (http://\S+)")
+        url = await read_url(process.stderr, SERVING)
         yield process, url
     finally:
         if process.returncode is None:
@@ -345,3 +355,35 @@ async def test_moriio_registrations_reach_every_worker(nursery: trio.Nursery) ->
         process.send_signal(signal.SIGTERM)
         with trio.fail_after(15):
             await process.wait()
+
+
+async def run_cli(*args: str) -> tuple[int, str, str]:
+    """``epd-trio ARGS`` to its end: the exit status, stdout and stderr."""
+    with trio.fail_after(30):
+        result = await trio.run_process([sys.executable, "-m", "epd_trio", *args],
+                                        capture_stdout=True, capture_stderr=True, check=False)
+    return result.returncode, result.stdout.decode(), result.stderr.decode()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_taken_port_is_one_line_naming_the_address_and_exit_2(workers: str) -> None:
+    """Issue 31: ``[Errno 98] Address already in use`` alone named no address."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, _, err = await run_cli("serve", "--port", str(port), "--workers", workers,
+                                       "--decode", "http://127.0.0.1:9")
+    assert status == 2
+    (line,) = err.splitlines()  # one line, in the log format, no traceback
+    assert line.endswith(" ERROR epd_trio.serve: cannot listen on 127.0.0.1:"
+                         f"{port} (--host/--port): Address already in use"), line
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+async def test_a_port_out_of_range_is_one_line_and_exit_2(command: str) -> None:
+    """Issue 31: ``--port 70000`` was an ``OverflowError`` traceback."""
+    settings = ["--decode", "http://127.0.0.1:9"] if command == "serve" else []
+    status, _, err = await run_cli(command, "--port", "70000", *settings)
+    assert status == 2
+    assert err == ("epd-trio: --port 70000: not a TCP port (0 to 65535; 0 = any free port)\n")

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -16,11 +19,12 @@ from helpers import CHAT, Samples, chat_body
 
 @asynccontextmanager
 async def one_place_taken(
-    client: httpx.AsyncClient, admission_timeout: float
+    client: httpx.AsyncClient, admission_timeout: float, **settings: Any
 ) -> AsyncIterator[tuple[Cluster, FakeVLLM, trio.CancelScope]]:
     """A proxy with room for one request, and that one in flight (its decode hangs) until the
     yielded scope is cancelled."""
-    async with run_cluster(decodes=1, max_inflight=1, admission_timeout=admission_timeout) as c:
+    async with run_cluster(decodes=1, max_inflight=1, admission_timeout=admission_timeout,
+                           **settings) as c:
         (decode,) = c.decodes
         decode.behaviour.hang = True
         async with trio.open_nursery() as nursery:
@@ -76,8 +80,17 @@ async def test_a_waiting_request_gets_the_place_that_frees(client: httpx.AsyncCl
     assert answers == [200]
 
 
-async def test_a_zero_admission_timeout_refuses_at_once(client: httpx.AsyncClient) -> None:
-    async with one_place_taken(client, admission_timeout=0) as (c, _, _):
+async def test_a_zero_admission_timeout_refuses_at_once(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    async with one_place_taken(client, admission_timeout=0, request_log=True) as (c, _, _):
         with trio.fail_after(1):
-            r = await client.post(c.proxy_url + CHAT, json=chat_body())
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                                  headers={"x-request-id": "full"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "proxy_at_capacity"
+        # Issue 31: a refusal has its id and its request line, like an answer.
+        assert r.headers["x-request-id"] == "full"
+        assert [(f["request_id"], f["outcome"], f["status"]) for rec in caplog.records
+                if rec.name == "epd_trio.requests"
+                for f in [rec.fields]] == [("full", "overloaded", 503)]  # type: ignore[attr-defined]
