@@ -188,7 +188,8 @@ def hosts_file_answers(text: str, host: str) -> dict[Query, Answer]:
     found: dict[str, set[str]] = {"A": set(), "AAAA": set()}
     for line in text.splitlines():
         fields = line.split("#", 1)[0].split()
-        address = ip_address_of(fields[0]) if len(fields) > 1 else None
+        # A scoped address (fe80::1%eth0) makes no URL: such a line names nothing here.
+        address = ip_address_of(fields[0]) if len(fields) > 1 and "%" not in fields[0] else None
         if address is not None and wanted in (n.rstrip(".").lower() for n in fields[1:]):
             found["AAAA" if ":" in address else "A"].add(address)
     if not any(found.values()):

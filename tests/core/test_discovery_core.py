@@ -370,7 +370,8 @@ def test_discovered_members_stay_each_replicas_own_with_a_shared_roster() -> Non
 def test_the_hosts_file_answers_the_names_it_lists() -> None:
     from epd_trio._core.discovery import Empty, Found, hosts_file_answers
     text = ("127.0.0.1 localhost\n::1 localhost ip6-localhost  # both families\n"
-            "# 10.0.0.9 commented\n10.0.0.5 vllm-a VLLM-B.local.\nnot-an-ip vllm-c\n\n")
+            "# 10.0.0.9 commented\n10.0.0.5 vllm-a VLLM-B.local.\nnot-an-ip vllm-c\n\n"
+            "fe80::1%eth0 vllm-c\n")
     assert hosts_file_answers(text, "localhost") == {
         ("localhost", "A"): Found(frozenset({"127.0.0.1"})),
         ("localhost", "AAAA"): Found(frozenset({"::1"}))}
