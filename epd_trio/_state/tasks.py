@@ -51,25 +51,30 @@ def named(name: str, fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitab
     started with ``nursery.start``: after ``task_status.started``) becomes ``TaskDied``."""
 
     async def run(*args: Any, task_status: Any = None, **kwargs: Any) -> Any:
-        started = task_status is None  # start_soon: running is started
-        if task_status is not None:
-            outer = task_status
-
-            class Status:
-                def started(self, value: Any = None) -> None:
-                    nonlocal started
-                    started = True
-                    outer.started(value)
-
-            kwargs["task_status"] = Status()
+        status = None if task_status is None else _Status(task_status)
+        if status is not None:
+            kwargs["task_status"] = status
         try:
             return await fn(*args, **kwargs)
         except Exception as exc:
-            if not started or isinstance(exc, TaskDied):
+            # start_soon: running is started; nursery.start: once ``started`` was called.
+            if (status is not None and not status.called) or isinstance(exc, TaskDied):
                 raise
             raise TaskDied(name, exc) from exc
 
     return run
+
+
+class _Status:
+    """A task status that remembers whether the task reported started."""
+
+    def __init__(self, outer: Any) -> None:
+        self._outer = outer
+        self.called = False
+
+    def started(self, value: Any = None) -> None:
+        self.called = True
+        self._outer.started(value)
 
 
 class Supervisor:
