@@ -48,6 +48,16 @@ import trio
 
 from bench.burst import percentile
 from bench.compare import free_port, start_backends, stop, wait_ready
+from epd_trio._admission.fair import FairAdmission
+from epd_trio._admission.gate import Admission
+from epd_trio._core.config import Settings
+from epd_trio._core.counters import CursorCounters
+from epd_trio._core.tenants import TenantTable, parse_tenants
+from epd_trio._observe.metrics import ProxyMetrics
+from epd_trio._replicas.limits import SharedLimits
+from epd_trio._replicas.roster import ReplicatedRoster
+from epd_trio._replicas.sync import StateLink
+from epd_trio._state.loads import Loads, LocalLoadTable
 from epd_trio.testing.redis_server import RedisServer
 
 CHAT = "/v1/chat/completions"
@@ -219,6 +229,56 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "results": results, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+async def admission_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """CPU per admission (place, priority and per-minute limits, release and settlement), in
+    process, without a server: today's single cap, the fair gate with its limits local, and the
+    fair gate with its limits in a local ``redis-server`` (its wall time: one round trip)."""
+    n = args.cost_requests
+    tables = {"t": {"keys": ["k"], "requests_per_minute": PER_MINUTE,
+                    "tokens_per_minute": PER_MINUTE}}
+    table = TenantTable(parse_tenants(tables))
+    tenant = table.by_name["t"]
+    body = {"model": "m", "messages": [{"role": "user", "content": "a short question"}],
+            "max_tokens": 10}
+    usage = b'{"usage": {"prompt_tokens": 5, "completion_tokens": 10}}'
+    metrics = ProxyMetrics(tenants=True)
+
+    async def fair_loop(admission: FairAdmission) -> tuple[float, float]:
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            async with AsyncExitStack() as resources:
+                ticket = await admission.enter(tenant, resources)
+                await ticket.admitted(dict(body))
+                ticket.answered(usage)
+        return ((time.process_time() - cpu) / n * 1e6, (time.perf_counter() - wall) / n * 1e6)
+
+    cap = Admission(10_000, 1.0)
+    cpu = time.process_time()
+    for _ in range(n):
+        async with AsyncExitStack() as resources:
+            await cap.enter(resources)
+    single = (time.process_time() - cpu) / n * 1e6
+    local = await fair_loop(FairAdmission(max_inflight=10_000, timeout=1.0, table=table,
+                                          aging=0.5, observer=metrics))
+    with RedisServer() as redis:
+        settings = Settings(decode_urls=(), admin_key="x", state_url=redis.url,
+                            tenants=parse_tenants(tables))
+        link = StateLink(settings, ReplicatedRoster(CursorCounters.local()), Loads(LocalLoadTable()),
+                         metrics, replica_id="cost", live=lambda _: True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            with trio.fail_after(10):
+                while link.limits_link is None:
+                    await link.next_change()
+            shared = await fair_loop(FairAdmission(
+                max_inflight=10_000, timeout=1.0, table=table, aging=0.5, observer=metrics,
+                shared=SharedLimits(link, metrics)))
+            nursery.cancel_scope.cancel()
+    return {"requests": n, "single_cap_cpu_us": round(single, 1),
+            "fair_local_cpu_us": round(local[0], 1), "fair_redis_cpu_us": round(shared[0], 1),
+            "fair_redis_wall_us": round(shared[1], 1)}
+
+
 def render_one(r: dict[str, Any]) -> str:
     inter, idle = r["flood"]["interactive"], r["idle"]
     share = "n/a" if r["batch_share"] is None else f"{r['batch_share']:.2f}"
@@ -251,6 +311,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decodes", type=int, default=2)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--cost", action="store_true",
+                   help="only measure admission's own cost per request, in process")
+    p.add_argument("--cost-requests", type=int, default=20000)
     args = p.parse_args(argv)
     unknown = set(args.modes) - set(MODES)
     if unknown:
@@ -260,6 +323,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cost:
+        cost = trio.run(admission_cost, args)
+        print(f"admission per request, over {cost['requests']}: single cap "
+              f"{cost['single_cap_cpu_us']} µs CPU; fair, limits local "
+              f"{cost['fair_local_cpu_us']} µs CPU; fair, limits in Redis "
+              f"{cost['fair_redis_cpu_us']} µs CPU, {cost['fair_redis_wall_us']} µs wall")
+        return 0
     report = trio.run(run, args)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

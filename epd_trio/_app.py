@@ -114,10 +114,15 @@ def create_app(
         FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
                       table=tenants, aging=settings.priority_aging,
                       tenant_header=settings.tenant_header,
-                      shared=None if proxy.state is None
-                      else SharedLimits(proxy.state, proxy.metrics))
+                      shared=(SharedLimits(proxy.state, proxy.metrics)
+                              if proxy.state is not None
+                              else None if shared is None else shared.buckets),
+                      observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
+    if isinstance(admission, FairAdmission) and proxy.state is not None:
+        proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
+        proxy.state.on_loads = admission.dispatch  # the others' counts may free a tenant
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys, admission,

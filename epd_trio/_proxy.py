@@ -97,7 +97,8 @@ class Proxy:
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
         self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated,
-                                    kv_index=reads_kv_index(settings))
+                                    kv_index=reads_kv_index(settings),
+                                    tenants=bool(settings.tenants or settings.tenant_header))
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
         #: In-flight requests per stage and slot: what the load-aware policies read.

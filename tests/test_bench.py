@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -68,6 +69,18 @@ async def test_metrics_cost_runs_every_mode() -> None:
     assert [line.split(":")[0].strip() for line in lines] == [
         "off", "one-process", "multiprocess"]
     assert all("us per streamed P->D request" in line for line in lines)
+
+
+async def test_fairness_cost_measures_each_kind_of_admission() -> None:
+    """``bench.fairness --cost``: the single cap, the fair gate local and with Redis."""
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.fairness", "--cost", "--cost-requests", "200"],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    figures = re.findall(r"([\d.]+) µs", out)
+    assert len(figures) == 4 and all(float(f) > 0 for f in figures), out
 
 
 def test_discovery_cost_measures_each_apply() -> None:

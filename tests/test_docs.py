@@ -322,6 +322,19 @@ def documented_metrics() -> dict[str, tuple[str, set[str]]]:
 STATE_METRICS = ("epd_trio_state_", "epd_trio_global_cursor_")
 #: The KV index's families (only with precise_cache_aware or the prefill bypass on).
 KV_METRICS = ("epd_trio_kv_", "epd_trio_prefill_bypassed")
+#: Fair admission's families (only with tenants).
+TENANT_METRICS = ("epd_trio_tenant_",)
+
+
+async def test_metrics_page_lists_what_tenants_add(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1, tenant_header="x-tenant") as c:
+        metrics = c.proxy.metrics  # a sample of each family, to read its labels from
+        metrics.tenant_queued("default", 0, 1)
+        metrics.tenant_admitted("default", 0, 0.5)
+        metrics.tenant_rejected("default", 0, "deadline")
+        metrics.tenant_settled("default", 10)
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    check_family_rows(text, TENANT_METRICS)
 
 
 async def test_metrics_page_lists_what_the_kv_index_adds(client: httpx.AsyncClient) -> None:
@@ -392,7 +405,7 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
                 if not (name.endswith("_created") and kind == "gauge" and any(
                     other in types for other in (name[:-8], name[:-8] + "_total")))}
     documented = {name: row for name, row in documented_metrics().items()
-                  if not name.startswith(STATE_METRICS + KV_METRICS)}
+                  if not name.startswith(STATE_METRICS + KV_METRICS + TENANT_METRICS)}
     assert set(documented) == set(exported), (
         f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
         f"on the page but not exported: {sorted(set(documented) - set(exported))}")

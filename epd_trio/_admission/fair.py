@@ -49,11 +49,24 @@ Clock = Callable[[], float]
 Want = tuple[str, int, int]
 
 
+class AdmissionObserver(Protocol):
+    """Who counts what admission does (``_observe/metrics.ProxyMetrics``)."""
+
+    def tenant_queued(self, tenant: str, priority: int, delta: int) -> None: ...
+    def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None: ...
+    def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None: ...
+    def tenant_settled(self, tenant: str, tokens: int) -> None: ...
+
+
 class SharedBuckets(Protocol):
     """The tenants' per-minute buckets shared by replicas (``_replicas/limits``)."""
 
     #: Replicas alive at the last look (the share each enforces while the store is gone).
     live_replicas: int
+
+    def others_inflight(self, tenant: str) -> int:
+        """The tenant's requests in flight elsewhere (other replicas, as last published)."""
+        ...
 
     async def take(self, tenant: str, wants: Sequence[Want]) -> tuple[int, float] | None:
         """All of ``wants`` taken at once: ``(0, 0.0)``; or the 1-based index of the first
@@ -132,7 +145,8 @@ class FairAdmission:
 
     def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
                  aging: float, tenant_header: str | None = None,
-                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None) -> None:
+                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
+                 observer: AdmissionObserver | None = None) -> None:
         self._max = max_inflight
         self._timeout = timeout
         self._table = table
@@ -143,6 +157,9 @@ class FairAdmission:
         self._per_tenant: dict[str, int] = {}
         self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
         self._shared = shared
+        #: The tenants with a ``max_inflight``: the only ones a free place may skip.
+        self._capped = [t for t in table.by_name.values() if t.max_inflight is not None]
+        self._observer = observer
 
     # -- who ---------------------------------------------------------------------------------
     def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
@@ -175,22 +192,39 @@ class FairAdmission:
     def _may_start(self, tenant: Tenant) -> bool:
         cap = tenant.max_inflight
         return self._inflight < self._max and (
-            cap is None or self._per_tenant.get(tenant.name, 0) < cap)
+            cap is None or self._tenant_inflight(tenant.name) < cap)
+
+    def _tenant_inflight(self, name: str) -> int:
+        """The tenant's requests in flight: here, and at the other replicas as they last
+        published them (``EPD_STATE_LOAD_INTERVAL``: a burst may overshoot by what arrives
+        at several replicas within one interval)."""
+        here = self._per_tenant.get(name, 0)
+        return here if self._shared is None else here + self._shared.others_inflight(name)
+
+    def per_tenant(self) -> Mapping[str, int]:
+        """This process's requests in flight per tenant (published to the other replicas)."""
+        return {name: n for name, n in self._per_tenant.items() if n}
 
     def _start(self, name: str) -> None:
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
 
     async def _take_place(self, tenant: Tenant) -> None:
+        observer, name, band = self._observer, tenant.name, tenant.priority
         # Every release hands its place to the queue first, so a free place means that every
         # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
         if self._may_start(tenant):
-            self._start(tenant.name)
+            self._start(name)
+            if observer is not None:
+                observer.tenant_admitted(name, band, 0.0)
             return
         admitted = trio.Event()
-        waiter = Waiter(tenant=tenant.name, priority=tenant.priority, weight=tenant.weight,
-                        enqueued=self._clock(), token=admitted)
+        enqueued = self._clock()
+        waiter = Waiter(tenant=name, priority=band, weight=tenant.weight, enqueued=enqueued,
+                        token=admitted)
         self._queue.push(waiter)
+        if observer is not None:
+            observer.tenant_queued(name, band, 1)
         try:
             with trio.move_on_after(self._timeout):
                 await admitted.wait()
@@ -199,26 +233,40 @@ class FairAdmission:
                 self._release(tenant)
             else:
                 waiter.cancelled = True
+                if observer is not None:
+                    observer.tenant_queued(name, band, -1)
             raise
         if admitted.is_set():
+            if observer is not None:  # its queue count was taken down when it was woken
+                observer.tenant_admitted(name, band, self._clock() - enqueued)
             return
         waiter.cancelled = True
         cap = tenant.max_inflight
-        if cap is not None and self._per_tenant.get(tenant.name, 0) >= cap:
-            raise RateLimited(tenant.name, "max_inflight", cap, retry_after(self._timeout))
+        held = cap is not None and self._tenant_inflight(name) >= cap
+        if observer is not None:
+            observer.tenant_queued(name, band, -1)
+            observer.tenant_rejected(name, band, "max_inflight" if held else "deadline")
+        if held:
+            assert cap is not None
+            raise RateLimited(name, "max_inflight", cap, retry_after(self._timeout))
         raise AtCapacity(
             f"the proxy is serving its limit of {self._max} requests (EPD_MAX_INFLIGHT) and "
-            f"no place came to tenant {tenant.name!r} within {self._timeout:g} s; retry later")
+            f"no place came to tenant {name!r} within {self._timeout:g} s; retry later")
 
     def _blocked(self) -> set[str]:
         """Tenants at their own ``max_inflight``."""
-        by_name = self._table.by_name
-        return {name for name, n in self._per_tenant.items()
-                if (cap := by_name[name].max_inflight) is not None and n >= cap}
+        return {tenant.name for tenant in self._capped
+                if self._tenant_inflight(tenant.name) >= (tenant.max_inflight or 0)}
 
     def _release(self, tenant: Tenant) -> None:
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give the free places to the queue (``FairQueue.pop``): after a release here, and
+        when the other replicas' counts change (a tenant they held at its ``max_inflight``
+        may start again)."""
         if not len(self._queue):
             return
         now = self._clock()
@@ -228,6 +276,8 @@ class FairAdmission:
                 return
             self._start(waiter.tenant)
             waiter.token.set()
+            if self._observer is not None:
+                self._observer.tenant_queued(waiter.tenant, waiter.priority, -1)
 
     # -- rates -------------------------------------------------------------------------------
     def bucket(self, tenant: str, limit: str, per_minute: float) -> TokenBucket:
@@ -251,6 +301,8 @@ class FairAdmission:
         index, wait = answer
         if index:
             limit, per_minute, _ = wants[index - 1]
+            if self._observer is not None:
+                self._observer.tenant_rejected(tenant.name, tenant.priority, limit)
             raise RateLimited(tenant.name, limit, per_minute, retry_after(wait))
 
     def _share(self) -> int:
@@ -270,6 +322,8 @@ class FairAdmission:
         return 0, 0.0
 
     def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
+        if self._observer is not None:
+            self._observer.tenant_settled(tenant.name, used)
         per_minute = tenant.tokens_per_minute
         assert per_minute is not None
         shared = self._shared

@@ -93,6 +93,9 @@ class SharedLimits:
     def live_replicas(self) -> int:
         return self._link.live_replicas
 
+    def others_inflight(self, tenant: str) -> int:
+        return self._link.others_inflight(tenant)
+
     def _key(self, tenant: str, limit: str) -> bytes:
         return f"{self._prefix}{tenant}:{limit}".encode()
 
@@ -105,6 +108,9 @@ class SharedLimits:
         for _, per_minute, amount in wants:
             args += [str(per_minute).encode(), str(amount).encode()]
         keys = [self._key(tenant, limit) for limit, _, _ in wants]
+        # A reply that comes after the timeout is dropped, though Redis took the amounts: the
+        # request is then counted twice (there, and in the local share): a slow store errs on
+        # the side of the limit, never above it.
         with trio.move_on_after(LIMITS_TIMEOUT):
             try:
                 reply = await lean.call(b"EVAL", _TAKE.encode(), str(len(keys)).encode(), *keys,

@@ -70,6 +70,9 @@ from .tls import tls_context
 
 log = logging.getLogger("epd_trio")
 
+#: The "stage" under which tenants' in-flight counts travel in the load hashes.
+TENANT_LOAD = "tenant"
+
 #: Reconnect backoff: first wait, cap (seconds); each wait is jittered by up to +-25 %.
 BACKOFF_FIRST, BACKOFF_CAP = 0.1, 5.0
 #: Malformed entries remembered (each is counted once, not at every read).
@@ -198,6 +201,11 @@ class StateLink:
         #: Replicas alive at the last load exchange, this one included (the share of a
         #: tenant's limit each enforces while the store is gone).
         self.live_replicas = 1
+        #: This replica's requests in flight per tenant (fair admission's, set by the app),
+        #: published with its loads so that a tenant's ``max_inflight`` holds for the fleet.
+        self.tenant_inflight: Callable[[], Mapping[str, int]] = dict
+        #: Called after each read of the other replicas' counts (fair admission's dispatch).
+        self.on_loads: Callable[[], None] = lambda: None
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
@@ -235,6 +243,11 @@ class StateLink:
     async def next_load_read(self) -> None:
         """Until the others' counts have been read once more (tests and benchmarks)."""
         await self._loads_read.wait()
+
+    def others_inflight(self, tenant: str) -> int:
+        """The other live replicas' requests in flight for ``tenant``, as they last published
+        them (0 while the store is gone: then each replica counts its own)."""
+        return self._loads.remote.get((TENANT_LOAD, (tenant, None)), 0)
 
     # -- the global cursor (on a request's path) --------------------------------------------------
     async def take(self, stage: str, n: int) -> int | None:
@@ -505,6 +518,8 @@ class StateLink:
         clashes = 0
         while True:
             fields = load_fields(self._loads.table.snapshot())
+            fields.update(load_fields((TENANT_LOAD, (tenant, None), n)
+                                      for tenant, n in self.tenant_inflight().items()))
             args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):
                 clash, replies, wrong = await redis.eval(_LOAD_EXCHANGE, keys, args)
@@ -527,6 +542,7 @@ class StateLink:
             for _ in range(bad):
                 self._metrics.state_malformed()
             self._loads.remote = total
+            self.on_loads()
             self._loads_read.set()
             self._loads_read = trio.Event()
             await trio.sleep(interval)

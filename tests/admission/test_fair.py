@@ -158,3 +158,19 @@ async def test_a_stream_without_usage_settles_the_events_it_relayed() -> None:
         ticket.relayed(b'data: {"a": 3}\n\ndata: [DONE]\n\n')
         ticket.answered(b'data: {"a": 3}\n\ndata: [DONE]\n\n')  # no usage in its tail
     assert admission.bucket("tpm", "tokens_per_minute", 600).level == 600 - 10 - 3
+
+
+async def test_both_per_minute_limits_are_taken_together_or_not_at_all() -> None:
+    """A request refused on its tokens takes no request unit, and the reverse."""
+    table = TenantTable(parse_tenants({"both": {"requests_per_minute": 2,
+                                                "tokens_per_minute": 100}}))
+    admission = FairAdmission(max_inflight=10, timeout=1.0, table=table, aging=0.0,
+                              clock=lambda: 0.0)
+    both = table.by_name["both"]
+    small, large = {"model": "m", "max_tokens": 10}, {"model": "m", "max_tokens": 1000}
+    async with AsyncExitStack() as resources:
+        await (await admission.enter(both, resources)).admitted(large)  # a full bucket: passes
+        for _ in range(2):  # the tokens are in debt now: refused, no request unit taken
+            with pytest.raises(RateLimited, match="tokens_per_minute"):
+                await (await admission.enter(both, resources)).admitted(small)
+        assert admission.bucket("both", "requests_per_minute", 2).level == 1

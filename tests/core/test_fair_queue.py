@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from epd_trio._core.fair_queue import FairQueue, Waiter
 
 
@@ -104,3 +107,40 @@ def test_a_tenant_that_leaves_and_returns_starts_without_old_credit() -> None:
     q.push(waiter("b"))
     # b was first in the now-empty band: its turn starts at once; a's credit did not carry.
     assert served(q, 3) == ["b", "a", "b"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["push", "pop", "cancel"]),
+                          st.sampled_from(["a", "b", "c"]), st.integers(0, 2), st.booleans()),
+                max_size=80),
+       st.sampled_from([0.0, 0.5]))
+def test_the_queue_never_loses_serves_twice_or_serves_the_blocked(
+    steps: list[tuple[str, str, int, bool]], aging: float,
+) -> None:
+    q = FairQueue(aging=aging)
+    live: list[Waiter] = []
+    served_ids: set[int] = set()
+    now = 0.0
+    for n, (op, tenant, index, block) in enumerate(steps):
+        now += 0.1
+        if op == "push":  # a tenant's priority and weight are its table's: fixed per tenant
+            w = waiter(tenant, priority={"a": 0, "b": 1, "c": 2}[tenant],
+                       weight={"a": 1.0, "b": 3.0, "c": 0.5}[tenant], at=now)
+            w.token = n  # its identity
+            q.push(w)
+            live.append(w)
+        elif op == "cancel" and live:
+            live.pop(index % len(live)).cancelled = True
+        elif op == "pop":
+            blocked = (tenant,) if block else ()
+            w = q.pop(now, blocked)
+            if w is None:
+                assert all(x.tenant in blocked for x in live)
+            else:
+                assert w in live and w.tenant not in blocked and w.token not in served_ids
+                served_ids.add(w.token)
+                live.remove(w)
+    drained = []
+    while (w := q.pop(now + 100.0)) is not None:
+        drained.append(w)
+    assert sorted(w.token for w in drained) == sorted(w.token for w in live) and len(q) == 0

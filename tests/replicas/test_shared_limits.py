@@ -9,6 +9,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -27,7 +28,8 @@ from real_servers import RedisServer
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 TABLES = {"team": {"keys": ["sk-team"], "requests_per_minute": 30},
           "metered": {"keys": ["sk-tpm"], "tokens_per_minute": 1200},
-          "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000}}
+          "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000},
+          "capped": {"keys": ["sk-capped"], "max_inflight": 2}}
 TEAM = {"authorization": "Bearer sk-team"}
 METERED = {"authorization": "Bearer sk-tpm"}
 
@@ -81,7 +83,8 @@ async def test_tokens_reserved_at_one_replica_are_settled_for_all(
     redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
     """1002 of 1200 reserved at r0, about 10 used: once settled, r1 and r2 admit another
-    1002 each in turn; unsettled, the bucket would hold 198."""
+    1002 each in turn (non-stream, stream, non-stream), and a stream whose client leaves
+    settles too; unsettled, the bucket would hold 198."""
     (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
     async with fleet(redis_server, decode) as replicas:
         body = chat_body(max_tokens=1000)
@@ -93,6 +96,16 @@ async def test_tokens_reserved_at_one_replica_are_settled_for_all(
             with trio.fail_after(5):  # the settlement is sent after the answer, unawaited
                 while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
                     await trio.sleep(0.01)
+        # A stream its client leaves after the first bytes settles what it used too.
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 1000, 0.05
+        async with client.stream("POST", replicas[1][0] + CHAT, headers=METERED,
+                                 json={**body, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                break
+        with trio.fail_after(5):
+            while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 8, 0.0
         r = await client.post(replicas[0][0] + CHAT, json=chat_body(max_tokens=5000),
                               headers=METERED)
         assert r.status_code == 429 and r.json()["error"]["param"] == "tokens_per_minute"
@@ -141,3 +154,69 @@ async def test_redis_killed_under_load_fails_no_request_and_each_replica_takes_i
                        for _, p in replicas) >= 30 + 15
     finally:
         redis.kill()
+
+
+async def test_max_inflight_counts_the_other_replicas_requests(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Two requests of a tenant capped at 2 hang at r0; once r1 has read r0's published
+    counts, r1 keeps a third waiting and answers 429 ``max_inflight`` at its deadline."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=0.3) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        async with trio.open_nursery() as held:
+            for _ in range(2):
+                held.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                        headers=capped))
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["param"] == "max_inflight"
+            assert len(decode.requests()) == 2  # the third never reached the engine
+            held.cancel_scope.cancel()
+
+
+async def test_a_waiter_held_by_other_replicas_starts_when_they_release(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """r1's request waits on the tenant's cap, held by r0's two: when r0's end, r1 learns it
+    from r0's next published counts and starts it, with no release of its own."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=30) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        answers: list[int] = []
+        holding = trio.CancelScope()
+
+        async def hold_two() -> None:
+            with holding:
+                async with trio.open_nursery() as two:
+                    for _ in range(2):
+                        two.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                               headers=capped))
+
+        async def third() -> None:
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            answers.append(r.status_code)
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(hold_two)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            decode.behaviour.hang = False
+            requests.start_soon(third)
+            for _ in range(3):  # r1 has read the counts again: still waiting
+                await proxy1.state.next_load_read()
+            assert answers == [] and len(decode.requests()) == 2
+            holding.cancel()  # r0's two end (their client left)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 3)
+        assert answers == [200]

@@ -16,7 +16,7 @@ from epd_trio._core.config import ConfigError, settings_from
 from epd_trio._core.tenants import parse_tenants
 from epd_trio.testing import run_cluster
 
-from helpers import CHAT, chat_body
+from helpers import CHAT, Samples, chat_body
 
 TENANTS = parse_tenants({
     "interactive": {"keys": ["sk-int-1"], "requests_per_minute": 2},
@@ -48,6 +48,12 @@ async def test_over_requests_per_minute_a_tenant_gets_a_429_naming_the_limit(
         assert r.status_code == 200
         r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers=key("sk-nobody"))
         assert r.status_code == 401
+        metrics = Samples((await client.get(c.proxy_url + "/metrics")).text)
+        assert metrics.get("epd_trio_tenant_admitted_total", tenant="interactive",
+                           priority="0") == 3  # a place, then refused on its rate
+        assert metrics.get("epd_trio_tenant_rejected_total", tenant="interactive", priority="0",
+                           reason="requests_per_minute") == 1
+        assert metrics.get("epd_trio_tenant_admitted_total", tenant="batch", priority="1") == 1
 
 
 @pytest.mark.parametrize(("headers", "asked", "sent"), [
