@@ -33,6 +33,7 @@ from ._pipeline import Reply
 from ._proxy import Proxy
 from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
+from ._state.tasks import named
 from ._web.asgi import ProxyASGI
 from ._web.endpoints import CompletionEndpoints
 
@@ -73,7 +74,7 @@ def _send(reply: Reply) -> Response:
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
     discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
-    tracing: Tracing | None = None,
+    tracing: Tracing | None = None, on_failure: Callable[[str], None] | None = None,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -86,6 +87,8 @@ def create_app(
     with other workers and is not the one binding the MoRIIO socket). ``tracing``: by default
     from the OpenTelemetry variables of the environment (off unless an OTLP endpoint is set;
     ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
+    ``on_failure`` stops the process when a per-process task dies (``_state/tasks.py``);
+    without it the app keeps serving and ``/health`` and ``/ready`` say it has failed.
     """
     if tracing is None:
         tracing = create_tracing(os.environ)
@@ -102,7 +105,7 @@ def create_app(
         # which shares no discovered instance) discovers for itself.
         discovery = moriio_listener or shared is None
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
-                  clock=clock, tracing=tracing)
+                  clock=clock, tracing=tracing, on_failure=on_failure)
     app.extensions["epd_trio.proxy"] = proxy
     tenants = TenantTable(settings.tenants)
     client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
@@ -131,8 +134,13 @@ def create_app(
 
     @app.before_serving
     async def _open() -> None:
-        await proxy.start(app.nursery)
-        watchdog.append(await app.nursery.start(asgi.watch_stalled_sends))
+        async def start(nursery: trio.Nursery) -> None:
+            await proxy.start(nursery)
+            watchdog.append(await nursery.start(
+                named("stalled-send watchdog", asgi.watch_stalled_sends)))
+
+        # Every per-process task under one owner, with one policy (``_state/tasks.py``).
+        await app.nursery.start(proxy.tasks.run, start)
 
     @app.after_serving
     async def _close() -> None:

@@ -21,16 +21,22 @@ from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
 from .tenants import Tenant, parse_tenants
-from .urls import check_base_url, check_host, echo
+from .urls import check_base_url, check_host, echo, redact_url
 
 ENV_PREFIX = "EPD_"
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; ``str()`` is the one line shown at start-up."""
+    """A setting is missing or malformed; ``str()`` is the one line shown at start-up: one
+    line whatever the value held, never a URL's user or password (``redact_url``), and cut
+    at ``MAX_LINE`` characters (a value of megabytes must not become a line of megabytes)."""
+
+    #: The longest line shown; the start names the setting and the problem.
+    MAX_LINE = 300
 
     def __init__(self, variable: str, problem: str) -> None:
-        super().__init__(f"{variable}: {problem}")
+        line = redact_url(" ".join(f"{variable}: {problem}".splitlines()))
+        super().__init__(line if len(line) <= self.MAX_LINE else line[:self.MAX_LINE] + "...")
         self.variable = variable
 
 
@@ -560,7 +566,8 @@ def _header_name(raw: Any) -> str:
 
 
 def _api_url(raw: Any) -> str:
-    return check_base_url(raw.strip() if isinstance(raw, str) else raw)
+    return check_base_url(raw.strip() if isinstance(raw, str) else raw,
+                          what="the API server's URL")
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {

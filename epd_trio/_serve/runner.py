@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -125,10 +126,20 @@ async def _serve(
     stop: trio.Event,
     who: str,
     moriio_listener: bool = True,
+    failures: list[str] | None = None,
 ) -> None:
+    """Serve until ``stop``; a per-process task that dies (``_state/tasks.py``) is appended to
+    ``failures`` and stops the process too, which then exits non-zero."""
     setup_serving_process(settings)
     capture_process_output(settings.log_level)
-    app = wrap_app(create_app(settings, shared, moriio_listener=moriio_listener),
+
+    def on_failure(reason: str) -> None:
+        if failures is not None:
+            failures.append(reason)
+        stop.set()
+
+    app = wrap_app(create_app(settings, shared, moriio_listener=moriio_listener,
+                              on_failure=on_failure),
                    config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:
@@ -153,6 +164,8 @@ def _worker_main(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides
 
+    failures: list[str] = []
+
     async def main() -> None:
         stop = trio.Event()
 
@@ -173,10 +186,12 @@ def _worker_main(
             nursery.start_soon(watch_signals)
             # One ZMQ port: worker 0 binds it; the shared roster carries what it hears.
             await _serve(settings, shared, config, sockets, stop, f"worker {index}",
-                         moriio_listener=index == 0)
+                         moriio_listener=index == 0, failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    if failures:
+        sys.exit(1)  # the parent sees a worker that exited on its own, and stops
 
 
 def serve(settings: Settings, options: ServeOptions) -> int:
@@ -200,6 +215,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
 
 
 def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> int:
+    failures: list[str] = []
+
     async def main() -> None:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -213,11 +230,11 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
                         return
 
             nursery.start_soon(on_signal)
-            await _serve(settings, None, config, sockets, stop, "proxy")
+            await _serve(settings, None, config, sockets, stop, "proxy", failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    return 0
+    return 1 if failures else 0
 
 
 @contextmanager
