@@ -48,7 +48,7 @@ aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``), 
 under ``--openai-python``). The load
 generator's CPU in the report is the client's, whichever it is.
 
-docs/performance.md says how to install the references and gives the figures.
+docs/discussion/performance.md says how to install the references and gives the figures.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
                 skipped.append("vllm-router: skipped, its P/D mode needs a prefill instance")
             elif not os.access(args.vllm_router, os.X_OK):
                 skipped.append(f"vllm-router: skipped, {args.vllm_router} not found (see "
-                               "docs/performance.md, or --vllm-router / EPD_BENCH_VLLM_ROUTER)")
+                               "docs/discussion/performance.md, or --vllm-router / EPD_BENCH_VLLM_ROUTER)")
             else:
                 def router(port: int) -> list[str]:
                     cmd = [str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
@@ -170,7 +170,7 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
         elif name == "vllm-epd-proxy":
             if not Path(args.epd_proxy).is_file():
                 skipped.append(f"vllm-epd-proxy: skipped, {args.epd_proxy} not found (see "
-                               "docs/performance.md, or --epd-proxy / EPD_BENCH_EPD_PROXY)")
+                               "docs/discussion/performance.md, or --epd-proxy / EPD_BENCH_EPD_PROXY)")
             elif not os.access(args.epd_proxy_python, os.X_OK):
                 skipped.append(f"vllm-epd-proxy: skipped, no Python at {args.epd_proxy_python} "
                                "(--epd-proxy-python / EPD_BENCH_EPD_PROXY_PYTHON)")

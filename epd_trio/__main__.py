@@ -14,6 +14,7 @@ real proxy on a local port, prints a ready-to-paste ``curl``, and serves until C
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import json
 import os
@@ -23,6 +24,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import httpx
@@ -37,7 +39,10 @@ from ._core.config import (
     env_name,
     flag_name,
 )
+from ._core.meanings import MEANINGS, SERVE_OPTIONS, Meaning
+from ._core.policies import POLICIES
 from ._core.roster import layout_name
+from ._core.router_flags import ALIASES, ALL_STAGES, IGNORED, REFUSED
 from ._discovery.start import check_discovery
 from ._environment import load_settings
 from ._observe.tracing import check_tracing
@@ -188,53 +193,119 @@ def free_demo_port(host: str, port: int, tries: int = 100) -> int | None:
     return None
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser that refuses what it does not know itself, with its own usage and the closest
+    flag it has: argparse would hand an unknown flag of ``serve`` up to the top-level parser,
+    whose usage says nothing about ``serve``'s flags."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            flag = next((a for a in extras if a.startswith("-")), extras[0])
+            close = difflib.get_close_matches(flag.split("=", 1)[0],
+                                              sorted(self._option_string_actions), n=1)
+            self.error(f"unrecognized argument: {flag}"
+                       + (f" (did you mean {close[0]}?)" if close else ""))
+        return namespace, extras
+
+
+class _Refused(argparse.Action):
+    """A flag of vllm-router or SGLang's router with no same-meaning flag here."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        parser.error(f"{option_string} is a vllm-router / SGLang router flag with no "
+                     f"equivalent here: {REFUSED[option_string or '']} (the table 'Coming from "
+                     "vllm-router / SGLang' in docs/reference/settings.md)")
+
+
+def _version() -> str:
+    try:
+        return version("epd-trio")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _shown(value: Any) -> str:
+    if value is None or value == ():
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _help(meaning: Meaning, where: str, default: Any, extra: str = "") -> str:
+    """A flag's help line: its meaning (``_core/meanings``), where else it is set, its default."""
+    return f"{meaning.text} ({where}default {_shown(default)}{extra})"
+
+
 def _add_serve(commands: Any) -> None:
     serve = commands.add_parser(
-        "serve", help="run the proxy (Hypercorn trio worker)",
+        "serve", help="run the proxy (Hypercorn trio worker)", allow_abbrev=False,
         description="Run the proxy. Every setting can also come from its EPD_* environment "
                     "variable or the --config TOML file; a flag wins. Keys (EPD_ADMIN_KEY, "
                     "EPD_API_KEYS, EPD_UPSTREAM_API_KEY) have no flag: set them in the "
-                    "environment or the config file, so they stay out of ps listings.")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000, help="0 = any free port (printed)")
-    serve.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    serve.add_argument("--backlog", type=int, default=DEFAULT_BACKLOG,
-                       help=f"listen backlog (default {DEFAULT_BACKLOG})")
-    serve.add_argument("--keep-alive", type=float, default=DEFAULT_KEEP_ALIVE,
-                       help=f"idle keep-alive seconds (default {DEFAULT_KEEP_ALIVE:g})")
-    serve.add_argument("--access-log", action="store_true", help="log every request (off)")
-    serve.add_argument("--config", metavar="FILE", help="TOML file of settings (EPD_CONFIG)")
+                    "environment or the config file, so they stay out of ps listings. "
+                    "vllm-router's and SGLang's flags with the same meaning are accepted "
+                    "(docs/reference/settings.md, 'Coming from vllm-router / SGLang').")
+    serve.add_argument("--version", action="version", version=f"epd-trio {_version()}")
+    options = {"--host": "127.0.0.1", "--port": 8000, "--workers": 1,
+               "--backlog": DEFAULT_BACKLOG, "--keep-alive": DEFAULT_KEEP_ALIVE}
+    kinds = {"--host": str, "--port": int, "--workers": int, "--backlog": int}
+    for flag, default in options.items():
+        meaning = SERVE_OPTIONS[flag]
+        extra = {"--port": "; 0 = any free port, printed"}.get(flag, "")
+        serve.add_argument(flag, type=kinds.get(flag, float), default=default,
+                           metavar=meaning.shown_metavar, help=_help(meaning, "", default, extra))
+    serve.add_argument("--access-log", action="store_true",
+                       help=f"{SERVE_OPTIONS['--access-log'].text} (default off)")
+    serve.add_argument("--config", metavar=SERVE_OPTIONS["--config"].shown_metavar,
+                       help=f"{SERVE_OPTIONS['--config'].text} (EPD_CONFIG; default none)")
+    aliases: dict[str, list[str]] = {}
+    for theirs, ours in ALIASES.items():
+        aliases.setdefault(ours, []).append(theirs)
     for field in FLAG_FIELDS:
-        env = env_name(field)
+        env, meaning = env_name(field), MEANINGS[field]
+        flags = [flag_name(field), *aliases.get(flag_name(field), [])]
+        where = f"{env}; "
         if field.endswith("_urls"):
-            serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
-                               metavar="URL[#dp=N]", help=f"{field.removesuffix('_urls')} "
-                               f"instances ({env})")
+            serve.add_argument(*flags, dest=field, nargs="+", action="extend",
+                               metavar=meaning.shown_metavar,
+                               help=_help(meaning, where, None))
         elif field.endswith("_selector"):
             # vllm-router's spelling: --decode-selector app=vllm role=decode
-            serve.add_argument(flag_name(field), dest=field, nargs="+", action="extend",
-                               metavar="KEY=VALUE", help=f"{field.removesuffix('_selector')} "
-                               f"pods' labels ({env})")
+            serve.add_argument(*flags, dest=field, nargs="+", action="extend",
+                               metavar=meaning.shown_metavar, help=_help(meaning, where, None))
             if field == "decode_selector":
                 serve.add_argument("--selector", dest="selector", nargs="+", action="extend",
                                    metavar="KEY=VALUE", help="vllm-router's --selector (a fleet "
                                    "without a prefill/decode split): --decode-selector")
-        elif field == "shutdown_grace":
-            help_ = (f"seconds requests in flight get at shutdown before they are ended with a "
-                     f"shutting_down error ({env}, default {SETTING_DEFAULTS[field]:g}; the "
-                     f"process exits within this + {WATCHDOG_MARGIN + 1:g} s)")
-            serve.add_argument(flag_name(field), "--graceful-timeout", dest=field,
-                               metavar="SECONDS", help=help_ + "; --graceful-timeout is "
-                               "Hypercorn's name for it")
+        elif field == "shutdown_grace":  # Hypercorn's --graceful-timeout is its other name
+            serve.add_argument(*flags, "--graceful-timeout", dest=field,
+                               metavar=meaning.shown_metavar,
+                               help=_help(meaning, where, SETTING_DEFAULTS[field],
+                                          f"; the process exits within this + "
+                                          f"{WATCHDOG_MARGIN + 1:g} s; --graceful-timeout is "
+                                          "Hypercorn's name for it"))
         elif isinstance(SETTING_DEFAULTS[field], bool):
-            serve.add_argument(flag_name(field), dest=field, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"{env} (default {SETTING_DEFAULTS[field]})")
+            serve.add_argument(*flags, dest=field, action=argparse.BooleanOptionalAction,
+                               default=None,
+                               help=_help(meaning, where, SETTING_DEFAULTS[field]))
         else:
-            default = SETTING_DEFAULTS[field]
             choices = SETTING_CHOICES.get(field)
-            serve.add_argument(flag_name(field), dest=field,
-                               metavar="{" + ",".join(choices) + "}" if choices else "N",
-                               help=f"{env} (default {default})")
+            serve.add_argument(*flags, dest=field,
+                               metavar="{" + ",".join(choices) + "}" if choices
+                               else meaning.shown_metavar or "VALUE",
+                               help=_help(meaning, where, SETTING_DEFAULTS[field]))
+    serve.add_argument(ALL_STAGES, dest="policy", choices=POLICIES, metavar="{"
+                       + ",".join(POLICIES) + "}",
+                       help="vllm-router's and SGLang's --policy: the policy of every stage "
+                            "whose own policy flag is not given")
+    for flag, why in IGNORED.items():
+        serve.add_argument(flag, action="store_true", dest="ignored_mode",
+                           help=f"vllm-router's mode switch, accepted: {why}")
+    for flag in REFUSED:
+        serve.add_argument(flag, action=_Refused, nargs="*", help=argparse.SUPPRESS)
 
 
 def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -245,6 +316,12 @@ def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
     vllm-router takes it or the two split selectors, never both; so does this.
     """
     flags = {field: getattr(args, field) for field in FLAG_FIELDS}
+    policy = getattr(args, "policy", None)
+    if policy is not None:  # vllm-router's --policy: each stage's own flag wins
+        for stage in ("encode", "prefill", "decode"):
+            field = f"{stage}_policy"
+            if flags[field] is None and policy in SETTING_CHOICES[field]:
+                flags[field] = policy
     selector = getattr(args, "selector", None)
     if selector:
         given = [flag_name(f) for f in ("prefill_selector", "decode_selector") if flags[f]]
@@ -330,13 +407,17 @@ def _bind_error(group: BaseExceptionGroup) -> OSError | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``epd-trio`` (the tests parse the docs' manifests with it)."""
-    parser = argparse.ArgumentParser(prog="epd-trio", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="epd-trio", description=__doc__, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"epd-trio {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_serve(commands)
-    demo = commands.add_parser("demo", help="run the proxy on an embedded fake EPD cluster")
-    demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=8000, help="proxy port (0 = any free port)")
+    demo = commands.add_parser("demo", help="run the proxy on an embedded fake EPD cluster",
+                               allow_abbrev=False)
+    demo.add_argument("--host", default="127.0.0.1", metavar="HOST",
+                      help="address to listen on (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, default=8000, metavar="PORT",
+                      help="port to listen on; 0 = any free port (default 8000)")
     demo.add_argument("--check", type=int, nargs="?", const=6, default=0, metavar="N",
                       help="send N requests (default 6), print their routes and exit")
     demo.add_argument("--kv-connector", choices=("generic", "moriio"), default="generic",

@@ -19,17 +19,21 @@ import trio
 from prometheus_client import CONTENT_TYPE_LATEST
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from ._admission.fair import FairAdmission
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
 from ._core.errors import BodyTooLarge, ProxyError, error_reply
 from ._core.rewrite import json_object
+from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
+from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
+from ._state.tasks import named
 from ._web.asgi import ProxyASGI
 from ._web.drain import Drain
 from ._web.endpoints import CompletionEndpoints
@@ -37,6 +41,19 @@ from ._web.endpoints import CompletionEndpoints
 log = logging.getLogger("epd_trio")
 
 _OPENAI_TYPES = {404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error"}
+
+
+def _routing_message(status: int, method: str, path: str, exc: HTTPException) -> str | None:
+    """404 and 405 in the words of OpenAI's own API ("Invalid URL (GET /v1/nope)"), not
+    Werkzeug's prose for a browser ("If you entered the URL manually..."); None for any other
+    status, whose own description is kept."""
+    if status == 404:
+        return f"Invalid URL ({method} {path})"
+    if isinstance(exc, MethodNotAllowed):
+        allowed = ", ".join(exc.valid_methods or ())
+        return f"method {method} is not allowed on {path}" + (
+            f" (allowed: {allowed})" if allowed else "")
+    return None
 
 
 def _json(status: int, payload: object, headers: dict[str, str] | None = None) -> Response:
@@ -58,7 +75,7 @@ def _send(reply: Reply) -> Response:
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
     discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
-    tracing: Tracing | None = None,
+    tracing: Tracing | None = None, on_failure: Callable[[str], None] | None = None,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -71,6 +88,8 @@ def create_app(
     with other workers and is not the one binding the MoRIIO socket). ``tracing``: by default
     from the OpenTelemetry variables of the environment (off unless an OTLP endpoint is set;
     ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
+    ``on_failure`` stops the process when a per-process task dies (``_state/tasks.py``);
+    without it the app keeps serving and ``/health`` and ``/ready`` say it has failed.
     """
     if tracing is None:
         tracing = create_tracing(os.environ)
@@ -87,18 +106,31 @@ def create_app(
         # which shares no discovered instance) discovers for itself.
         discovery = moriio_listener or shared is None
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
-                  clock=clock, tracing=tracing)
+                  clock=clock, tracing=tracing, on_failure=on_failure)
     app.extensions["epd_trio.proxy"] = proxy
-    client_keys = ClientKeys(settings.api_keys)
+    tenants = TenantTable(settings.tenants)
+    client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
+    admission: Admission | FairAdmission = (
+        FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
+                      table=tenants, aging=settings.priority_aging,
+                      tenant_header=settings.tenant_header,
+                      shared=(SharedLimits(proxy.state, proxy.metrics)
+                              if proxy.state is not None
+                              else None if shared is None else shared.buckets),
+                      observer=proxy.metrics)
+        if settings.tenants or settings.tenant_header is not None
+        else Admission(settings.max_inflight, settings.admission_timeout))
+    if isinstance(admission, FairAdmission) and proxy.state is not None:
+        proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
+        proxy.state.on_loads = admission.dispatch  # the others' counts may free a tenant
     accounting = proxy.pipeline.accounting
     # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
     drain = Drain(settings.shutdown_grace,
                   on_cut=lambda: setattr(accounting, "shutting_down", True))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
-                         proxy, settings.max_body_bytes, client_keys,
-                         Admission(settings.max_inflight, settings.admission_timeout),
+                         proxy, settings.max_body_bytes, client_keys, admission,
                          body_timeout=settings.body_timeout, drain=drain))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
@@ -108,8 +140,13 @@ def create_app(
 
     @app.before_serving
     async def _open() -> None:
-        await proxy.start(app.nursery)
-        watchdog.append(await app.nursery.start(asgi.watch_stalled_sends))
+        async def start(nursery: trio.Nursery) -> None:
+            await proxy.start(nursery)
+            watchdog.append(await nursery.start(
+                named("stalled-send watchdog", asgi.watch_stalled_sends)))
+
+        # Every per-process task under one owner, with one policy (``_state/tasks.py``).
+        await app.nursery.start(proxy.tasks.run, start)
 
     @app.after_serving
     async def _close() -> None:
@@ -197,8 +234,13 @@ def create_app(
         status = exc.code or 500
         if status == 413:
             return _error(BodyTooLarge(settings.max_body_bytes))
-        return _error(ProxyError(exc.description or exc.name, status=status,
-                                 type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        response = _error(ProxyError(
+            _routing_message(status, request.method, request.path, exc)
+            or exc.description or exc.name,
+            status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["allow"] = ", ".join(exc.valid_methods)
+        return response
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:

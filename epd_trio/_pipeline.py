@@ -33,10 +33,11 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any, TypeVar
 
+from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from ._core.errors import NoInstance
@@ -147,19 +148,21 @@ class Pipeline:
 
     async def run(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
-        trace_context: TraceHeaders = NO_TRACE_CONTEXT,
+        trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
     ) -> Reply:
         """Run the request through its stages and produce the reply.
 
         ``resources`` is the request's owner of anything that outlives this call (the open decode
         stream): the web layer closes it after the response is sent or the client went away.
         ``trace_context``: the client's ``traceparent`` / ``tracestate``, which every leg
-        carries on (or its tracing span's, with tracing on). Raises ``ProxyError`` for
+        carries on (or its tracing span's, with tracing on). ``ticket``: the request's
+        tenant side (fair admission): its priority and token reservation, applied to the
+        parsed body, and the answer's usage reported back. Raises ``ProxyError`` for
         anything the client must be told.
         """
         path = PATH_OF_KIND[kind]
         account = self.accounting.begin(path, request_id, trace_context)
-        run = RequestRun(self, account, path, request_id)
+        run = RequestRun(self, account, path, request_id, ticket)
         resources.push_async_callback(run.close)
         try:
             reply = await run.reply(kind, raw_body)
@@ -184,11 +187,12 @@ class RequestRun:
 
     __slots__ = ("_decode_load", "_decode_size", "account", "attempts", "body", "committed",
                  "encode", "hint", "items", "kv", "path", "pipeline", "prefills_tried", "relay",
-                 "request", "request_id", "size", "stream_leg", "with_prefill")
+                 "request", "request_id", "size", "stream_leg", "ticket", "with_prefill")
 
     def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
-                 request_id: str) -> None:
+                 request_id: str, ticket: Ticket | None = None) -> None:
         self.pipeline = pipeline
+        self.ticket = ticket
         self.account = account
         #: The client-facing path, the same on every upstream leg.
         self.path = path
@@ -210,7 +214,10 @@ class RequestRun:
     async def reply(self, kind: RequestKind, raw_body: bytes) -> Reply:
         """Parse and validate the body, then decode with failover: each attempt on its own
         decode slot (``attempt``)."""
-        self.request = request = parse_request(raw_body, kind)
+        request = parse_request(raw_body, kind)
+        if self.ticket is not None:  # its tenant's priority and token limit, on the body
+            request = replace(request, body=await self.ticket.admitted(request.body))
+        self.request = request
         if request.dropped:
             log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
                       self.request_id, ", ".join(request.dropped))
@@ -362,6 +369,8 @@ class RequestRun:
         if not self.request.stream:
             answer = await self.post("decode", slot, body, leg_id)
             self.account.read_usage(answer.content)
+            if self.ticket is not None:
+                self.ticket.answered(answer.content)
             return Reply(answer.status, {"content-type": answer.content_type},
                          body=answer.content)
         instance, rank = slot
@@ -402,6 +411,8 @@ class RequestRun:
         finally:
             self.stream_leg = None
             self.account.read_usage(relay.tail)
+            if self.ticket is not None:
+                self.ticket.answered(relay.tail)
             leg.release()
 
     async def close(self) -> None:

@@ -173,7 +173,7 @@ async def serve_on_addresses(
 
 
 #: What ``epd-trio serve`` prints once it accepts connections (the URL is the group).
-SERVING = rb"listening on (http://\S+)"
+SERVING = rb"listening on (http://[^\s\"]+)"  # text, or inside a JSON line
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -68,6 +69,18 @@ async def test_metrics_cost_runs_every_mode() -> None:
     assert [line.split(":")[0].strip() for line in lines] == [
         "off", "one-process", "multiprocess"]
     assert all("us per streamed P->D request" in line for line in lines)
+
+
+async def test_fairness_cost_measures_each_kind_of_admission() -> None:
+    """``bench.fairness --cost``: the single cap, the fair gate local and with Redis."""
+    with trio.fail_after(60):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.fairness", "--cost", "--cost-requests", "200"],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    figures = re.findall(r"([\d.]+) µs", out)
+    assert len(figures) == 4 and all(float(f) > 0 for f in figures), out
 
 
 def test_discovery_cost_measures_each_apply() -> None:
@@ -259,6 +272,19 @@ def test_policies_workload_is_reproducible_and_its_ideal_counts_first_misses() -
             "cache_aware", "least_loaded", "power_of_two", False)}
 
 
+def test_the_pooled_reference_is_the_ideal_when_everything_fits_and_lru_when_not() -> None:
+    from bench.policies import Job, ideal_hit_rate, pooled_hit_rate, workload
+    jobs = workload(_policies_args(), rate=5.0)
+    blocks = {block for job in jobs for block in job.prefill_blocks}
+    assert pooled_hit_rate(jobs, len(blocks)) == pytest.approx(ideal_hit_rate(jobs))
+    # Three prompts of 4 blocks (65 tokens), the second sharing two blocks with the first: an
+    # LRU of 4 blocks keeps the second's, so the third, which starts like the first, misses.
+    jobs = [Job(0.0, False, b"", chain, 4, 65) for chain in ((1, 2, 3, 4), (1, 2, 5, 6),
+                                                             (3, 4, 7, 8))]
+    assert pooled_hit_rate(jobs, 4) == pytest.approx(32 / 195)
+    assert ideal_hit_rate(jobs) == pytest.approx(64 / 195)
+
+
 async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     report_path = tmp_path / "policies.json"
     with trio.fail_after(120):
@@ -269,7 +295,10 @@ async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
             capture_stdout=True, capture_stderr=True, check=False)
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
-    rows = json.loads(report_path.read_text())["rows"]
+    report = json.loads(report_path.read_text())
+    rows = report["rows"]
+    assert 0 < report["pooled_lru_hit_rate"] <= report["ideal_hit_rate"]
+    assert "caches pooled as one LRU of 1024 blocks" in out  # 4 ranks x 256 blocks
     assert [row["policy"] for row in rows] == ["round_robin", "round_robin/cache_aware/least_loaded"]
     assert all(row["failed"] == 0 and row["requests"] > 0 for row in rows)
     assert all(0 <= row["hit_rate"] <= 1 for row in rows)
@@ -290,6 +319,24 @@ def test_policies_decisions_only_prints_the_costs(capsys: pytest.CaptureFixture[
     assert main(["--decisions-only", "--decision-rounds", "50"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("decision cost") and "cache_aware" in out and "|" not in out
+
+
+def test_kv_index_bench_measures_a_decision_and_ingestion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.kv_index import main
+    assert main(["--slots", "4", "--blocks", "2000", "--decisions", "300", "--batches", "200",
+                 "--json"]) == 0
+    parts = {line["part"]: line for line in map(json.loads, capsys.readouterr().out.splitlines())}
+    assert set(parts) == {"reference", "ingestion", "decision"}
+    ingestion, decision = parts["ingestion"], parts["decision"]
+    # Every stored event was indexed: each batch continues a chain it stored, nothing evicted.
+    assert ingestion["events"] == 800 and ingestion["orphans"] == 0
+    assert ingestion["evictions"] == 0 and ingestion["blocks"] >= 800
+    assert decision["decisions"] == 300 and decision["slots"] == 4
+    # Half the requests repeat a stored chain: the policy sends those to a slot holding it.
+    assert 100 < decision["chose_a_holder"] <= 300
+    assert 0 < decision["match_p50_us"] <= decision["p50_us"] <= decision["p99_us"]
+    assert decision["p99_us"] <= decision["with_keys_p99_us"]
 
 
 async def test_slow_headers_runs_a_small_attack(tmp_path: Path) -> None:

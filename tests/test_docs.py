@@ -15,7 +15,8 @@ What is checked, and against what:
   losing a field; the replicas example registers through a Service that lists unready pods; the RBAC
   grants the proxy's service account what discovery needs, and the proxy's Deployment's
   arguments parse with ``epd-trio serve``'s own parser into selectors that match the vLLM pods;
-- every relative link (and its ``#anchor``) resolves;
+- every relative link (and its ``#anchor``) resolves, and no two pages share a file name or a
+  title;
 - the README's two commands are the ones ``.ci/run`` and ``pyproject.toml`` provide.
 
 The examples import only public names; the manifest check parses with the command line's parser
@@ -47,6 +48,8 @@ import epd_trio
 from epd_trio import Instance, ProxyError, Settings, load_settings, settings_from
 from epd_trio.__main__ import build_parser, serve_flags
 from epd_trio._core.discovery import Discovered, pod_endpoint
+from epd_trio._core.meanings import MEANINGS, SERVE_OPTIONS
+from epd_trio._core.router_flags import ALIASES, ALL_STAGES, IGNORED, REFUSED
 from epd_trio.testing import run_cluster
 
 from helpers import slug
@@ -159,7 +162,7 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
     special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
-               "state_url": "redis://sample:1/0"}
+               "state_url": "redis://sample:1/0", "tenants": '{"sample": {"priority": 1}}'}
     if field.name in special:
         return special[field.name]
     if default is None or default == ():
@@ -231,7 +234,43 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
         assert shown == rendered_default(field.default), (
             f"{name}: the page says the default is {default_cell!r}, the code "
             f"{rendered_default(field.default)!r}")
-        assert rows[name][3], f"{name} has no meaning"
+        meaning = MEANINGS[field.name]
+        assert plain(rows[name][3]).startswith(meaning.text), (
+            f"{name}: the page's meaning must open with serve --help's line "
+            f"({meaning.text!r}, _core/meanings.py), then go on")
+        if type(field.default) in (int, float):
+            assert meaning.unit and meaning.unit in re.findall(r"\w+", meaning.text), (
+                f"{name} is a number: its meaning must name its unit")
+
+
+def plain(cell: str) -> str:
+    """A table cell as words: links as their text, no code or bold marks."""
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell).replace("`", "").replace("**", "")
+
+
+def test_settings_page_serving_options_open_with_their_help_line() -> None:
+    rows = {code_spans(cells[0])[0]: cells for cells in table_rows(SETTINGS_PAGE)
+            if code_spans(cells[0])}
+    for flag, meaning in SERVE_OPTIONS.items():
+        cells = rows["EPD_CONFIG" if flag == "--config" else flag]
+        assert plain(cells[-1]).startswith(meaning.text), flag
+        if meaning.unit:
+            assert meaning.unit in re.findall(r"\w+", meaning.text), flag
+
+
+def test_settings_page_maps_the_routers_flags_as_the_parser_does() -> None:
+    """"Coming from vllm-router / SGLang": one row per accepted flag, naming ours, and one
+    bullet per refused flag, giving the parser's own reason."""
+    text = prose(SETTINGS_PAGE)
+    section = text[text.index("## Coming from vllm-router / SGLang"):]
+    section = section[:section.index("\n## ", 1)]
+    mapped = {code_spans(cells[0])[0]: code_spans(cells[1]) for cells in table_rows(SETTINGS_PAGE)
+              if cells and code_spans(cells[0]) and code_spans(cells[0])[0] in ALIASES}
+    assert mapped == {theirs: [ours] for theirs, ours in ALIASES.items()}
+    for flag in (ALL_STAGES, *IGNORED):
+        assert f"`{flag}`" in section, flag
+    bullets = dict(re.findall(r"^- `(--[\w-]+)`: (.*)$", section, flags=re.M))
+    assert {flag: plain(why) for flag, why in bullets.items()} == REFUSED
 
 
 def test_epd_config_names_a_settings_file(tmp_path: Path) -> None:
@@ -283,6 +322,19 @@ def documented_metrics() -> dict[str, tuple[str, set[str]]]:
 STATE_METRICS = ("epd_trio_state_", "epd_trio_global_cursor_")
 #: The KV index's families (only with precise_cache_aware or the prefill bypass on).
 KV_METRICS = ("epd_trio_kv_", "epd_trio_prefill_bypassed")
+#: Fair admission's families (only with tenants).
+TENANT_METRICS = ("epd_trio_tenant_",)
+
+
+async def test_metrics_page_lists_what_tenants_add(client: httpx.AsyncClient) -> None:
+    async with run_cluster(decodes=1, tenant_header="x-tenant") as c:
+        metrics = c.proxy.metrics  # a sample of each family, to read its labels from
+        metrics.tenant_queued("default", 0, 1)
+        metrics.tenant_admitted("default", 0, 0.5)
+        metrics.tenant_rejected("default", 0, "deadline")
+        metrics.tenant_settled("default", 10)
+        text = (await client.get(c.proxy_url + "/metrics")).text
+    check_family_rows(text, TENANT_METRICS)
 
 
 async def test_metrics_page_lists_what_the_kv_index_adds(client: httpx.AsyncClient) -> None:
@@ -353,7 +405,7 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
                 if not (name.endswith("_created") and kind == "gauge" and any(
                     other in types for other in (name[:-8], name[:-8] + "_total")))}
     documented = {name: row for name, row in documented_metrics().items()
-                  if not name.startswith(STATE_METRICS + KV_METRICS)}
+                  if not name.startswith(STATE_METRICS + KV_METRICS + TENANT_METRICS)}
     assert set(documented) == set(exported), (
         f"exported but not on the page: {sorted(set(exported) - set(documented))}; "
         f"on the page but not exported: {sorted(set(documented) - set(exported))}")
@@ -557,6 +609,18 @@ def test_every_relative_link_resolves() -> None:
                 broken.append(f"{rel(page)}: {target} (no such heading)")
     assert not broken, "\n".join(broken)
     assert checked > 50
+
+
+def test_no_two_pages_share_a_subject() -> None:
+    """One subject, one page: two pages named alike (a performance page at the top of ``docs/``
+    beside ``docs/discussion/performance.md``, issue 31) drift apart, and links pick one at random.
+    A file name or a title used twice fails, naming both pages."""
+    for key, what in ((lambda page: page.name, "file name"),
+                      (lambda page: page.read_text().partition("\n")[0].strip(), "title")):
+        seen: dict[str, Path] = {}
+        for page in PAGES:
+            other = seen.setdefault(key(page), page)
+            assert other is page, f"{rel(other)} and {rel(page)} share a {what}: merge them"
 
 
 def test_readme_commands_are_what_ci_and_the_package_run() -> None:

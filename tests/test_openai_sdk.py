@@ -159,7 +159,7 @@ async def test_errors_reach_the_sdk_as_its_own_exceptions(client: httpx.AsyncCli
                       await on_asyncio(lambda: async_error(c, messages="hello"))]:
             assert isinstance(error, openai.BadRequestError) and error.status_code == 400
             assert error.body == {"message": "'messages' is required and must be a non-empty "
-                                  "array", "type": "invalid_request_error", "param": None,
+                                  "array", "type": "invalid_request_error", "param": "messages",
                                   "code": 400}
 
         # vLLM's own 400 (prompt too long at prefill), relayed unchanged.

@@ -155,6 +155,25 @@ def build() -> dict[str, Any]:
         f"sum({rate('epd_trio_prefill_kv_transfer_params_missing_total')})", "missing")],
         unit="reqps",
         description="Decode recomputed the prefill: check the KV connector.")
+    g.row("Tenants (fair admission)")
+    g.panel("Queue depth per tenant", [(
+        f"sum by (tenant, priority) ({sel('epd_trio_tenant_queue_depth')})",
+        "{{tenant}} (priority {{priority}})")],
+        description="Requests waiting for an admission place (EPD_TENANTS; empty without).")
+    g.panel("Admission wait per tenant (p99)", [(
+        "histogram_quantile(0.99, sum by (le, tenant) "
+        f"({rate('epd_trio_tenant_wait_seconds_bucket')}))", "{{tenant}}")], unit="s",
+        description="Seconds an admitted request waited for its place.")
+    g.panel("Admitted per tenant", [(
+        f"sum by (tenant) ({rate('epd_trio_tenant_admitted_total')})", "{{tenant}}")],
+        unit="reqps", stack=True)
+    g.panel("Refused per tenant", [(
+        f"sum by (tenant, reason) ({rate('epd_trio_tenant_rejected_total')})",
+        "{{tenant}} {{reason}}")], unit="reqps",
+        description="429 (reason: the limit's name) and 503 (deadline: no place in time).")
+    g.panel("Tokens settled per tenant", [(
+        f"sum by (tenant) ({rate('epd_trio_tenant_tokens_settled_total')})", "{{tenant}}")],
+        description="Tokens per second used by tenants with tokens_per_minute.")
     return {
         "uid": UID, "title": TITLE, "tags": ["epd_trio", "vllm"], "timezone": "browser",
         "schemaVersion": 39, "version": 1, "editable": True, "graphTooltip": 1,

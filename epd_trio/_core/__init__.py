@@ -13,6 +13,8 @@ siblings.
     rewrite       parsing a client body and building each leg's body and headers
     roster        which instances exist (configured and registered), as immutable snapshots
     config        ``Settings``: every setting, its default, and how it is parsed
+    meanings      what each setting means and its unit: ``serve --help`` and the settings page
+    router_flags  vllm-router's and SGLang's flags: taken under their name, or refused and why
     auth          the client-key and admin-key checks
     health        per-instance health and load state, and the rotation rules
     failover      which failures are retried where, the fallback order, the leg-observer protocol
@@ -26,6 +28,10 @@ siblings.
     ec_handoff    the encoder's ec_transfer_params matched to items; the consumer's body
     discovery     discovery's rules: DNS URLs and answers, Kubernetes pods, what joins and leaves
     kubeconfig    a kubeconfig's server, credentials and namespace
+    urls          every URL checked where it enters (``check_base_url``); ``redact_url``
     state_url     the shared state store's URL and its options
     shared_state  what replicas share: instance records, announcements, the merge, load fields
+    tenants       tenant tables, who a request is, its priority and its token reservation
+    fair_queue    the admission queue: priority bands, aging, weighted turns inside a band
+    token_bucket  a per-minute limit as a bucket holding one minute's worth
 """

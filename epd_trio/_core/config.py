@@ -20,15 +20,23 @@ from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
+from .tenants import Tenant, parse_tenants
+from .urls import check_base_url, check_host, echo, redact_url
 
 ENV_PREFIX = "EPD_"
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; ``str()`` is the one line shown at start-up."""
+    """A setting is missing or malformed; ``str()`` is the one line shown at start-up: one
+    line whatever the value held, never a URL's user or password (``redact_url``), and cut
+    at ``MAX_LINE`` characters (a value of megabytes must not become a line of megabytes)."""
+
+    #: The longest line shown; the start names the setting and the problem.
+    MAX_LINE = 300
 
     def __init__(self, variable: str, problem: str) -> None:
-        super().__init__(f"{variable}: {problem}")
+        line = redact_url(" ".join(f"{variable}: {problem}".splitlines()))
+        super().__init__(line if len(line) <= self.MAX_LINE else line[:self.MAX_LINE] + "...")
         self.variable = variable
 
 
@@ -166,6 +174,16 @@ class Settings:
     #: Keys clients must send as ``Authorization: Bearer <key>`` on the OpenAI routes (empty: no
     #: client authentication).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: Tenants (``_core/tenants.py``): ``[tenants.NAME]`` tables in the config file, or the same
+    #: tables as a JSON object. Each names its keys (they join ``api_keys``), its priority
+    #: band, its weight in the band and its own limits. None: one ``default`` tenant, no limit.
+    tenants: tuple[Tenant, ...] = field(default=(), repr=False)
+    #: The header naming a request's tenant when it presents no tenant's key (None: only
+    #: keys name tenants).
+    tenant_header: str | None = None
+    #: Seconds of waiting that move a queued request up one priority step
+    #: (``_core/fair_queue.py``; 0: strict bands, a lower one may starve).
+    priority_aging: float = 0.5
     #: The key sent upstream as ``Authorization: Bearer <key>`` on every call to vLLM (its
     #: ``--api-key``), probes and profiling included.
     upstream_api_key: str | None = field(default=None, repr=False)
@@ -331,7 +349,9 @@ def _instances(raw: Any) -> tuple[Instance | DnsName, ...]:
     items = raw if isinstance(raw, list | tuple) else [raw]
     if not all(isinstance(item, str) for item in items):
         raise ValueError("expected URLs (a comma-separated string or a list of strings)")
-    items = [part for item in items for part in item.split(",")]
+    # Commas or whitespace, as the flags take them (``--decode http://a:1 http://b:2``): a URL
+    # never holds either, so a list written like the flag must not become one bad URL.
+    items = [part for item in items for part in re.split(r"[\s,]+", item)]
     parsed = tuple(parse_dns_url(item) if is_dns_url(item) else parse_instance(item)
                    for item in items if item.strip())
     urls = [inst.url if isinstance(inst, Instance) else inst.spec for inst in parsed]
@@ -436,8 +456,10 @@ def _bind_address(raw: Any) -> str:
     """``host:port`` to bind a socket on (port 0: any free port, for tests; peers need a fixed one)."""
     value = str(raw).strip()
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected host:port with a port in 0..65535, got {raw!r}")
+    if not sep or not host or not port.isascii() or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected host:port with a port in 0..65535, got {echo(raw)}")
+    if host != "*":
+        check_host(host, value)
     return value
 
 
@@ -482,9 +504,9 @@ def _nameserver(raw: Any) -> str:
     host, port = split_host_port(value, 53)
     if ip_address_of(host) is None and not _HOST_NAME.fullmatch(host):
         raise ValueError(f"expected an IP address or a host name, with an optional :port, "
-                         f"got {raw!r}")
+                         f"got {echo(raw)}")
     if not 0 < port < 65536:
-        raise ValueError(f"expected a port in 1..65535, got {raw!r}")
+        raise ValueError(f"expected a port in 1..65535, got {echo(raw)}")
     return value
 
 
@@ -501,8 +523,8 @@ def split_host_port(value: str, default_port: int) -> tuple[str, int]:
         host, _, port = value.partition(":")
     else:
         host, port = value, ""
-    if port and not port.isdigit():
-        raise ValueError(f"bad port in {value!r}")
+    if port and not (port.isascii() and port.isdigit()):
+        raise ValueError(f"bad port in {echo(value)}")
     return host, int(port) if port else default_port
 
 
@@ -539,11 +561,17 @@ def _text(raw: Any) -> str:
     return value
 
 
-def _api_url(raw: Any) -> str:
-    value = str(raw).strip().rstrip("/")
-    if not value.startswith(("http://", "https://")):
-        raise ValueError(f"expected an http:// or https:// URL, got {raw!r}")
+def _header_name(raw: Any) -> str:
+    """An HTTP header's name (a token), lowercased as ASGI delivers it."""
+    value = str(raw).strip().lower()
+    if not re.fullmatch(r"[a-z0-9!#$%&'*+.^_`|~-]+", value):
+        raise ValueError(f"expected an HTTP header name, got {raw!r}")
     return value
+
+
+def _api_url(raw: Any) -> str:
+    return check_base_url(raw.strip() if isinstance(raw, str) else raw,
+                          what="the API server's URL")
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
@@ -591,6 +619,9 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "profile_timeout": _seconds,
     "admin_key": _secret,
     "api_keys": _secrets,
+    "tenants": parse_tenants,
+    "tenant_header": _header_name,
+    "priority_aging": _non_negative_seconds,
     "upstream_api_key": _secret,
     "metrics": _bool,
     "request_log": _bool,
@@ -661,7 +692,7 @@ def flag_name(field: str) -> str:
 SETTING_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Settings))
 #: Keys: set through the environment or the config file only. A command-line flag would put
 #: them in every ``ps`` listing and shell history.
-SECRET_FIELDS = frozenset({"admin_key", "api_keys", "upstream_api_key"})
+SECRET_FIELDS = frozenset({"admin_key", "api_keys", "upstream_api_key", "tenants"})
 FLAG_FIELDS: tuple[str, ...] = tuple(f for f in SETTING_FIELDS if f not in SECRET_FIELDS)
 SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 

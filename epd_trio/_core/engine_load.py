@@ -1,6 +1,6 @@
 """What a vLLM instance says about its own load, read from its ``/metrics`` text.
 
-vLLM (0.32, checked on the CPU build: docs/contributing/upstream-notes/routing.md 4.1) exports
+vLLM (0.32, checked on the CPU build: docs/contributing/upstream-notes/routing-research.md 4.1) exports
 per engine, that is per DP rank, with labels ``model_name`` and ``engine="0"``, ``"1"``...:
 ``vllm:num_requests_running`` (in the batch), ``vllm:num_requests_waiting`` (queued) and
 ``vllm:kv_cache_usage_perc`` (a fraction from 0 to 1, despite its name; vLLM up to 0.11 also
@@ -11,6 +11,7 @@ of histogram lines) is skipped by a prefix test.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ def engine_loads(text: str) -> dict[str, EngineLoad]:
         try:
             value = float(match["value"])
         except ValueError:
+            continue
+        if not math.isfinite(value):  # Prometheus text allows NaN and +Inf; round() does not
             continue
         engine = _ENGINE.search(match["labels"] or "")
         load = loads.setdefault(engine["engine"] if engine else "", EngineLoad())

@@ -2,6 +2,8 @@
 
     ProxyError                 status, OpenAI ``type``; rendered by one handler in the app
     +-- BadRequest             the client's input is wrong (4xx, never retried)
+    |   +-- MalformedHTTP      not HTTP at all: refused by the server before any route (400)
+    +-- HeadersTooLarge        the request head is over the server's limit (431)
     +-- Unauthorized           missing or wrong API key (401)
     |   +-- AdminUnauthorized  missing or wrong ``X-API-Key`` on an admin route (401)
     +-- AdminDisabled          an admin route while no admin key is configured (403)
@@ -11,6 +13,7 @@
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
+    +-- RateLimited            a tenant over one of its own limits (429 with Retry-After)
     +-- UpstreamError          a stage failed: names ``stage`` and ``instance``
         +-- UpstreamStatusError    the instance answered non-2xx (relays a 4xx body as is)
         +-- UpstreamTransportError connect/read failure (502)
@@ -25,20 +28,25 @@ frame that ends a stream broken after its first byte.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
+#: A message that opens with a quoted field name (``'model' is required``) names its ``param``.
+_LEADING_FIELD = re.compile(r"'([A-Za-z_][\w.\[\]]*)'")
+
 
 def error_payload(
-    message: str, *, type: str, code: int | str, **extra: Any
+    message: str, *, type: str, code: int | str, param: str | None = None, **extra: Any
 ) -> dict[str, Any]:
-    """The OpenAI error shape ``{"error": {"message", "type", "code", ...}}``.
+    """The OpenAI error shape ``{"error": {"message", "type", "param", "code", ...}}``.
 
-    ``code`` is the HTTP status, as vLLM's own server does; ``extra`` adds machine-readable fields
-    (``stage``, ``instance``) for upstream failures.
+    ``code`` is the HTTP status, as vLLM's own server does; ``param`` names the request field at
+    fault, so a client (the OpenAI SDK shows it) need not parse the message; ``extra`` adds
+    machine-readable fields (``stage``, ``instance``) for upstream failures.
     """
-    return {"error": {"message": message, "type": type, "param": None, "code": code, **extra}}
+    return {"error": {"message": message, "type": type, "param": param, "code": code, **extra}}
 
 
 class ProxyError(Exception):
@@ -50,17 +58,22 @@ class ProxyError(Exception):
     code: str | None = None
     #: Extra response headers.
     headers: dict[str, str] = {}  # noqa: RUF012 (never mutated)
+    #: The request field at fault (OpenAI's ``param``), if one is.
+    param: str | None = None
 
-    def __init__(self, message: str, *, status: int | None = None, type: str | None = None) -> None:
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
             self.status = status
         if type is not None:
             self.type = type
+        if param is not None:
+            self.param = param
 
     def payload(self) -> dict[str, Any]:
-        return error_payload(self.message, type=self.type,
+        return error_payload(self.message, type=self.type, param=self.param,
                              code=self.status if self.code is None else self.code)
 
     def body(self) -> bytes:
@@ -68,10 +81,42 @@ class ProxyError(Exception):
 
 
 class BadRequest(ProxyError):
-    """The client sent something the proxy cannot forward (malformed JSON, wrong field types)."""
+    """The client sent something the proxy cannot forward (malformed JSON, wrong field types).
+
+    Without an explicit ``param``, a message that opens with a quoted field name (``'model' is
+    required``, as every field check here words it) names that field: one wording rule instead
+    of each raise repeating the name.
+    """
 
     status = 400
     type = "invalid_request_error"
+
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 param: str | None = None) -> None:
+        if param is None and (match := _LEADING_FIELD.match(message)):
+            param = match.group(1)
+        super().__init__(message, status=status, type=type, param=param)
+
+
+class MalformedHTTP(BadRequest):
+    """Bytes the HTTP server could not parse as a request (h11's ``RemoteProtocolError``):
+    answered by the server itself, before any route, and the connection is closed."""
+
+    def __init__(self) -> None:
+        super().__init__("the request is not valid HTTP/1.1 (a malformed request line, header "
+                         "or body framing)")
+
+
+class HeadersTooLarge(ProxyError):
+    """The request line and headers exceed what the server buffers (Hypercorn's
+    ``h11_max_incomplete_size``): refused before any route, and the connection is closed."""
+
+    status = 431
+    type = "invalid_request_error"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request line and headers are larger than the limit of {limit} "
+                         "bytes")
 
 
 class Unauthorized(ProxyError):
@@ -184,6 +229,27 @@ class AtCapacity(ProxyOverloaded):
 
     code = "proxy_at_capacity"
     headers = {"retry-after": "1"}  # noqa: RUF012 (never mutated)
+
+
+class RateLimited(ProxyError):
+    """A tenant is over one of its own limits (``max_inflight``, ``requests_per_minute``,
+    ``tokens_per_minute``): a 429 shaped like OpenAI's, the limit named by its setting's name
+    in ``param``, and ``Retry-After`` computed from the limit's bucket."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, tenant: str, limit: str, value: int, retry_after: int) -> None:
+        super().__init__(f"tenant {tenant!r} is over its {limit} ({value}); retry after "
+                         f"{retry_after} s")
+        self.limit = limit
+        self.headers = {"retry-after": str(retry_after)}
+
+    def payload(self) -> dict[str, Any]:
+        payload = super().payload()
+        payload["error"]["param"] = self.limit
+        return payload
 
 
 class UpstreamError(ProxyError):

@@ -20,7 +20,7 @@ list, never the policy's arithmetic.
   of this prompt (``PrefixIndex``). Encode: the encoder that last encoded this item's
   ``uuid``. The affinity holds unless that slot is overloaded relative to the least loaded
   candidate (``Balance``, SGLang's absolute and relative thresholds, judged per request for
-  the preferred slot, not fleet-wide: docs/contributing/upstream-notes/routing.md 1.4); a
+  the preferred slot, not fleet-wide: docs/contributing/upstream-notes/routing-research.md 1.4); a
   miss or an overload goes to ``least_loaded``. Memory is bounded: LRU maps with a size cap.
 - ``precise_cache_aware`` (prefill and decode): what the engines say they hold, not a guess.
   The shell hands it a ``CachedPrefix``: the tokens of this prompt each slot holds in full

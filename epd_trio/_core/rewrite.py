@@ -72,10 +72,22 @@ def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        raise BadRequest(_not_json(raw, exc)) from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
+
+
+def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
+    """Why a body is not JSON, in the client's terms: orjson reports bytes that are not UTF-8
+    as "str is not valid UTF-8: surrogates not allowed", which names neither the body nor the
+    byte; the decode (on this error path only) does."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return (f"request body is not valid UTF-8: byte 0x{raw[bad.start]:02x} at offset "
+                f"{bad.start}")
+    return f"request body is not valid JSON: {exc}"
 
 
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
@@ -106,25 +118,28 @@ def _find_media(messages: Any) -> tuple[tuple[int, int], ...]:
     found: list[tuple[int, int]] = []
     for m, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise BadRequest(f"messages[{m}] must be an object")
+            raise BadRequest(f"messages[{m}] must be an object", param=f"messages[{m}]")
         if not isinstance(message.get("role"), str):
-            raise BadRequest(f"messages[{m}].role is required and must be a string")
+            raise BadRequest(f"messages[{m}].role is required and must be a string",
+                             param=f"messages[{m}].role")
         content = message.get("content")
         if content is None or isinstance(content, str):
             continue
         if not isinstance(content, list):
-            raise BadRequest(f"messages[{m}].content must be a string or an array of parts")
+            raise BadRequest(f"messages[{m}].content must be a string or an array of parts",
+                             param=f"messages[{m}].content")
         for p, part in enumerate(content):
             where = f"messages[{m}].content[{p}]"
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                raise BadRequest(f"{where} must be an object with a string 'type'")
+                raise BadRequest(f"{where} must be an object with a string 'type'", param=where)
             kind = part["type"]
             if kind in MEDIA_TYPES:
                 _check_media_part(part, where)
                 found.append((m, p))
             elif kind not in PASSTHROUGH_TYPES:
                 supported = ", ".join(sorted(MEDIA_TYPES | PASSTHROUGH_TYPES))
-                raise BadRequest(f"{where}.type {kind!r} is not supported (supported: {supported})")
+                raise BadRequest(f"{where}.type {kind!r} is not supported (supported: {supported})",
+                                 param=f"{where}.type")
     return tuple(found)
 
 
@@ -133,16 +148,18 @@ def _check_media_part(part: Mapping[str, Any], where: str) -> None:
     if "uuid" in part and part["uuid"] is not None and (
         not isinstance(part["uuid"], str) or not part["uuid"]
     ):
-        raise BadRequest(f"{where}.uuid must be a non-empty string")
+        raise BadRequest(f"{where}.uuid must be a non-empty string", param=f"{where}.uuid")
     if kind == "input_audio":
         audio = part.get("input_audio")
         if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-            raise BadRequest(f"{where}.input_audio must be an object with string 'data'")
+            raise BadRequest(f"{where}.input_audio must be an object with string 'data'",
+                             param=f"{where}.input_audio")
         return
     field = _URL_FIELD[kind]
     value = part.get(field)
     if not isinstance(value, dict) or not isinstance(value.get("url"), str) or not value["url"]:
-        raise BadRequest(f"{where}.{field} must be an object with a non-empty string 'url'")
+        raise BadRequest(f"{where}.{field} must be an object with a non-empty string 'url'",
+                         param=f"{where}.{field}")
 
 
 def _check_prompt(prompt: Any) -> None:

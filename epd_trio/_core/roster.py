@@ -28,6 +28,7 @@ from .moriio import MoriioPeer, MoriioRegistration
 from .names import ROLES, STAGE_OF_ROLE, STAGES
 from .rewrite import json_object
 from .routing import (
+    MAX_DP_SIZE,
     Epoch,
     Instance,
     KvEventEndpoints,
@@ -35,6 +36,7 @@ from .routing import (
     rebase_epoch,
     slot_keys,
 )
+from .urls import echo
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,8 +226,10 @@ def _role_and_dp_size(body: Mapping[str, Any]) -> tuple[str, int]:
     if role not in ROLES:
         raise BadRequest(f"'role' must be one of {', '.join(ROLES)}: got {role!r}")
     dp_size = body.get("dp_size", 1)
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise BadRequest(f"'dp_size' must be an integer >= 1: got {dp_size!r}")
+    if (isinstance(dp_size, bool) or not isinstance(dp_size, int)
+            or not 1 <= dp_size <= MAX_DP_SIZE):
+        raise BadRequest(f"'dp_size' must be an integer from 1 to {MAX_DP_SIZE}: "
+                         f"got {echo(dp_size)}")
     return role, dp_size
 
 
@@ -244,7 +248,7 @@ def parse_name_registration(raw: bytes) -> tuple[str, DnsName] | None:
     try:
         return role, parse_dns_url(spec)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(f"'url': {exc}") from None
 
 
 def register_name(roster: Roster, role: str, spec: str) -> tuple[Roster, bool]:
@@ -280,7 +284,7 @@ def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
     try:
         return Instance(url.strip(), dp_size)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(f"'url': {exc}") from None
 
 
 # -- changes --------------------------------------------------------------------------------------

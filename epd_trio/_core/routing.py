@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
-from urllib.parse import urlsplit
+
+from .urls import check_base_url, check_host, echo
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -22,6 +23,9 @@ Epoch = tuple[int, int]
 
 #: The keys an instance URL's fragment may carry (``http://p0:8000#dp=2&kv_events=tcp://p0:5557``).
 FRAGMENT_KEYS = ("dp", "kv_events", "kv_events_replay")
+#: The most data-parallel ranks one instance may declare: far above any real deployment, low
+#: enough that a typo (``100000``) cannot build a slot list of that size in every worker.
+MAX_DP_SIZE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +61,13 @@ class Instance:
     kv_events: KvEventEndpoints | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"instance URL must start with http:// or https://: {self.url!r}")
-        parts = urlsplit(self.url)
-        if not parts.hostname or parts.query or parts.fragment or "#" in self.url:
-            raise ValueError(f"instance URL must be a plain base URL (host, port, optional path; "
-                             f"no query or '#', except a '#dp=N' suffix): {self.url!r}")
-        if isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int) or self.dp_size < 1:
-            raise ValueError(f"dp_size must be an integer >= 1: {self.dp_size!r}")
+        url = check_base_url(self.url)
+        if (isinstance(self.dp_size, bool) or not isinstance(self.dp_size, int)
+                or not 1 <= self.dp_size <= MAX_DP_SIZE):
+            raise ValueError(f"dp_size must be an integer from 1 to {MAX_DP_SIZE}: "
+                             f"{self.dp_size!r}")
         # One spelling per server: trailing slashes would make "the same URL" two instances.
-        object.__setattr__(self, "url", self.url.rstrip("/"))
+        object.__setattr__(self, "url", url)
 
 
 def parse_instance(spec: str) -> Instance:
@@ -108,8 +109,10 @@ def split_fragment(spec: str) -> tuple[str, dict[str, str]]:
         if key in fields:
             raise ValueError(f"{key!r} given twice in {spec!r}")
         if key == "dp":
-            if not eq or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"bad '#dp=' in {spec!r}: expected a positive integer")
+            if not eq or not value.isascii() or not value.isdigit() or not (
+                    1 <= int(value) <= MAX_DP_SIZE):
+                raise ValueError(f"bad '#dp=' in {echo(spec)}: expected an integer from 1 to "
+                                 f"{MAX_DP_SIZE}")
         else:
             check_zmq_endpoint(value, key)
         fields[key] = value
@@ -126,9 +129,13 @@ def check_zmq_endpoint(value: str, name: str) -> str:
     """A ZMQ endpoint the proxy connects to: ``tcp://host:port``; ``ValueError`` names it."""
     scheme, sep, rest = value.partition("://")
     host, colon, port = rest.rpartition(":")
-    if (scheme != "tcp" or not sep or not colon or not host or host == "*" or not port.isdigit()
-            or not 1 <= int(port) <= 65535):
-        raise ValueError(f"{name!r} must be tcp://host:port (a port 1-65535): {value!r}")
+    if (scheme != "tcp" or not sep or not colon or not host or host == "*" or not port.isascii()
+            or not port.isdigit() or not 1 <= int(port) <= 65535):
+        raise ValueError(f"{name!r} must be tcp://host:port (a port 1-65535): {echo(value)}")
+    try:
+        check_host(host, value)
+    except ValueError as exc:
+        raise ValueError(f"{name!r}: {exc}") from None
     return value
 
 

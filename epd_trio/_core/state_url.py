@@ -51,10 +51,9 @@ class StateURL:
         return self.scheme == "rediss"
 
     def redacted(self) -> str:
-        """The URL as logs and ``/instances`` show it: the password as ``***``."""
-        auth = ""
-        if self.password is not None or self.username:
-            auth = f"{self.username or ''}{':***' if self.password is not None else ''}@"
+        """The URL as logs and ``/instances`` show it: its userinfo (user and password) as
+        ``***``, as ``urls.redact_url`` shows every URL."""
+        auth = "***@" if self.password is not None or self.username else ""
         if self.scheme == "unix":
             query = f"?db={self.db}" if self.db else ""
             return f"unix://{auth}{self.path}{query}"
@@ -96,6 +95,10 @@ def parse_state_url(raw: str) -> StateURL:
                         password=password)
     if not parts.hostname:
         raise ValueError(f"{scheme}:// needs a host ({scheme}://host:port[/db])")
+    if port == 0:
+        raise ValueError("bad port 0: expected an integer from 1 to 65535")
+    if any(ch.isspace() or not ch.isprintable() for ch in text):
+        raise ValueError("a state URL holds no whitespace or control character")
     if "db" in query:
         raise ValueError(f"{scheme}:// takes the database as a path (/db), not a query")
     unknown = set(query) - set(TLS_PARAMETERS)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from .errors import (
     BadRequest,
     NoInstance,
@@ -219,3 +221,15 @@ def request_fields(trace: RequestTrace, finished: float) -> dict[str, Any]:
     if trace.error is not None:
         fields["error"] = trace.error
     return fields
+
+
+def text_value(value: Any) -> str:
+    """``value`` as the text log writes it: a plain word bare, anything else as a JSON string.
+
+    A client chooses its ``x-request-id``: written raw, an id holding a space, a quote, an
+    ``=`` or a newline would read as more words, another ``key=value`` pair or another line.
+    Quoted, it is one token a reader can parse back (the JSON format needs none of this)."""
+    if isinstance(value, str) and value and value.isprintable() and not any(
+            c in value for c in ' "='):
+        return value
+    return orjson.dumps(value, default=str).decode()

@@ -12,7 +12,9 @@ Why dnspython: a maintained resolver with an asynchronous API that runs on trio 
 trio ``asyncbackend``, named on every query: no thread, no asyncio), with the system's
 ``/etc/resolv.conf`` (search domains and ``ndots``, as ``vllm-decode.ns.svc`` needs inside
 Kubernetes) or a given server and port. No cache: every round asks the server, so a record
-that vanished is seen at the next round, not after its TTL.
+that vanished is seen at the next round, not after its TTL. dnspython reads no hosts file, so
+each round reads ``/etc/hosts`` first, as the system's resolver does (``hosts: files dns``): a
+name it lists (``localhost``) is answered from it alone (``hosts_file_answers``).
 
 Failure: a resolver that cannot be configured (no ``/etc/resolv.conf``, an
 ``EPD_DNS_NAMESERVER`` name that does not resolve) fails start-up with an ``OSError``;
@@ -33,6 +35,7 @@ import trio
 
 from .._core.config import ConfigError, env_name, split_host_port
 from .._core.discovery import (
+    HOSTS_FILE,
     Answer,
     Discovered,
     DnsName,
@@ -43,6 +46,7 @@ from .._core.discovery import (
     Query,
     address_queries,
     dns_instances,
+    hosts_file_answers,
     ip_address_of,
     next_view,
     parse_dns_url,
@@ -143,8 +147,13 @@ async def ask(resolver: dns.asyncresolver.Resolver, query: Query, *, search: boo
     except (dns.exception.DNSException, OSError) as exc:
         return Failed(f"{rdtype} {qname}: {type(exc).__name__}: {exc}")
     if rdtype == "SRV":
-        return Found(frozenset((r.target.to_text(omit_final_dot=True).lower(), r.port)
-                               for r in reply if r.target.to_text() != "."))
+        records = [(r.target.to_text(omit_final_dot=True).lower(), r.port)
+                   for r in reply if r.target.to_text() != "."]
+        for target, port in records:
+            if not 1 <= port <= 65535:  # port 0 is legal DNS, but no instance's port
+                log.warning("SRV %s: record %s port %d skipped: not a port from 1 to 65535",
+                            qname, target, port)
+        return Found(frozenset((t, p) for t, p in records if 1 <= p <= 65535))
     return Found(frozenset(r.address for r in reply))
 
 
@@ -165,9 +174,11 @@ class DnsDiscovery:
         self, names: Sequence[tuple[str, DnsName]], apply: Apply, *,
         nameserver: str | None, interval: float, timeout: float,
         registered: Callable[[], Sequence[tuple[str, str]]] = tuple,
-        apply_registered: Apply | None = None,
+        apply_registered: Apply | None = None, hosts_file: str | None = HOSTS_FILE,
     ) -> None:
         self._names = list(names)
+        #: Read at every round, before DNS is asked (``hosts_file_answers``); None: never.
+        self._hosts_file = hosts_file
         self._apply = apply
         self._registered = registered
         self._apply_registered = apply_registered or apply
@@ -220,7 +231,7 @@ class DnsDiscovery:
                 wanted = {key for key in self._registered() if key not in configured}
                 for role, spec in wanted - running.keys():
                     name = parse_dns_url(spec)
-                    log.warning("DNS name %s registered as %s: resolving it every %g s", spec,
+                    log.info("DNS name %s registered as %s: resolving it every %g s", spec,
                                 role, self._interval)
                     self.views[spec] = DnsView()
                     running[(role, spec)] = scope = trio.CancelScope()
@@ -229,7 +240,7 @@ class DnsDiscovery:
                 for key in running.keys() - wanted:
                     running.pop(key).cancel()
                     self.views.pop(key[1], None)
-                    log.warning("DNS name %s unregistered", key[1])
+                    log.info("DNS name %s unregistered", key[1])
                     self._signal()
                 await trio.sleep(self._interval)
 
@@ -263,10 +274,13 @@ class DnsDiscovery:
                                                           search=True)
         queries = address_queries(name, srv)
         results: list[Answer | None] = [None] * len(queries)
+        hosts = await self._read_hosts()
 
         async def one(index: int, query: Query) -> None:
+            local = hosts_file_answers(hosts, query[0]).get(query)
             # SRV targets are absolute names: no search domains for them.
-            results[index] = await ask(resolver, query, search=not name.srv)
+            results[index] = local if local is not None else await ask(
+                resolver, query, search=not name.srv)
 
         async with trio.open_nursery() as nursery:
             for index, query in enumerate(queries):
@@ -277,9 +291,18 @@ class DnsDiscovery:
         self.views[name.spec] = new
         joined, left = apply(name.spec, role, dns_instances(name, new))
         for url in joined:
-            log.warning("%s instance %s joined (DNS %s)", role, url, name.spec)
+            log.info("%s instance %s joined (DNS %s)", role, url, name.spec)
         for url in left:
-            log.warning("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
+            log.info("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
+
+    async def _read_hosts(self) -> str:
+        """The hosts file now (a missing or unreadable one names nothing)."""
+        if self._hosts_file is None:
+            return ""
+        try:
+            return await trio.Path(self._hosts_file).read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _signal(self) -> None:
         self._round_done.set()
@@ -290,4 +313,4 @@ class DnsDiscovery:
             log.warning("DNS %s: %s; keeping its last answer (%d instances)", name.spec,
                         new.problem, len(new.endpoints))
         elif old.problem and not new.problem:
-            log.warning("DNS %s answers again (%d instances)", name.spec, len(new.endpoints))
+            log.info("DNS %s answers again (%d instances)", name.spec, len(new.endpoints))

@@ -57,6 +57,7 @@ from .._core.roster import (
 from .._discovery.start import discovery_sources
 from .._replicas.roster import ReplicatedRoster
 from .._state.roster_store import Change, RosterStore
+from .._state.tasks import named
 from .moriio_listener import RegistrationListener
 
 T = TypeVar("T")
@@ -173,7 +174,7 @@ class Membership:
         member = parse_registration(raw_body, time.monotonic())
         created = self._update(lambda roster, counters: register(roster, member, counters))
         if created:
-            log.warning("%s instance %s registered (dp_size %d)", member.role, member.url,
+            log.info("%s instance %s registered (dp_size %d)", member.role, member.url,
                         member.instance.dp_size)
         return created
 
@@ -186,12 +187,12 @@ class Membership:
             removed = self._update(
                 lambda roster, counters: unregister_name(roster, spec, counters))
             if removed:
-                log.warning("DNS name %s unregistered", spec)
+                log.info("DNS name %s unregistered", spec)
             return removed
         target = parse_instance_url(url).url
         removed = self._update(lambda roster, counters: unregister(roster, target, counters))
         if removed:
-            log.warning("instance %s unregistered", target)
+            log.info("instance %s unregistered", target)
         return removed
 
     def discovered(
@@ -223,7 +224,7 @@ class Membership:
         created = self._update(
             lambda roster, counters: register_moriio(roster, registration, counters, now))
         if created:
-            log.warning("MoRIIO %s instance %s registered (dp_size %d, tp_size %d, %s, zmq %s)",
+            log.info("MoRIIO %s instance %s registered (dp_size %d, tp_size %d, %s, zmq %s)",
                         registration.role, registration.instance.url,
                         registration.peer.dp_size, registration.peer.tp_size,
                         registration.transfer_mode, registration.peer.zmq_address)
@@ -265,7 +266,7 @@ class Membership:
 
         urls = self._update(change)
         for url in urls:
-            log.warning("instance %s forgotten: out of rotation and not registered for %g s",
+            log.info("instance %s forgotten: out of rotation and not registered for %g s",
                         url, ttl)
         return urls
 
@@ -275,12 +276,13 @@ class Membership:
         before the app serves, so a port in use fails start-up with an OSError."""
         if self.moriio_listener is not None:
             self._listener_scope = trio.CancelScope()
-            self.moriio_endpoint = await nursery.start(self._run_listener, self._listener_scope)
+            self.moriio_endpoint = await nursery.start(
+                named("MoRIIO listener", self._run_listener), self._listener_scope)
 
     async def start_discovery(self, nursery: trio.Nursery) -> None:
         """Start each discovery source in ``nursery``; each finds its instances once first."""
         for source in self.discovery:
-            await nursery.start(source.run)
+            await nursery.start(named(type(source).__name__, source.run))
 
     def close(self) -> None:
         """Stop the MoRIIO listener (nothing else here runs on its own)."""

@@ -109,10 +109,12 @@ class ProxyMetrics:
         instances: Iterable[InstanceState] = (),
         shared_state: bool = False,
         kv_index: bool = False,
+        tenants: bool = False,
     ) -> None:
         """``shared_state``: export the state store's metrics (only with ``EPD_STATE_URL``);
         ``kv_index``: the KV index's and the render call's (only when a policy or the prefill
-        bypass reads the index)."""
+        bypass reads the index); ``tenants``: fair admission's, per tenant and band (only with
+        ``EPD_TENANTS`` or ``EPD_TENANT_HEADER``)."""
         self.enabled = enabled
         self.multiprocess = enabled and bool(os.environ.get(MULTIPROC_ENV))
         self.registry: CollectorRegistry | None = None
@@ -180,10 +182,35 @@ class ProxyMetrics:
         self._state_malformed = state_metric(
             Counter, "epd_trio_state_malformed_entries",
             "Entries of the shared state store skipped because they could not be read")
+        self._local_limits = state_metric(
+            Counter, "epd_trio_state_local_limits",
+            "Tenant rate-limit decisions taken on this replica's share of the limit (limit / "
+            "live replicas) because the shared state store did not answer")
         self._cursor_fallbacks = state_metric(
             Counter, "epd_trio_global_cursor_fallbacks",
             "Routing decisions that used the replica's own cursor instead of the global one",
             ["stage"])
+        tenant_metric = metric if tenants else (lambda *_, **__: _OFF)
+        self._tenant_children: dict[tuple[int, str, int | None], Any] = {}
+        self._tenant_depth = tenant_metric(
+            Gauge, "epd_trio_tenant_queue_depth",
+            "Requests waiting for an admission place, per tenant and band", ["tenant", "priority"],
+            multiprocess_mode="livesum")
+        self._tenant_wait = tenant_metric(
+            Histogram, "epd_trio_tenant_wait_seconds",
+            "Seconds an admitted request waited for its place, per tenant and band",
+            ["tenant", "priority"], **buckets)
+        self._tenant_admitted = tenant_metric(
+            Counter, "epd_trio_tenant_admitted", "Requests admitted, per tenant and band",
+            ["tenant", "priority"])
+        self._tenant_rejected = tenant_metric(
+            Counter, "epd_trio_tenant_rejected",
+            "Requests refused by admission, per tenant, band and reason (the limit's name, or "
+            "deadline: no place within EPD_ADMISSION_TIMEOUT)", ["tenant", "priority", "reason"])
+        self._tenant_tokens = tenant_metric(
+            Counter, "epd_trio_tenant_tokens_settled",
+            "Tokens a tenant's requests used, as settled (tenants with tokens_per_minute)",
+            ["tenant"])
         kv_metric = metric if kv_index else (lambda *_, **__: _OFF)
         self._render = kv_metric(
             Histogram, "epd_trio_kv_render_seconds",
@@ -358,6 +385,32 @@ class ProxyMetrics:
 
     def state_malformed(self) -> None:
         self._state_malformed.inc()
+
+    # -- fair admission (``_admission/fair``: its observer) ------------------------------------
+    def tenant_queued(self, tenant: str, priority: int, delta: int) -> None:
+        self._tenant_child(self._tenant_depth, tenant, priority).inc(delta)
+
+    def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None:
+        self._tenant_child(self._tenant_admitted, tenant, priority).inc()
+        self._tenant_child(self._tenant_wait, tenant, priority).observe(waited)
+
+    def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None:
+        self._tenant_rejected.labels(tenant, str(priority), reason).inc()
+
+    def tenant_settled(self, tenant: str, tokens: int) -> None:
+        self._tenant_child(self._tenant_tokens, tenant).inc(max(0, tokens))
+
+    def _tenant_child(self, family: Any, tenant: str, priority: int | None = None) -> Any:
+        """A family's child for (tenant, band), resolved once (``.labels()`` costs µs)."""
+        key = (id(family), tenant, priority)
+        child = self._tenant_children.get(key)
+        if child is None:
+            labels = (tenant,) if priority is None else (tenant, str(priority))
+            child = self._tenant_children[key] = family.labels(*labels)
+        return child
+
+    def state_local_limit(self) -> None:
+        self._local_limits.inc()
 
     def global_cursor_fallback(self, stage: str) -> None:
         self._cursor_fallbacks.labels(stage).inc()

@@ -13,7 +13,7 @@ import logging
 
 from .._core.errors import UpstreamError
 from .._core.routing import Instance
-from .._core.trace import RequestTrace, request_fields
+from .._core.trace import RequestTrace, request_fields, text_value
 
 log = logging.getLogger("epd_trio")
 request_log = logging.getLogger("epd_trio.requests")
@@ -24,7 +24,7 @@ def log_request(trace: RequestTrace, finished: float) -> None:
     if not request_log.isEnabledFor(logging.INFO):
         return
     fields = request_fields(trace, finished)
-    request_log.info("%s %s %s %d in %.1f ms", trace.request_id, trace.endpoint,
+    request_log.info("%s %s %s %d in %.1f ms", text_value(trace.request_id), trace.endpoint,
                      fields["outcome"], trace.status, fields["duration_s"] * 1000,
                      extra={"fields": fields})
 
@@ -36,12 +36,13 @@ def _fields(trace: RequestTrace, error: UpstreamError) -> dict[str, object]:
 
 def log_upstream_failure(trace: RequestTrace, error: UpstreamError) -> None:
     """The request failed before its first byte because a stage failed."""
-    log.warning("request %s failed: %s", trace.request_id, error.message,
+    log.warning("request %s failed: %s", text_value(trace.request_id), error.message,
                 extra=_fields(trace, error))
 
 
 def log_stream_failure(trace: RequestTrace, error: UpstreamError) -> None:
-    log.warning("request %s: stream broke after its first byte: %s", trace.request_id,
+    log.warning("request %s: stream broke after its first byte: %s",
+                text_value(trace.request_id),
                 error.message, extra=_fields(trace, error))
 
 

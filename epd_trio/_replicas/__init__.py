@@ -6,6 +6,7 @@ Rule: it may import ``_core``, ``_state`` (the roster store and loads it feeds) 
     sync         the link to the store: writes, announcements, resyncs, write-back, loads, cursor
     roster       a replica's view of the shared roster and the writes it owes the store
     cursor_link  the global cursor's lean connection (the one command on a request's path)
+    limits       the tenants' per-minute buckets, one script per admission on a lean link
     tls          the TLS context of a ``rediss://`` URL, shared by both links
     identity     a replica's default id
 """

@@ -50,32 +50,51 @@ def command(*parts: bytes) -> bytes:
     return b"".join(out)
 
 
-Reply = int | bytes | CommandRefused
+Reply = int | bytes | CommandRefused | list[int]
 
 
 def parse_replies(buffer: bytearray) -> list[Reply]:
     """Take every complete simple reply off the front of ``buffer``: integers (``:n``), status
-    lines (``+OK``, as bytes) and error lines (``-ERR ...``, as ``CommandRefused``). Any other
-    type is ``LinkBroken``."""
+    lines (``+OK``, as bytes), error lines (``-ERR ...``, as ``CommandRefused``) and arrays of
+    integers (``*n``, a script's answer, as a list). Any other type is ``LinkBroken``."""
     replies: list[Reply] = []
-    while True:
-        end = buffer.find(b"\r\n")
-        if end < 0:
-            return replies
-        line = bytes(buffer[:end])
-        del buffer[:end + 2]
-        kind, rest = line[:1], line[1:]
-        if kind == b":":
-            try:
-                replies.append(int(rest))
-            except ValueError:
-                raise LinkBroken(f"bad integer reply {line[:64]!r}") from None
-        elif kind == b"+":
-            replies.append(rest)
-        elif kind == b"-":
-            replies.append(CommandRefused(f"Redis answered {rest[:200].decode(errors='replace')}"))
-        else:
-            raise LinkBroken(f"unexpected reply {line[:64]!r}")
+    pos = 0
+    while (parsed := _one_reply(buffer, pos)) is not None:
+        reply, pos = parsed
+        replies.append(reply)
+    del buffer[:pos]
+    return replies
+
+
+def _one_reply(buffer: bytearray, pos: int) -> tuple[Reply, int] | None:
+    """The reply that starts at ``pos`` and where the next one starts; None: incomplete."""
+    end = buffer.find(b"\r\n", pos)
+    if end < 0:
+        return None
+    line = bytes(buffer[pos:end])
+    pos = end + 2
+    kind, rest = line[:1], line[1:]
+    if kind == b":":
+        try:
+            return int(rest), pos
+        except ValueError:
+            raise LinkBroken(f"bad integer reply {line[:64]!r}") from None
+    if kind == b"+":
+        return rest, pos
+    if kind == b"-":
+        return CommandRefused(f"Redis answered {rest[:200].decode(errors='replace')}"), pos
+    if kind == b"*" and rest.isdigit():
+        items: list[int] = []
+        for _ in range(int(rest)):
+            parsed = _one_reply(buffer, pos)
+            if parsed is None:
+                return None
+            item, pos = parsed
+            if not isinstance(item, int):
+                raise LinkBroken(f"an array holding {item!r}, not integers")
+            items.append(item)
+        return items, pos
+    raise LinkBroken(f"unexpected reply {line[:64]!r}")
 
 
 class _Slot:
@@ -88,7 +107,8 @@ class _Slot:
 
 
 class CursorLink:
-    """A pipelined RESP connection for ``INCRBY``; ``run`` its reader and writer in a nursery."""
+    """A pipelined RESP connection for ``INCRBY`` (and the limits' scripts); ``run`` its reader
+    and writer in a nursery."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream
@@ -149,20 +169,32 @@ class CursorLink:
     async def incrby(self, key: bytes, n: int) -> int:
         """``INCRBY key n``: the new value. ``LinkBroken`` when the link is gone,
         ``CommandRefused`` when Redis refused this increment (the key is not a number)."""
-        if self._broken is not None:
-            raise LinkBroken(str(self._broken))
-        slot = _Slot()
-        self._out += command(b"INCRBY", key, str(n).encode())
-        self._waiting.append(slot)
-        self._wake.set()
+        value = await self.call(b"INCRBY", key, str(n).encode())
+        if not isinstance(value, int):
+            raise LinkBroken(f"INCRBY answered {value!r}")
+        return value
+
+    async def call(self, *parts: bytes) -> Reply:
+        """One command and its reply (``LinkBroken``, ``CommandRefused`` as for ``incrby``)."""
+        slot = self.send(*parts)
         await slot.done.wait()
         if slot.error is not None:
             raise LinkBroken(str(slot.error))
         if isinstance(slot.value, CommandRefused):
             raise slot.value  # this call's own reply: no other caller holds it
-        if not isinstance(slot.value, int):
-            raise LinkBroken(f"INCRBY answered {slot.value!r}")
+        assert slot.value is not None
         return slot.value
+
+    def send(self, *parts: bytes) -> _Slot:
+        """Queue one command (sent by the writer with whatever else is queued); its slot, which
+        a caller that does not need the reply may leave behind."""
+        if self._broken is not None:
+            raise LinkBroken(str(self._broken))
+        slot = _Slot()
+        self._out += command(*parts)
+        self._waiting.append(slot)
+        self._wake.set()
+        return slot
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer and the reader, until the stream ends or breaks (then raises), or until

@@ -61,6 +61,7 @@ from .._core.shared_state import (
     sum_loads,
 )
 from .._core.state_url import StateURL
+from .._core.urls import redact_url
 from .._observe.metrics import ProxyMetrics
 from .._state.loads import Loads
 from .cursor_link import CommandRefused, CursorLink, LinkBroken
@@ -68,6 +69,9 @@ from .roster import Pending, ReplicatedRoster
 from .tls import tls_context
 
 log = logging.getLogger("epd_trio")
+
+#: The "stage" under which tenants' in-flight counts travel in the load hashes.
+TENANT_LOAD = "tenant"
 
 #: Reconnect backoff: first wait, cap (seconds); each wait is jittered by up to +-25 %.
 BACKOFF_FIRST, BACKOFF_CAP = 0.1, 5.0
@@ -192,6 +196,16 @@ class StateLink:
         self.keys = StateKeys(settings.state_prefix)
         self._redis: coredis.Redis[bytes] | None = None
         self._cursor: CursorLink | None = None
+        #: The tenants' shared buckets' lean connection (``_replicas/limits``), while up.
+        self.limits_link: CursorLink | None = None
+        #: Replicas alive at the last load exchange, this one included (the share of a
+        #: tenant's limit each enforces while the store is gone).
+        self.live_replicas = 1
+        #: This replica's requests in flight per tenant (fair admission's, set by the app),
+        #: published with its loads so that a tenant's ``max_inflight`` holds for the fleet.
+        self.tenant_inflight: Callable[[], Mapping[str, int]] = dict
+        #: Called after each read of the other replicas' counts (fair admission's dispatch).
+        self.on_loads: Callable[[], None] = lambda: None
         self._wake = trio.Event()
         store.on_pending = self._wake_writer
         self._malformed: set[tuple[str, bytes]] = set()
@@ -229,6 +243,11 @@ class StateLink:
     async def next_load_read(self) -> None:
         """Until the others' counts have been read once more (tests and benchmarks)."""
         await self._loads_read.wait()
+
+    def others_inflight(self, tenant: str) -> int:
+        """The other live replicas' requests in flight for ``tenant``, as they last published
+        them (0 while the store is gone: then each replica counts its own)."""
+        return self._loads.remote.get((TENANT_LOAD, (tenant, None)), 0)
 
     # -- the global cursor (on a request's path) --------------------------------------------------
     async def take(self, stage: str, n: int) -> int | None:
@@ -282,12 +301,20 @@ class StateLink:
                 with trio.fail_after(self._settings.state_timeout):
                     cursor = await CursorLink.open(self._url, self._tls)
                 await nursery.start(cursor.run)
+            limits = None
+            if any(t.requests_per_minute or t.tokens_per_minute
+                   for t in self._settings.tenants):
+                # The tenants' buckets: one script per admission, on a lean link of its own.
+                with trio.fail_after(self._settings.state_timeout):
+                    limits = await CursorLink.open(self._url, self._tls)
+                await nursery.start(limits.run)
             self.roster_loaded.set()
             self._redis, self._cursor, self.problem = redis, cursor, None
+            self.limits_link = limits
             self._sessions += 1
             self._metrics.state_up(True)
             self._changed()
-            log.warning("shared state %s: connected as replica %s (roster loaded)",
+            log.info("shared state %s: connected as replica %s (roster loaded)",
                         self._url.redacted(), self.replica_id)
             try:
                 nursery.start_soon(self._listen, pubsub)
@@ -296,11 +323,11 @@ class StateLink:
                 nursery.start_soon(self._load_loop, redis)
                 await trio.sleep_forever()
             finally:
-                self._redis = self._cursor = None
+                self._redis = self._cursor = self.limits_link = None
 
     def _lost(self, exc: BaseException) -> None:
         was_up = self.up or self.problem is None
-        self._redis = self._cursor = None
+        self._redis = self._cursor = self.limits_link = None
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
         self._changed()
@@ -491,6 +518,8 @@ class StateLink:
         clashes = 0
         while True:
             fields = load_fields(self._loads.table.snapshot())
+            fields.update(load_fields((TENANT_LOAD, (tenant, None), n)
+                                      for tenant, n in self.tenant_inflight().items()))
             args = [*head, *(x for pair in fields.items() for x in pair)]
             with trio.fail_after(self._settings.state_timeout):
                 clash, replies, wrong = await redis.eval(_LOAD_EXCHANGE, keys, args)
@@ -508,10 +537,12 @@ class StateLink:
                           self.replica_id)
             elif not clash:
                 self.duplicate_id = False
+            self.live_replicas = 1 + len(replies or ())
             total, bad = sum_loads(_as_mapping(reply) for reply in replies or ())
             for _ in range(bad):
                 self._metrics.state_malformed()
             self._loads.remote = total
+            self.on_loads()
             self._loads_read.set()
             self._loads_read = trio.Event()
             await trio.sleep(interval)
@@ -548,13 +579,14 @@ def _unless_cancelled(exc: BaseException) -> Exception:
 
 def _described(exc: BaseException) -> str:
     """What failed, in one line: the first leaf, and what it was raised from (coredis wraps a
-    refused certificate or a refused connection in its own ``ConnectionError``)."""
+    refused certificate or a refused connection in its own ``ConnectionError``). Shown on
+    ``/health`` and ``/ready``: a URL in a client library's message loses its userinfo."""
     leaf = _leaf(exc)
     text = f"{type(leaf).__name__}: {leaf}"
     if leaf.__cause__ is not None:
         cause = _leaf(leaf.__cause__)
         text += f" ({type(cause).__name__}: {cause})"
-    return text
+    return redact_url(text)
 
 
 def _leaf(exc: BaseException) -> BaseException:

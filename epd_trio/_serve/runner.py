@@ -21,6 +21,7 @@ worker to die. With one worker everything runs in the parent process.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import shutil
@@ -47,6 +48,14 @@ from .._observe.metrics import MULTIPROC_ENV
 from .._replicas.identity import default_replica_id
 from .._state.roster_store import SharedRoutingState
 from .._web.drain import Drain
+from .logs import (
+    ACCESS_LOGGER,
+    SERVE_LOGGER,
+    SERVER_LOGGER,
+    AccessLogger,
+    capture_process_output,
+    configure_logging,
+)
 from .process import setup_serving_process
 from .server import worker_serve  # Hypercorn's worker, our connection class (see _server)
 from .serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
@@ -78,8 +87,11 @@ def hypercorn_config(options: ServeOptions) -> Config:
     config.backlog = options.backlog
     config.keep_alive_timeout = options.keep_alive
     config.graceful_timeout = HYPERCORN_GRACE
-    config.accesslog = "-" if options.access_log else None
-    config.errorlog = "-"
+    # Hypercorn's lines go to loggers under epd_trio (one format, one stream: stderr), not to
+    # handlers of its own on stdout (access) and stderr (the rest).
+    config.accesslog = logging.getLogger(ACCESS_LOGGER) if options.access_log else None
+    config.errorlog = logging.getLogger(SERVER_LOGGER)
+    config.logger_class = AccessLogger
     config.worker_class = "trio"
     return config
 
@@ -93,8 +105,9 @@ def cannot_listen(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {address} (--host/--port): {reason}"
 
 
-def _say(message: str) -> None:
-    print(f"epd-trio: {message}", file=sys.stderr, flush=True)
+def _say(message: str, level: int = logging.INFO) -> None:
+    """A lifecycle line of the serve command (``epd_trio.serve``: written at any log level)."""
+    logging.getLogger(SERVE_LOGGER).log(level, "%s", message)
 
 
 def _arm_watchdog(limit: float, who: str) -> None:
@@ -102,7 +115,7 @@ def _arm_watchdog(limit: float, who: str) -> None:
 
     def expire() -> None:
         _say(f"{who}: shutdown still not finished after {limit:g} s "
-             "(a client stopped reading?); exiting")
+             "(a client stopped reading?); exiting", logging.ERROR)
         os._exit(FORCED_EXIT)
 
     timer = threading.Timer(limit, expire)
@@ -118,9 +131,20 @@ async def _serve(
     stop: trio.Event,
     who: str,
     moriio_listener: bool = True,
+    failures: list[str] | None = None,
 ) -> None:
+    """Serve until ``stop``; a per-process task that dies (``_state/tasks.py``) is appended to
+    ``failures`` and stops the process too, which then exits non-zero."""
     setup_serving_process(settings)
-    quart_app = create_app(settings, shared, moriio_listener=moriio_listener)
+    capture_process_output(settings.log_level)
+
+    def on_failure(reason: str) -> None:
+        if failures is not None:
+            failures.append(reason)
+        stop.set()
+
+    quart_app = create_app(settings, shared, moriio_listener=moriio_listener,
+                           on_failure=on_failure)
     drain: Drain = quart_app.extensions["epd_trio.drain"]
     app = wrap_app(quart_app, config.wsgi_max_body_size, "asgi")
 
@@ -148,6 +172,8 @@ def _worker_main(
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides
 
+    failures: list[str] = []
+
     async def main() -> None:
         stop = trio.Event()
 
@@ -168,20 +194,24 @@ def _worker_main(
             nursery.start_soon(watch_signals)
             # One ZMQ port: worker 0 binds it; the shared roster carries what it hears.
             await _serve(settings, shared, config, sockets, stop, f"worker {index}",
-                         moriio_listener=index == 0)
+                         moriio_listener=index == 0, failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    if failures:
+        sys.exit(1)  # the parent sees a worker that exited on its own, and stops
 
 
 def serve(settings: Settings, options: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status."""
+    configure_logging(settings.log_level, settings.log_format)
+    capture_process_output(settings.log_level)
     config = hypercorn_config(options)
     # Listening before any worker runs: early connections wait in the backlog, not refused.
     try:
         sockets = listening_sockets(config, settings.client_write_timeout)
     except OSError as exc:  # taken, not ours, or no such address: the operator's to fix
-        _say(cannot_listen(options.host, options.port, exc))
+        _say(cannot_listen(options.host, options.port, exc), logging.ERROR)
         return 2
     for sock in sockets.insecure_sockets:
         host, port = sock.getsockname()[:2]
@@ -193,6 +223,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
 
 
 def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> int:
+    failures: list[str] = []
+
     async def main() -> None:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -206,11 +238,11 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
                         return
 
             nursery.start_soon(on_signal)
-            await _serve(settings, None, config, sockets, stop, "proxy")
+            await _serve(settings, None, config, sockets, stop, "proxy", failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    return 0
+    return 1 if failures else 0
 
 
 @contextmanager
@@ -291,7 +323,7 @@ def _run_workers(
             for process in processes:
                 if process.sentinel in ready:
                     forget(process)
-            _say(f"{', '.join(dead)} exited on its own; stopping")
+            _say(f"{', '.join(dead)} exited on its own; stopping", logging.ERROR)
             status = 1
             break
     if signalled:

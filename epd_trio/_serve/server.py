@@ -46,8 +46,14 @@ stream, the worker's lifespan and shutdown) and changes these things:
    offers a ``ClientGone`` in the connection's ASGI state and cancels the requests registered
    there when the client closes the connection or a write to it fails, so a request needs no
    task of its own waiting for ``http.disconnect``.
-
-8. ``100 Continue`` is sent when the app first reads the request body, not as soon as the
+8. Every HTTP/1.x status line carries its reason phrase (``HTTP/1.1 200 OK``; Hypercorn sends
+   ``HTTP/1.1 200 ``, and clients that print the reason, vLLM's benchmark among them, print
+   nothing), and the 400 and 431 Hypercorn answers itself to bytes h11 cannot parse carry an
+   OpenAI error body (``_core.errors.MalformedHTTP``, ``HeadersTooLarge``) instead of none.
+9. A client's end of file reaches the protocol only once a write in flight has returned: one
+   access-log line per request, not a second one with status ``-`` for a response the client
+   had read whole (Hypercorn logs a stream closed before its end as unanswered).
+10. ``100 Continue`` is sent when the app first reads the request body, not as soon as the
    request head is parsed: Hypercorn's HTTP/1.1 protocol sends it at once, so a client that
    asked (``Expect: 100-continue``) was told to send a body the app then refused unread (a
    ``Content-Length`` over the limit, a bad key, the admission cap). The app's answer now
@@ -68,6 +74,7 @@ from __future__ import annotations
 import os
 import types
 from functools import partial
+from http import HTTPStatus
 from math import inf
 from typing import Any
 
@@ -85,12 +92,44 @@ from hypercorn.trio.worker_context import EventWrapper, WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import parse_socket_addr
 
+from .._core.errors import HeadersTooLarge, MalformedHTTP, ProxyError
 from .._web.client_gone import CLIENT_GONE, ClientGone
 
 __all__ = ["ProxyTCPServer", "ProxyWorkerContext", "worker_serve"]
 
 #: A chunk written directly (change 6) yields to the scheduler once every this many writes.
 _YIELD_EVERY = 16
+#: The reason phrase of each status (change 8); an unknown status keeps h11's empty one.
+_REASONS = {int(status): status.phrase.encode() for status in HTTPStatus}
+_HEAD_EVENTS = (h11.Response, h11.InformationalResponse)
+
+
+async def _send_with_reason(send_h11_event: Any, event: Any) -> None:
+    """``H11Protocol._send_h11_event`` with the reason phrase h11 would leave empty (change 8).
+
+    The event is one Hypercorn just built and holds nowhere else, so its (frozen) ``reason``
+    is set in place: building another would re-validate every header of every response."""
+    if type(event) in _HEAD_EVENTS and not event.reason:
+        object.__setattr__(event, "reason", _REASONS.get(event.status_code, b""))
+    await send_h11_event(event)
+
+
+async def _send_error_json(protocol: H11Protocol, status_code: int) -> None:
+    """``H11Protocol._send_error_response`` with an OpenAI error body (change 8): the same
+    status, ``connection: close`` and server headers, plus the JSON and its length."""
+    error: ProxyError
+    if status_code == 431:
+        error = HeadersTooLarge(protocol.config.h11_max_incomplete_size)
+    else:  # h11's only other hint is 400 (a 414 or 505 would keep its status here)
+        error = MalformedHTTP()
+        error.status = status_code
+    body = error.body()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(body)).encode()), (b"connection", b"close"),
+               *protocol.config.response_headers("h11")]
+    await protocol._send_h11_event(h11.Response(status_code=status_code, headers=headers))
+    await protocol._send_h11_event(h11.Data(data=body))
+    await protocol._send_h11_event(h11.EndOfMessage())
 
 
 class _Terminated(EventWrapper):
@@ -180,7 +219,7 @@ class ProxyTCPServer(TCPServer):
 
     def continue_on_read(self, app: Any) -> Any:
         """``app`` (a Hypercorn app wrapper) whose request, if its client waits for ``100
-        Continue``, gets it at its first ``receive`` (change 8); else ``app`` itself.
+        Continue``, gets it at its first ``receive`` (change 10); else ``app`` itself.
 
         Called as the request's app task is spawned: h11 has parsed the head, so it knows
         whether the client waits. Its flag is cleared here, so Hypercorn's read loop does not
@@ -212,13 +251,19 @@ class ProxyTCPServer(TCPServer):
         return reading_app
 
     def _cork_heads(self) -> None:
-        """Route the HTTP/1.1 protocol's stream events through ``_stream_send``.
+        """Route the HTTP/1.1 protocol's stream events through ``_stream_send``, its h11 writes
+        through ``_send_with_reason`` and its own error answers through ``_send_error_json``.
 
-        ``H11Protocol`` hands ``self.stream_send`` to each ``HTTPStream`` it creates, so an
-        instance attribute set before the first request is what every stream calls."""
+        ``H11Protocol`` hands ``self.stream_send`` to each ``HTTPStream`` it creates, and calls
+        ``self._send_h11_event`` / ``self._send_error_response``, so instance attributes set
+        before the first request are what every stream and every error calls."""
         inner = getattr(self.protocol, "protocol", None)
         if isinstance(inner, H11Protocol):
             inner.stream_send = partial(self._stream_send, inner.stream_send)
+            inner._send_h11_event = partial(  # type: ignore[method-assign]
+                _send_with_reason, inner._send_h11_event)
+            inner._send_error_response = partial(  # type: ignore[method-assign]
+                _send_error_json, inner)
             self._h11 = inner.connection
 
     async def _stream_send(self, stream_send: Any, event: Any) -> None:
@@ -320,6 +365,17 @@ class ProxyTCPServer(TCPServer):
             finally:
                 self._read_scope = None
         self._client_gone.left()
+        if self.send_lock.locked():
+            # Change 9: a write is in flight, most often the end of the response the client has
+            # just read before closing. Closed now would reach the request's stream before the
+            # write returns, and Hypercorn would log it twice: once as unanswered (status "-")
+            # and once with its status. Once the lock is free, the writer has finished the
+            # response without a checkpoint in between (the lock is handed over, not raced for).
+            # A write that never completes (a client that closed its side and reads nothing)
+            # ends as before, by TCP_USER_TIMEOUT or the worker's shutdown; the request itself
+            # already knows its client left (ClientGone, above).
+            async with self.send_lock:
+                pass
         await self.protocol.handle(Closed())
 
     async def _close(self) -> None:
@@ -352,7 +408,7 @@ class ProxyTCPServer(TCPServer):
 
 class _ContinueOnRead(TaskGroup):
     """The connection's task group: Hypercorn's, spawning each request's app through
-    ``ProxyTCPServer.continue_on_read`` (change 8)."""
+    ``ProxyTCPServer.continue_on_read`` (change 10)."""
 
     def __init__(self, server: ProxyTCPServer) -> None:
         super().__init__()

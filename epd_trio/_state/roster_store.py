@@ -44,6 +44,7 @@ from .._core.errors import RosterFull
 from .._core.names import STAGES
 from .._core.roster import Roster
 from .loads import LoadTable, LocalLoadTable, SharedLoadTable
+from .rate_buckets import SharedRateBuckets
 
 T = TypeVar("T")
 #: A change: the current roster and the counters' values -> the new roster and a result.
@@ -129,6 +130,8 @@ class SharedRoutingState:
         self._blob = ctx.RawArray(c_char, capacity)
         #: The in-flight counts per slot the load-aware policies read (``_state/loads``).
         self.loads = SharedLoadTable(ctx)
+        #: The tenants' per-minute buckets, shared by the workers (``_state/rate_buckets``).
+        self.buckets = SharedRateBuckets(ctx)
         self._init_local()
 
     def _init_local(self) -> None:
@@ -137,7 +140,7 @@ class SharedRoutingState:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"_lock": self._lock, "_words": self._words, "_blob": self._blob,
-                "loads": self.loads}
+                "loads": self.loads, "buckets": self.buckets}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

@@ -3,7 +3,7 @@
 Under ASGI an app learns that its client left by receiving ``http.disconnect``, so the proxy's
 endpoints start a watcher task per request that waits on ``receive()`` and cancels the request
 (``_endpoints._cancel_on_disconnect``). That task is a real share of a short request's cost: a
-spawn, a channel wait, a cancellation with its reason, a nursery (docs/performance.md).
+spawn, a channel wait, a cancellation with its reason, a nursery (docs/discussion/performance.md).
 
 ``epd-trio serve``'s connection class knows it first hand: an HTTP/1.x connection carries one
 request at a time, so when its client closes it (the read loop sees the end or an error, or a

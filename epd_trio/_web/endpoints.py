@@ -25,6 +25,7 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
+from .._admission.fair import FairAdmission, Ticket
 from .._admission.gate import Admission
 from .._core.auth import ClientKeys
 from .._core.errors import (
@@ -59,8 +60,8 @@ class CompletionEndpoints:
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
-                 admission: Admission | None = None, body_timeout: float = 60.0,
-                 drain: Drain | None = None) -> None:
+                 admission: Admission | FairAdmission | None = None,
+                 body_timeout: float = 60.0, drain: Drain | None = None) -> None:
         self._proxy = proxy
         #: The requests in flight, and the shutdown that refuses new ones (``_web/drain``).
         self.drain = drain if drain is not None else Drain(0.0, lambda: None)
@@ -116,13 +117,17 @@ class CompletionEndpoints:
         """The request, once in flight: refusals, its body, the pipeline. ``watch``: start a
         task that cancels it on ``http.disconnect`` (no ``ClientGone`` to do it)."""
         headers = scope["headers"]
+        ticket: Ticket | None = None
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
                 self._client_keys.check(_header(headers, b"authorization"))
-            if self._admission is not None:  # before reading it too: the cap bounds memory
-                await self._admission.enter(resources)
+            admission = self._admission  # before reading it too: the cap bounds memory
+            if isinstance(admission, FairAdmission):
+                ticket = await admission.enter(admission.tenant_of(headers), resources)
+            elif admission is not None:
+                await admission.enter(resources)
             with trio.move_on_after(self._body_timeout) as reading:
                 raw = await self._read_body(headers, receive)
             if reading.cancelled_caught:
@@ -140,11 +145,13 @@ class CompletionEndpoints:
         kind = KIND_OF_PATH[scope["path"]]
         entry.handed = True
         if not watch:
-            await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
+                                ticket)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(kind, raw, request_id, send, resources, trace_context, entry)
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
+                                ticket)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -169,10 +176,11 @@ class CompletionEndpoints:
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
                        resources: AsyncExitStack, trace_context: Mapping[str, str],
-                       entry: InFlight) -> None:
+                       entry: InFlight, ticket: Ticket | None) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
-                                             resources=resources, trace_context=trace_context)
+                                             resources=resources, trace_context=trace_context,
+                                             ticket=ticket)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,
@@ -180,10 +188,11 @@ class CompletionEndpoints:
             entry.started = True
             await _send_error(send, exc, {"x-request-id": request_id})
             return
-        await _send_reply(send, reply, request_id, entry)
+        await _send_reply(send, reply, request_id, entry, ticket)
 
 
-async def _send_reply(send: Send, reply: Reply, request_id: str, entry: InFlight) -> None:
+async def _send_reply(send: Send, reply: Reply, request_id: str, entry: InFlight,
+                      ticket: Ticket | None = None) -> None:
     entry.started = True
     if reply.stream is None:
         # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
@@ -199,6 +208,13 @@ async def _send_reply(send: Send, reply: Reply, request_id: str, entry: InFlight
 
     async def send_body(chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    if ticket is not None and ticket.metered:  # a stream without usage settles what it sent
+        plain_send = send_body
+
+        async def send_body(chunk: bytes) -> None:
+            ticket.relayed(chunk)
+            await plain_send(chunk)
 
     try:
         await stream.pump(send_body)  # closes the stream, however it ends

@@ -122,6 +122,47 @@ def test_bad_input_is_a_bad_request(raw: bytes, kind: str, fragment: str) -> Non
     assert error["type"] == "invalid_request_error" and error["code"] == 400
 
 
+@pytest.mark.parametrize(("raw", "kind", "param"), [
+    (b'{"messages": []}', "chat", "model"),
+    (b'{"model": "m"}', "chat", "messages"),
+    (b'{"model": "m", "messages": ["x"]}', "chat", "messages[0]"),
+    (b'{"model": "m", "messages": [{"content": "x"}]}', "chat", "messages[0].role"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": 5}]}', "chat",
+     "messages[0].content"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": ["x"]}]}', "chat",
+     "messages[0].content[0]"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "pdf"}]}]}', "chat",
+     "messages[0].content[0].type"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+     "chat", "messages[0].content[0].image_url"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}',
+     "chat", "messages[0].content[0].input_audio"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", '
+     b'"image_url": {"url": "u"}, "uuid": 7}]}]}', "chat", "messages[0].content[0].uuid"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+     "chat", "stream"),
+    (b'{"model": "m"}', "completions", "prompt"),
+    (b"{nope", "chat", None),  # the body as a whole: no field to name
+    (b"[1]", "chat", None),
+])
+def test_bad_input_names_its_param(raw: bytes, kind: str, param: str | None) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_request(raw, kind)  # type: ignore[arg-type]
+    assert orjson.loads(info.value.body())["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b'{"model": "\xff"}', "byte 0xff at offset 11"),
+    (b"\xff", "byte 0xff at offset 0"),
+    (b'{"model": "\xc3"}', "byte 0xc3 at offset 11"),
+])
+def test_a_body_that_is_not_utf8_says_so(raw: bytes, message: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_request(raw, "chat")
+    assert info.value.message == f"request body is not valid UTF-8: {message}"
+    assert "surrogates" not in info.value.message
+
+
 @pytest.mark.parametrize("prompt", ["hi", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompts_accepted(prompt: object) -> None:
     request = parse_request(orjson.dumps({"model": "m", "prompt": prompt}), "completions")

@@ -73,11 +73,11 @@ def test_the_password_never_shows() -> None:
                               "EPD_STATE_URL": "redis://app:hunter2@r:6379/1"})
     assert settings.state_url is not None
     assert "hunter2" not in repr(settings) and "hunter2" not in repr(settings.state_url)
-    assert settings.state_url.redacted() == "redis://app:***@r:6379/1"
-    assert parse_state_url("unix://:x@/s.sock?db=4").redacted() == "unix://:***@/s.sock?db=4"
+    assert settings.state_url.redacted() == "redis://***@r:6379/1"  # the user too: userinfo
+    assert parse_state_url("unix://:x@/s.sock?db=4").redacted() == "unix://***@/s.sock?db=4"
     assert parse_state_url("redis://[::1]").redacted() == "redis://[::1]:6379/0"
     assert parse_state_url("rediss://:pw@r?ssl_ca_certs=/ca.pem").redacted() == (
-        "rediss://:***@r:6379/0?ssl_ca_certs=/ca.pem")
+        "rediss://***@r:6379/0?ssl_ca_certs=/ca.pem")
 
 
 def test_the_global_cursor_needs_a_state_store() -> None:

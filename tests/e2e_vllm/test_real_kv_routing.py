@@ -14,7 +14,7 @@ sides: the proxy's count of legs sent per instance, and vLLM's own ``vllm:prefix
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
@@ -299,7 +299,7 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
             expected = request_keys(prompt.token_ids, KV_BLOCK_SIZE, cache_salt=salt)
             r = await client.post(url + CHAT, json=body)
             assert r.status_code == 200, r.text
-            stored = await stored_events(sub, len(expected))
+            stored = await stored_events(sub, prompt.token_ids, len(expected))
             tokens = [t for event in stored for t in event.token_ids]
             extras = [e for event in stored for e in (event.extra_keys or [None] * len(
                 event.block_hashes))]
@@ -312,18 +312,26 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
     observe(f"render keys == BlockStored keys: {found} (blocks, salt, block 0's extra keys)")
 
 
-async def stored_events(sub: zmq.Socket[bytes], blocks: int) -> list[BlockStored]:
-    """The ``BlockStored`` events received until they cover ``blocks`` blocks."""
+async def stored_events(sub: zmq.Socket[bytes], token_ids: Sequence[int],
+                        blocks: int) -> list[BlockStored]:
+    """The ``BlockStored`` events that store ``token_ids``' blocks in order, until they cover
+    ``blocks`` blocks. Events of other prompts are passed over: the engine may still be
+    publishing an earlier test's blocks (a decode's pull, a late batch) when this one starts."""
     stored: list[BlockStored] = []
+    offset = 0
     with trio.fail_after(EVENTS_DEADLINE):
         while sum(len(event.block_hashes) for event in stored) < blocks:
             try:
                 frames = sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                await trio.sleep(0.05)
+                await trio.sleep(0.05)  # pyzmq has no trio integration: poll the socket
                 continue
             _topic, _seq, payload = split_message(frames)
-            stored += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+            for event in decode_batch(payload).events:
+                tokens = list(event.token_ids) if isinstance(event, BlockStored) else []
+                if tokens and tokens == list(token_ids[offset:offset + len(tokens)]):
+                    stored.append(event)
+                    offset += len(tokens)
     return stored
 
 

@@ -149,6 +149,37 @@ async def test_bad_registrations_are_openai_errors(client: httpx.AsyncClient) ->
         assert r.json()["version"] == 0  # nothing above changed the roster
 
 
+async def test_malformed_registrations_are_400s_naming_the_field(
+    client: httpx.AsyncClient
+) -> None:
+    """Issue 31: ``"url": "http://127.0.0.1:99999"`` answered ``{"registered": true}`` and
+    killed the prober of every worker; a URL's user and password reached clients. Each value
+    of the fuzz table is a 400 naming its field, and the proxy still routes and probes."""
+    from core.test_urls import BAD_URLS
+
+    async with run_cluster(decodes=1, admin_key=KEY, health_interval=0.05) as c:
+        url = c.proxy_url + "/instances"
+        for bad in BAD_URLS:
+            for role in ("encode", "decode"):
+                r = await client.post(url, headers=ADMIN, json={"role": role, "url": bad})
+                error = assert_openai_error(r, 400, "invalid_request_error")
+                assert error["message"].startswith("'url': "), error["message"]
+                assert "secret" not in r.text
+        for dp_size in (0, 1025, 100000):
+            r = await client.post(url, headers=ADMIN,
+                                  json={"role": "decode", "url": "http://d:1", "dp_size": dp_size})
+            error = assert_openai_error(r, 400, "invalid_request_error")
+            assert error["message"].startswith("'dp_size' must be an integer from 1 to 1024")
+        r = await client.delete(url, headers=ADMIN, params={"url": "http://u:secret@d:1"})
+        assert "secret" not in assert_openai_error(r, 400, "invalid_request_error")["message"]
+        listed = (await client.get(url, headers=ADMIN)).json()
+        assert listed["version"] == 0 and "secret" not in str(listed)
+        assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
+        seen = len(c.decodes[0].received)  # its prober is alive: it still asks /health
+        with trio.fail_after(10):
+            await c.decodes[0].wait_until(lambda: len(c.decodes[0].received) > seen + 1)
+
+
 async def test_instances_lists_static_and_registered_and_delete_removes(
     client: httpx.AsyncClient, nursery: trio.Nursery
 ) -> None:

@@ -35,7 +35,18 @@ def test_an_error_reply_is_that_commands_answer() -> None:
     assert isinstance(refused, CommandRefused) and "WRONGTYPE" in str(refused) and five == 5
 
 
-@pytest.mark.parametrize("reply", [b"$3\r\nabc\r\n", b":12x\r\n", b"*1\r\n"])
+def test_an_array_of_integers_is_taken_whole() -> None:
+    stream = b"*2\r\n:1\r\n:-250\r\n*0\r\n:7\r\n"
+    for cut in range(len(stream) + 1):
+        buffer = bytearray(stream[:cut])
+        got = parse_replies(buffer)
+        buffer += stream[cut:]
+        got += parse_replies(buffer)
+        assert got == [[1, -250], [], 7] and not buffer
+
+
+@pytest.mark.parametrize("reply", [b"$3\r\nabc\r\n", b":12x\r\n", b"*1\r\n+OK\r\n",
+                                   b"*-1\r\n"])
 def test_anything_but_an_integer_a_status_or_an_error_breaks_the_link(reply: bytes) -> None:
     with pytest.raises(LinkBroken):
         parse_replies(bytearray(reply))

@@ -7,6 +7,7 @@ own roster events (``Proxy.wait_roster``) with a deadline, never with a sleep.
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 import uuid
@@ -505,6 +506,7 @@ MALFORMED_KEYS: dict[str, Callable[[Any, bytes], Awaitable[Any]]] = {
 async def test_a_malformed_structural_key_is_skipped_and_counted(
     redis_server: RedisServer, client: httpx.AsyncClient, caplog: Any, kind: str,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio")  # "connected as replica" is INFO
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     async with coredis.Redis(host="127.0.0.1", port=redis_server.port) as raw:
         await MALFORMED_KEYS[kind](raw, prefix.encode())

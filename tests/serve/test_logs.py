@@ -5,7 +5,11 @@ from __future__ import annotations
 import io
 import json
 import logging
-from collections.abc import Iterator
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 
 import httpx
 import pytest
@@ -13,11 +17,24 @@ import trio.testing
 
 from epd_trio._core.errors import BadRequest, ProxyOverloaded, UpstreamStatusError, UpstreamTimeout
 from epd_trio._core.errors import UpstreamTransportError as Transport
-from epd_trio._core.trace import Attempt, RequestTrace, layout_of, outcome_of, request_fields
+from epd_trio._core.trace import (
+    Attempt,
+    RequestTrace,
+    layout_of,
+    outcome_of,
+    request_fields,
+    text_value,
+)
 from epd_trio._serve.logs import JsonFormatter, TextFormatter, configure_logging
-from epd_trio.testing import run_cluster
+from epd_trio.testing import FakeVLLM, run_cluster
+from epd_trio.testing.process import read_until, stop_process
 
-from helpers import CHAT, chat_body, image
+from helpers import CHAT, SERVING, chat_body, image, start_fakes
+
+#: Ceiling for waits that only fail when something hangs.
+GUARD = 30.0
+#: Client threads that close as soon as they have read an answer.
+CLOSERS = 8
 
 
 # -- pure ---------------------------------------------------------------------------------------
@@ -151,6 +168,37 @@ async def test_one_json_line_per_request_when_enabled(
     assert line["message"].startswith("log-1 /v1/chat/completions ok 200 in ")
 
 
+@pytest.mark.parametrize(("value", "written"), [
+    ("log-1", "log-1"),
+    ("a b", '"a b"'),
+    ('x" outcome=ok', '"x\\" outcome=ok"'),
+    ("id=7", '"id=7"'),
+    ("", '""'),
+    (3, "3"),
+])
+def test_text_values_are_one_token(value: object, written: str) -> None:
+    assert text_value(value) == written
+
+
+async def test_a_clients_request_id_is_quoted_in_the_text_line(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client chooses its ``x-request-id``: one holding spaces, a quote and ``key=value``
+    must not forge words or fields of the request line (issue 31, item 10)."""
+    caplog.set_level(logging.INFO, logger="epd_trio")
+    forged = 'x" outcome=ok status=200 y'
+    async with run_cluster(decodes=1, request_log=True) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={"x-request-id": forged})
+        assert r.status_code == 200 and r.headers["x-request-id"] == forged
+        await trio.testing.wait_all_tasks_blocked()  # logged as its resources close
+    [record] = [r for r in caplog.records if r.name == "epd_trio.requests"]
+    text = TextFormatter().format(record)
+    quoted = json.dumps(forged)
+    assert f"epd_trio.requests: {quoted} /v1/chat/completions ok 200 in " in text
+    assert f" request_id={quoted} " in text
+
+
 async def test_failed_request_line_names_the_error(
     client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -179,3 +227,103 @@ async def test_nothing_is_logged_per_request_by_default(
         assert (await client.post(c.proxy_url + CHAT, content=b"{")).status_code == 400
         await trio.testing.wait_all_tasks_blocked()
     assert [r for r in caplog.records if r.name.startswith("epd_trio")] == []
+
+
+# -- one stream, one format (issue 31, item 7): the real ``epd-trio serve`` ----------------------
+async def _serve_output(nursery: trio.Nursery, *args: str,
+                        drive: Callable[[str], Awaitable[None]]) -> tuple[bytes, list[dict]]:
+    """Run ``epd-trio serve ARGS`` (admin key "k"), ``drive`` it by its URL, SIGTERM it, and
+    return its whole stdout and its stderr lines, each parsed as JSON (which fails on any
+    line that is not)."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "epd_trio", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "EPD_ADMIN_KEY": "k"})
+    try:
+        assert process.stderr is not None and process.stdout is not None
+        match, seen = await read_until(process.stderr, SERVING)
+        url = match.group(1).decode()
+        await drive(url)
+        process.terminate()
+        err, out = seen, b""
+        with trio.fail_after(GUARD):
+            while chunk := await process.stderr.receive_some():
+                err += chunk
+            while chunk := await process.stdout.receive_some():
+                out += chunk
+            assert await process.wait() == 0
+    finally:
+        await stop_process(process)
+    return out, [json.loads(line) for line in err.decode().splitlines()]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_json_logs_are_every_line_on_one_stream(nursery: trio.Nursery, workers: str) -> None:
+    decode, joining = FakeVLLM("prefill_decode"), FakeVLLM("prefill_decode")
+    await start_fakes(nursery, decode, joining)
+    closes = 8 * CLOSERS
+
+    async def drive(url: str) -> None:
+        async with httpx.AsyncClient(trust_env=False, timeout=GUARD) as client:
+            assert (await client.post(url + CHAT, json=chat_body(),
+                                      headers={"x-request-id": "a1"})).status_code == 200
+            assert (await client.get(url + "/nope")).status_code == 404
+            registered = await client.post(url + "/instances", headers={"x-api-key": "k"},
+                                           json={"role": "prefill_decode",
+                                                 "url": joining.url})
+            assert registered.status_code == 200, registered.text
+        # Clients that close as soon as they have read their answer: the end of file races the
+        # end of the response, which Hypercorn logged twice (once with status "-").
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+
+        def read_and_close() -> None:  # a blocking client, in threads: the tightest close
+            for _ in range(closes // CLOSERS):
+                with socket.create_connection((host, int(port)), timeout=GUARD) as sock:
+                    sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+                    answer = b""
+                    while not answer.endswith(b"}"):
+                        answer += sock.recv(65536)
+
+        async with trio.open_nursery() as clients:
+            for _ in range(CLOSERS):
+                clients.start_soon(trio.to_thread.run_sync, read_and_close)
+
+    out, lines = await _serve_output(nursery, "--decode", decode.url, "--log-format", "json",
+                                     "--access-log", "--request-log", "--workers", workers,
+                                     drive=drive)
+    assert out == b""  # nothing on stdout: the access log too is on stderr
+    by_logger: dict[str, list[dict]] = {}
+    for line in lines:
+        assert {"time", "level", "logger", "message"} <= set(line), line
+        by_logger.setdefault(line["logger"], []).append(line)
+    # Hypercorn's start line, and the serve command's own lines, in the same format.
+    assert sum(x["message"].startswith("Running on http://")
+               for x in by_logger["epd_trio.server"]) == int(workers)  # one per worker
+    assert [x["message"].split(":")[0] for x in by_logger["epd_trio.serve"]][-1] == "SIGTERM"
+    # One access line per request, each with its status.
+    access = by_logger["epd_trio.access"]
+    assert sorted((x["method"], x["path"]) for x in access) == sorted(
+        [("POST", CHAT), ("GET", "/nope"), ("POST", "/instances")] + [("GET", "/health")] * closes)
+    assert all(isinstance(x["status"], int) for x in access)
+    assert next(x for x in access if x["path"] == CHAT)["request_id"] == "a1"
+    # A registration is news, not a warning.
+    [registered] = [x for x in by_logger["epd_trio"] if "registered" in x["message"]]
+    assert registered["level"] == "INFO"
+
+
+def test_an_uncaught_exception_is_a_json_line() -> None:
+    """A warning, or a traceback that reaches the top of a serve process, is a record in its
+    format too."""
+    code = ("from epd_trio._serve.logs import capture_process_output, configure_logging\n"
+            "configure_logging('INFO', 'json')\ncapture_process_output('INFO')\n"
+            "import threading, warnings\nwarnings.warn('careful', UserWarning)\n"
+            "t = threading.Thread(target=lambda: 1 / 0, name='side'); t.start(); t.join()\n"
+            "raise RuntimeError('boom')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=GUARD)
+    assert done.returncode == 1 and done.stdout == b""
+    lines = [json.loads(line) for line in done.stderr.decode().splitlines()]
+    warned, *crashed = lines
+    assert warned["level"] == "WARNING" and "UserWarning: careful" in warned["message"]
+    assert [(x["level"], x["message"]) for x in crashed] == [
+        ("CRITICAL", "uncaught ZeroDivisionError in thread side: division by zero"),
+        ("CRITICAL", "uncaught RuntimeError: boom")]
+    assert all("Traceback" in x["exception"] for x in crashed)

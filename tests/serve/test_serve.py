@@ -21,7 +21,17 @@ from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
 
-from helpers import CHAT, Samples, chat_body, image, moriio_pair, open_stuck_stream, scrape, start_fakes
+from helpers import (
+    CHAT,
+    SERVING,
+    Samples,
+    chat_body,
+    image,
+    moriio_pair,
+    open_stuck_stream,
+    scrape,
+    start_fakes,
+)
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
 
@@ -35,7 +45,7 @@ async def serving(
         env={**os.environ, **env} if env is not None else None)
     try:
         assert process.stderr is not None
-        url = await read_url(process.stderr, rb"listening on (http://\S+)")
+        url = await read_url(process.stderr, SERVING)
         yield process, url
     finally:
         if process.returncode is None:
@@ -365,8 +375,9 @@ async def test_a_taken_port_is_one_line_naming_the_address_and_exit_2(workers: s
         status, _, err = await run_cli("serve", "--port", str(port), "--workers", workers,
                                        "--decode", "http://127.0.0.1:9")
     assert status == 2
-    assert err == (f"epd-trio: cannot listen on 127.0.0.1:{port} (--host/--port): "
-                   "Address already in use\n")
+    (line,) = err.splitlines()  # one line, in the log format, no traceback
+    assert line.endswith(" ERROR epd_trio.serve: cannot listen on 127.0.0.1:"
+                         f"{port} (--host/--port): Address already in use"), line
 
 
 @pytest.mark.parametrize("command", ["serve", "demo"])

@@ -7,6 +7,7 @@ shows it); ``epd-trio serve``'s connection class releases it at once.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import os
@@ -17,6 +18,7 @@ from functools import partial
 from math import inf
 from typing import Any
 
+import h11
 import pytest
 import trio
 import trio.testing
@@ -59,7 +61,20 @@ HOOKED_SOURCES = {
     (ProtocolWrapper, "__init__"): "df25e181b9e2e64d",
     (H11Protocol, "_create_stream"): "a2338a57ab343908",
     (H11Protocol, "stream_send"): "56a36254a368d71a",
+    # Change 8: every h11 write goes through _send_h11_event (reason phrases), and the 400/431
+    # of a RemoteProtocolError is _handle_events calling _send_error_response (JSON bodies).
+    (H11Protocol, "_send_h11_event"): "5e40283daa303ec7",
+    (H11Protocol, "_send_error_response"): "58c2b47ae295d000",
+    (H11Protocol, "_handle_events"): "bd4a76b2837e8722",
 }
+
+
+def test_h11_head_events_have_the_reason_field_set_in_place() -> None:
+    """``_send_with_reason`` sets the frozen ``reason`` of a head event in place."""
+    for event in (h11.Response, h11.InformationalResponse):
+        assert "reason" in {f.name for f in dataclasses.fields(event)}
+        head = event(status_code=200 if event is h11.Response else 100, headers=[])
+        assert head.reason == b""
 
 
 @pytest.mark.parametrize(("owner", "name"), sorted(HOOKED_SOURCES, key=str),
@@ -70,7 +85,7 @@ def test_hypercorn_h11_methods_the_cork_relies_on(owner: Any, name: str) -> None
         "still sees every response event, then update HOOKED_SOURCES")
 
 
-# 100 Continue on the first read (change 8): H11Protocol._handle_events sends it while h11 says
+# 100 Continue on the first read (change 10): H11Protocol._handle_events sends it while h11 says
 # the client waits, and the trio TaskGroup's spawn_app is where each request's app starts.
 CONTINUE_SOURCES = {
     (H11Protocol, "_handle_events"): "bd4a76b2837e8722",
@@ -91,7 +106,7 @@ def test_hypercorn_methods_the_continue_on_read_relies_on(owner: Any, name: str)
                             b"expect: 100-continue\r\n\r\n")
     assert type(connection.next_event()) is h11.Request
     assert connection.they_are_waiting_for_100_continue
-    connection.client_is_waiting_for_100_continue = False  # what change 8 writes
+    connection.client_is_waiting_for_100_continue = False  # what change 10 writes
     assert not connection.they_are_waiting_for_100_continue
     assert connection.trailing_data == (b"", False)
 

@@ -1,0 +1,334 @@
+"""Fair admission: the cap on requests in flight shared by tenants, their own limits, and the
+queue over the cap (priority bands, weighted turns, aging: ``_core/fair_queue.py``).
+
+Why here and not in the pipeline: like ``gate.Admission``, a place is taken before the body is
+read (the cap bounds memory), and the tenant is known from the head alone (its key, or
+``EPD_TENANT_HEADER``). The limits that need the body (the client's ``priority``, the token
+reservation) are applied by the request's ``Ticket`` once the pipeline has parsed it, so the
+body is parsed once.
+
+Order of checks: a place (a free one, or a wait in the queue up to ``EPD_ADMISSION_TIMEOUT``:
+503, or 429 naming ``max_inflight`` when the tenant's own cap is what held it), then, on the
+parsed body, ``requests_per_minute`` and ``tokens_per_minute`` together, all or nothing (429
+naming the first that does not fit). Together, because with ``EPD_STATE_URL`` the buckets
+live in Redis and an admission costs one round trip at most (one script); when Redis does not
+answer, each replica enforces its share of each limit (``limit / live replicas``) on its own,
+counted, and no request fails for it.
+
+Release: the place (and the tenant's count) is held until the request's resources close, then
+the queue is asked who gets it (``FairQueue.pop``), skipping tenants at their own cap, so no
+place stays idle while someone who may use it waits. A ticket settles its token reservation
+on its usage when the request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
+
+import trio
+
+from .._core.auth import bearer_token
+from .._core.errors import AtCapacity, RateLimited
+from .._core.fair_queue import FairQueue, Waiter
+from .._core.tenants import (
+    Tenant,
+    TenantTable,
+    effective_priority,
+    prompt_estimate,
+    token_reservation,
+    tokens_used,
+    with_priority,
+)
+from .._core.token_bucket import TokenBucket, retry_after
+from .._core.tracing import usage_of
+
+Clock = Callable[[], float]
+#: One limit a request asks of: (its name, the tenant's per-minute value, the amount).
+Want = tuple[str, int, int]
+
+
+class AdmissionObserver(Protocol):
+    """Who counts what admission does (``_observe/metrics.ProxyMetrics``)."""
+
+    def tenant_queued(self, tenant: str, priority: int, delta: int) -> None: ...
+    def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None: ...
+    def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None: ...
+    def tenant_settled(self, tenant: str, tokens: int) -> None: ...
+
+
+class SharedBuckets(Protocol):
+    """The tenants' per-minute buckets shared by replicas (``_replicas/limits``)."""
+
+    #: Replicas alive at the last look (the share each enforces while the store is gone).
+    live_replicas: int
+
+    def others_inflight(self, tenant: str) -> int:
+        """The tenant's requests in flight elsewhere (other replicas, as last published)."""
+        ...
+
+    async def take(self, tenant: str, wants: Sequence[Want]) -> tuple[int, float] | None:
+        """All of ``wants`` taken at once: ``(0, 0.0)``; or the 1-based index of the first
+        that does not fit and its wait, nothing taken; None: the store did not answer."""
+        ...
+
+    def settle(self, tenant: str, limit: str, per_minute: int, delta: int) -> bool:
+        """Give ``delta`` back (negative: take it) without waiting; False: not sent."""
+        ...
+
+    def fell_back(self) -> None:
+        """Counts one decision taken on the local share."""
+        ...
+
+
+class Ticket:
+    """One admitted request's side of its tenant's limits: the body's priority and token
+    reservation (``admitted``), and the settlement of what it used (``settle``)."""
+
+    __slots__ = ("_admission", "_events", "_prompt", "_reserved", "_settled", "_usage",
+                 "priority", "tenant")
+
+    def __init__(self, admission: FairAdmission, tenant: Tenant) -> None:
+        self._admission = admission
+        self.tenant = tenant
+        self.priority = tenant.priority
+        self._reserved = 0
+        self._prompt = 0
+        self._events = 0
+        self._usage: tuple[int, int] | None = None
+        self._settled = False
+
+    @property
+    def metered(self) -> bool:
+        """Whether the request's tokens are counted (its tenant has ``tokens_per_minute``)."""
+        return self.tenant.tokens_per_minute is not None
+
+    async def admitted(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The parsed ``body`` at its effective priority, its request and tokens counted;
+        ``RateLimited`` when a per-minute bucket of its tenant holds too few."""
+        self.priority = effective_priority(self.tenant, body)
+        tenant = self.tenant
+        wants: list[Want] = []
+        if tenant.requests_per_minute is not None:
+            wants.append(("requests_per_minute", tenant.requests_per_minute, 1))
+        reserved = 0
+        if tenant.tokens_per_minute is not None:
+            reserved = token_reservation(body)
+            wants.append(("tokens_per_minute", tenant.tokens_per_minute, reserved))
+        if wants:
+            await self._admission.take(tenant, wants)
+            self._reserved, self._prompt = reserved, prompt_estimate(body)
+        return with_priority(body, self.priority)
+
+    def answered(self, data: bytes) -> None:
+        """The answer's JSON body, or its stream's tail: its ``usage``, when reported."""
+        if self._reserved:
+            self._usage = usage_of(data) or self._usage
+
+    def relayed(self, chunk: bytes) -> None:
+        """Stream bytes sent to the client: what a stream without ``usage`` used."""
+        self._events += chunk.count(b"data: {")
+
+    def settle(self) -> None:
+        """The request is over: its reservation settled on what it used (once)."""
+        if self._settled:
+            return
+        self._settled = True
+        if self._reserved:
+            used = tokens_used(self._prompt, self._usage, self._events)
+            self._admission.settle_tokens(self.tenant, self._reserved, used)
+
+
+class FairAdmission:
+    """One proxy's fair gate: ``max_inflight`` places shared by the tenants of ``table``."""
+
+    def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
+                 aging: float, tenant_header: str | None = None,
+                 clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
+                 observer: AdmissionObserver | None = None) -> None:
+        self._max = max_inflight
+        self._timeout = timeout
+        self._table = table
+        self._header = None if tenant_header is None else tenant_header.encode("latin-1")
+        self._clock = clock
+        self._queue = FairQueue(aging)
+        self._inflight = 0
+        self._per_tenant: dict[str, int] = {}
+        self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
+        self._shared = shared
+        #: The tenants with a ``max_inflight``: the only ones a free place may skip.
+        self._capped = [t for t in table.by_name.values() if t.max_inflight is not None]
+        self._observer = observer
+
+    # -- who ---------------------------------------------------------------------------------
+    def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
+        """The tenant of a request's head: its key's, else its header's, else ``default``."""
+        key = named = None
+        for name, value in headers:
+            if name == b"authorization":
+                key = bearer_token(value.decode("latin-1"))
+            elif name == self._header:
+                named = value.decode("latin-1")
+        return self._table.resolve(key, named)
+
+    # -- places ------------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    def depth(self) -> Mapping[tuple[str, int], int]:
+        """Waiters per (tenant, band)."""
+        return self._queue.depth()
+
+    async def enter(self, tenant: Tenant, resources: AsyncExitStack) -> Ticket:
+        """Admit a request of ``tenant`` (released when ``resources`` close); its ticket."""
+        await self._take_place(tenant)
+        resources.callback(self._release, tenant)
+        ticket = Ticket(self, tenant)
+        resources.callback(ticket.settle)
+        return ticket
+
+    def _may_start(self, tenant: Tenant) -> bool:
+        cap = tenant.max_inflight
+        return self._inflight < self._max and (
+            cap is None or self._tenant_inflight(tenant.name) < cap)
+
+    def _tenant_inflight(self, name: str) -> int:
+        """The tenant's requests in flight: here, and at the other replicas as they last
+        published them (``EPD_STATE_LOAD_INTERVAL``: a burst may overshoot by what arrives
+        at several replicas within one interval)."""
+        here = self._per_tenant.get(name, 0)
+        return here if self._shared is None else here + self._shared.others_inflight(name)
+
+    def per_tenant(self) -> Mapping[str, int]:
+        """This process's requests in flight per tenant (published to the other replicas)."""
+        return {name: n for name, n in self._per_tenant.items() if n}
+
+    def _start(self, name: str) -> None:
+        self._inflight += 1
+        self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
+
+    async def _take_place(self, tenant: Tenant) -> None:
+        observer, name, band = self._observer, tenant.name, tenant.priority
+        # Every release hands its place to the queue first, so a free place means that every
+        # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
+        if self._may_start(tenant):
+            self._start(name)
+            if observer is not None:
+                observer.tenant_admitted(name, band, 0.0)
+            return
+        admitted = trio.Event()
+        enqueued = self._clock()
+        waiter = Waiter(tenant=name, priority=band, weight=tenant.weight, enqueued=enqueued,
+                        token=admitted)
+        self._queue.push(waiter)
+        if observer is not None:
+            observer.tenant_queued(name, band, 1)
+        try:
+            with trio.move_on_after(self._timeout):
+                await admitted.wait()
+        except BaseException:
+            if admitted.is_set():  # the place came, but so did a cancellation: give it on
+                self._release(tenant)
+            else:
+                waiter.cancelled = True
+                if observer is not None:
+                    observer.tenant_queued(name, band, -1)
+            raise
+        if admitted.is_set():
+            if observer is not None:  # its queue count was taken down when it was woken
+                observer.tenant_admitted(name, band, self._clock() - enqueued)
+            return
+        waiter.cancelled = True
+        cap = tenant.max_inflight
+        held = cap is not None and self._tenant_inflight(name) >= cap
+        if observer is not None:
+            observer.tenant_queued(name, band, -1)
+            observer.tenant_rejected(name, band, "max_inflight" if held else "deadline")
+        if held:
+            assert cap is not None
+            raise RateLimited(name, "max_inflight", cap, retry_after(self._timeout))
+        raise AtCapacity(
+            f"the proxy is serving its limit of {self._max} requests (EPD_MAX_INFLIGHT) and "
+            f"no place came to tenant {name!r} within {self._timeout:g} s; retry later")
+
+    def _blocked(self) -> set[str]:
+        """Tenants at their own ``max_inflight``."""
+        return {tenant.name for tenant in self._capped
+                if self._tenant_inflight(tenant.name) >= (tenant.max_inflight or 0)}
+
+    def _release(self, tenant: Tenant) -> None:
+        self._inflight -= 1
+        self._per_tenant[tenant.name] -= 1
+        self.dispatch()
+
+    def dispatch(self) -> None:
+        """Give the free places to the queue (``FairQueue.pop``): after a release here, and
+        when the other replicas' counts change (a tenant they held at its ``max_inflight``
+        may start again)."""
+        if not len(self._queue):
+            return
+        now = self._clock()
+        while self._inflight < self._max:
+            waiter = self._queue.pop(now, self._blocked())
+            if waiter is None:
+                return
+            self._start(waiter.tenant)
+            waiter.token.set()
+            if self._observer is not None:
+                self._observer.tenant_queued(waiter.tenant, waiter.priority, -1)
+
+    # -- rates -------------------------------------------------------------------------------
+    def bucket(self, tenant: str, limit: str, per_minute: float) -> TokenBucket:
+        """This process's bucket of one limit (``per_minute``: the limit, or the share of it
+        this replica enforces while the shared store does not answer)."""
+        key = (tenant, limit, per_minute)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = TokenBucket.full(per_minute, self._clock())
+        return bucket
+
+    async def take(self, tenant: Tenant, wants: Sequence[Want]) -> None:
+        """Take every one of ``wants`` from the tenant's buckets, or none: ``RateLimited``
+        naming the first that does not fit, with its bucket's ``Retry-After``."""
+        shared = self._shared
+        answer = None if shared is None else await shared.take(tenant.name, wants)
+        if answer is None:
+            if shared is not None:
+                shared.fell_back()
+            answer = self._take_locally(tenant.name, wants, self._share())
+        index, wait = answer
+        if index:
+            limit, per_minute, _ = wants[index - 1]
+            if self._observer is not None:
+                self._observer.tenant_rejected(tenant.name, tenant.priority, limit)
+            raise RateLimited(tenant.name, limit, per_minute, retry_after(wait))
+
+    def _share(self) -> int:
+        return 1 if self._shared is None else max(1, self._shared.live_replicas)
+
+    def _take_locally(self, tenant: str, wants: Sequence[Want],
+                      share: int) -> tuple[int, float]:
+        now = self._clock()
+        buckets = [self.bucket(tenant, limit, per_minute / share)
+                   for limit, per_minute, _ in wants]
+        for index, (bucket, (_, _, amount)) in enumerate(zip(buckets, wants, strict=True)):
+            wait = bucket.wait_for(amount, now)
+            if wait:
+                return index + 1, wait
+        for bucket, (_, _, amount) in zip(buckets, wants, strict=True):
+            bucket.take(amount, now)
+        return 0, 0.0
+
+    def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
+        if self._observer is not None:
+            self._observer.tenant_settled(tenant.name, used)
+        per_minute = tenant.tokens_per_minute
+        assert per_minute is not None
+        shared = self._shared
+        if shared is not None and shared.settle(tenant.name, "tokens_per_minute", per_minute,
+                                                reserved - used):
+            return
+        self.bucket(tenant.name, "tokens_per_minute", per_minute / self._share()).settle(
+            reserved, used, self._clock())

@@ -1,0 +1,176 @@
+"""The fair gate on trio, without a server: who gets a freed place, what each refusal says,
+and what a ticket settles. The buckets' clock is a list the test moves."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import pytest
+import trio
+import trio.testing
+
+from epd_trio._admission.fair import FairAdmission
+from epd_trio._core.errors import AtCapacity, RateLimited
+from epd_trio._core.tenants import Tenant, TenantTable, parse_tenants
+
+TENANTS = parse_tenants({
+    "interactive": {"keys": ["sk-int"], "priority": 0},
+    "batch": {"keys": ["sk-batch"], "priority": 1},
+    "capped": {"max_inflight": 1},
+    "rpm": {"requests_per_minute": 2},
+    "tpm": {"tokens_per_minute": 600, "priority": 2},
+})
+
+
+def gate(max_inflight: int = 1, timeout: float = 30.0, aging: float = 0.0,
+         now: list[float] | None = None) -> FairAdmission:
+    clock = now if now is not None else [0.0]
+    return FairAdmission(max_inflight=max_inflight, timeout=timeout,
+                         table=TenantTable(TENANTS), aging=aging,
+                         tenant_header="x-tenant", clock=lambda: clock[0])
+
+
+def tenant(admission: FairAdmission, name: str) -> Tenant:
+    return admission.tenant_of([(b"x-tenant", name.encode())])
+
+
+def test_the_tenant_comes_from_the_key_else_the_header_else_default() -> None:
+    admission = gate()
+    assert admission.tenant_of([(b"authorization", b"Bearer sk-batch"),
+                                (b"x-tenant", b"interactive")]).name == "batch"
+    assert admission.tenant_of([(b"x-tenant", b"interactive")]).name == "interactive"
+    assert admission.tenant_of([(b"authorization", b"Bearer sk-nobody")]).name == "default"
+
+
+async def served_in_order(admission: FairAdmission, arrivals: list[str]) -> list[str]:
+    """With the one place taken, ``arrivals`` queue in that order; then each admitted request
+    finishes in turn. The order they were admitted in."""
+    admitted: list[tuple[str, trio.Event]] = []
+
+    async def request(name: str) -> None:
+        async with AsyncExitStack() as resources:
+            await admission.enter(tenant(admission, name), resources)
+            done = trio.Event()
+            admitted.append((name, done))
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, "batch")
+        await trio.testing.wait_all_tasks_blocked()
+        for name in arrivals:
+            nursery.start_soon(request, name)
+            await trio.testing.wait_all_tasks_blocked()
+        assert len(admitted) == 1 and sum(admission.depth().values()) == len(arrivals)
+        for i in range(len(arrivals) + 1):
+            assert len(admitted) == i + 1  # one place: one in flight at a time
+            admitted[i][1].set()
+            await trio.testing.wait_all_tasks_blocked()
+    assert admission.inflight == 0
+    return [name for name, _ in admitted[1:]]
+
+
+async def test_a_freed_place_goes_to_the_better_band_first() -> None:
+    order = await served_in_order(gate(), ["batch"] * 5 + ["interactive"])
+    assert order == ["interactive"] + ["batch"] * 5
+
+
+async def test_inside_a_band_tenants_take_turns() -> None:
+    order = await served_in_order(gate(), ["interactive"] * 4 + ["default"] * 2)
+    assert order == ["interactive", "default", "interactive", "default", "interactive",
+                     "interactive"]
+
+
+async def test_a_waiter_gets_a_503_with_retry_after_at_its_deadline() -> None:
+    admission = gate(timeout=0.05)
+    async with AsyncExitStack() as holder:
+        await admission.enter(tenant(admission, "batch"), holder)
+        async with AsyncExitStack() as resources:
+            with pytest.raises(AtCapacity) as refused:
+                await admission.enter(tenant(admission, "interactive"), resources)
+    assert refused.value.status == 503 and refused.value.headers["retry-after"] == "1"
+    assert "EPD_MAX_INFLIGHT" in refused.value.message
+    assert admission.inflight == 0 and admission.depth() == {}
+
+
+async def test_a_tenant_at_its_own_cap_gets_a_429_naming_max_inflight() -> None:
+    admission = gate(max_inflight=10, timeout=0.05)
+    async with AsyncExitStack() as holder:
+        await admission.enter(tenant(admission, "capped"), holder)
+        with pytest.raises(RateLimited) as refused:
+            await admission.enter(tenant(admission, "capped"), AsyncExitStack())
+        await admission.enter(tenant(admission, "default"), holder)  # others still pass
+    payload = refused.value.payload()["error"]
+    assert refused.value.status == 429 and payload["param"] == "max_inflight"
+    assert payload["code"] == "rate_limit_exceeded"
+
+
+async def test_requests_per_minute_refuse_with_retry_after_from_the_bucket() -> None:
+    now = [0.0]
+    admission = gate(max_inflight=10, now=now)
+    body = {"model": "m"}
+    async with AsyncExitStack() as resources:
+        for _ in range(2):
+            await (await admission.enter(tenant(admission, "rpm"), resources)).admitted(body)
+        ticket = await admission.enter(tenant(admission, "rpm"), resources)
+        with pytest.raises(RateLimited) as refused:
+            await ticket.admitted(body)
+        assert refused.value.payload()["error"]["param"] == "requests_per_minute"
+        assert refused.value.headers["retry-after"] == "30"  # 2 a minute: one every 30 s
+        now[0] = 30.0
+        await ticket.admitted(body)
+
+
+async def test_a_client_may_lower_its_priority_never_raise_it() -> None:
+    admission = gate(max_inflight=10)
+    async with AsyncExitStack() as resources:
+        ticket = await admission.enter(tenant(admission, "batch"), resources)
+        assert await ticket.admitted({"model": "m", "priority": -5}) == {"model": "m",
+                                                                          "priority": 1}
+        assert await ticket.admitted({"model": "m", "priority": 7}) == {"model": "m",
+                                                                         "priority": 7}
+
+
+async def test_tokens_are_reserved_then_settled_on_the_usage() -> None:
+    now = [0.0]
+    admission = gate(max_inflight=10, now=now)
+    body = {"model": "m", "prompt": "x" * 40, "max_tokens": 290}  # 10 + 290 reserved
+    async with AsyncExitStack() as first:
+        ticket = await admission.enter(tenant(admission, "tpm"), first)
+        await ticket.admitted(body)
+        ticket.answered(b'{"usage": {"prompt_tokens": 12, "completion_tokens": 8}}')
+        ticket2 = await admission.enter(tenant(admission, "tpm"), first)
+        await ticket2.admitted(body)  # 600 - 300 - 300: empty
+        with pytest.raises(RateLimited) as refused:
+            await (await admission.enter(tenant(admission, "tpm"), first)).admitted(body)
+        assert refused.value.payload()["error"]["param"] == "tokens_per_minute"
+        assert refused.value.headers["retry-after"] == "30"  # 300 at 10 a second
+        # The refused request gave back what it took: nothing of the bucket was spent on it.
+    # Both settled: the first used 20 (its usage), the second 10 + 0 events (no answer).
+    assert admission.bucket("tpm", "tokens_per_minute", 600).level == 600 - 20 - 10
+
+
+async def test_a_stream_without_usage_settles_the_events_it_relayed() -> None:
+    admission = gate(max_inflight=10)
+    async with AsyncExitStack() as resources:
+        ticket = await admission.enter(tenant(admission, "tpm"), resources)
+        await ticket.admitted({"model": "m", "prompt": "x" * 40, "max_tokens": 100})
+        ticket.relayed(b'data: {"a": 1}\n\ndata: {"a": 2}\n\n')
+        ticket.relayed(b'data: {"a": 3}\n\ndata: [DONE]\n\n')
+        ticket.answered(b'data: {"a": 3}\n\ndata: [DONE]\n\n')  # no usage in its tail
+    assert admission.bucket("tpm", "tokens_per_minute", 600).level == 600 - 10 - 3
+
+
+async def test_both_per_minute_limits_are_taken_together_or_not_at_all() -> None:
+    """A request refused on its tokens takes no request unit, and the reverse."""
+    table = TenantTable(parse_tenants({"both": {"requests_per_minute": 2,
+                                                "tokens_per_minute": 100}}))
+    admission = FairAdmission(max_inflight=10, timeout=1.0, table=table, aging=0.0,
+                              clock=lambda: 0.0)
+    both = table.by_name["both"]
+    small, large = {"model": "m", "max_tokens": 10}, {"model": "m", "max_tokens": 1000}
+    async with AsyncExitStack() as resources:
+        await (await admission.enter(both, resources)).admitted(large)  # a full bucket: passes
+        for _ in range(2):  # the tokens are in debt now: refused, no request unit taken
+            with pytest.raises(RateLimited, match="tokens_per_minute"):
+                await (await admission.enter(both, resources)).admitted(small)
+        assert admission.bucket("both", "requests_per_minute", 2).level == 1

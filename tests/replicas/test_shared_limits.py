@@ -1,0 +1,222 @@
+"""Tenants' per-minute limits shared by replicas through a real redis-server: one limit across
+three replica processes, tokens settled across replicas, and Redis killed under load with no
+request failed (each replica then enforces its share, counted)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
+from typing import Any
+
+import httpx
+import orjson
+import trio
+import trio.testing
+
+from epd_trio import Instance, Settings
+from epd_trio._core.tenants import parse_tenants
+from epd_trio._proxy import Proxy
+from epd_trio.testing import FakeVLLM, serve_proxy
+
+from helpers import CHAT, chat_body, metric, server_process, start_fakes
+from real_servers import RedisServer
+
+SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
+TABLES = {"team": {"keys": ["sk-team"], "requests_per_minute": 30},
+          "metered": {"keys": ["sk-tpm"], "tokens_per_minute": 1200},
+          "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000},
+          "capped": {"keys": ["sk-capped"], "max_inflight": 2}}
+TEAM = {"authorization": "Bearer sk-team"}
+METERED = {"authorization": "Bearer sk-tpm"}
+
+
+@asynccontextmanager
+async def fleet(redis: RedisServer, decode: FakeVLLM, count: int = 3,
+                **settings: Any) -> AsyncIterator[list[tuple[str, Proxy]]]:
+    """``count`` in-process replicas with the tenants of ``TABLES``, their links up."""
+    config: dict[str, Any] = {
+        "decode_urls": (Instance(decode.url),), "state_url": redis.url,
+        "state_prefix": f"l{uuid.uuid4().hex[:8]}:", "state_load_interval": 0.05,
+        "state_timeout": 10.0, "tenants": parse_tenants(TABLES), **settings}
+    async with AsyncExitStack() as stack:
+        started = [await stack.enter_async_context(
+            serve_proxy(Settings(**config, replica_id=f"r{n}"))) for n in range(count)]
+        with trio.fail_after(10):
+            for _, proxy in started:
+                assert proxy.state is not None
+                while proxy.state.limits_link is None or proxy.state.live_replicas < count:
+                    await proxy.state.next_load_read()
+        yield started
+
+
+async def test_one_limit_holds_across_three_replica_processes(nursery: trio.Nursery) -> None:
+    """30 a minute for the tenant, 60 asked through three ``epd-trio serve`` processes: 30
+    pass (31 at most: the bucket refills 0.5 a second while the test runs), not 90."""
+    with RedisServer() as redis:
+        (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EPD_")}
+        env.update({"EPD_STATE_URL": redis.url, "EPD_STATE_PREFIX": f"p{uuid.uuid4().hex[:6]}:",
+                    "EPD_DECODE_URLS": decode.url, "EPD_TENANTS": orjson.dumps(TABLES).decode(),
+                    "EPD_STATE_TIMEOUT": "10"})
+        async with AsyncExitStack() as stack:
+            urls = [(await stack.enter_async_context(
+                server_process(nursery, SERVE, env, limit=60))).url for _ in range(3)]
+            async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+                with trio.fail_after(30):
+                    for url in urls:  # the shared roster loaded: the limits' link is up too
+                        while (await client.get(url + "/ready")).status_code != 200:  # noqa: ASYNC110
+                            await trio.sleep(0.02)  # another process: nothing to wait on
+                statuses = [(await client.post(urls[n % 3] + CHAT, json=chat_body(),
+                                               headers=TEAM)).status_code for n in range(60)]
+                metrics = [(await client.get(url + "/metrics")).text for url in urls]
+    assert set(statuses) == {200, 429}
+    assert 30 <= statuses.count(200) <= 31, statuses.count(200)
+    for text in metrics:  # every decision was the shared one
+        assert "epd_trio_state_local_limits_total 0.0" in text
+
+
+async def test_tokens_reserved_at_one_replica_are_settled_for_all(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """1002 of 1200 reserved at r0, about 10 used: once settled, r1 and r2 admit another
+    1002 each in turn (non-stream, stream, non-stream), and a stream whose client leaves
+    settles too; unsettled, the bucket would hold 198."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    async with fleet(redis_server, decode) as replicas:
+        body = chat_body(max_tokens=1000)
+        key = f"{replicas[0][1].state.keys.prefix}limit:metered:tokens_per_minute"
+        for n, stream in enumerate((False, True, False)):
+            url = replicas[n][0]
+            r = await client.post(url + CHAT, json={**body, "stream": stream}, headers=METERED)
+            assert r.status_code == 200, r.text
+            with trio.fail_after(5):  # the settlement is sent after the answer, unawaited
+                while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
+                    await trio.sleep(0.01)
+        # A stream its client leaves after the first bytes settles what it used too.
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 1000, 0.05
+        async with client.stream("POST", replicas[1][0] + CHAT, headers=METERED,
+                                 json={**body, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                break
+        with trio.fail_after(5):
+            while float(redis_server.command("HGET", key, "level") or 0) < 1100:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        decode.behaviour.tokens, decode.behaviour.chunk_delay = 8, 0.0
+        r = await client.post(replicas[0][0] + CHAT, json=chat_body(max_tokens=5000),
+                              headers=METERED)
+        assert r.status_code == 429 and r.json()["error"]["param"] == "tokens_per_minute"
+
+
+async def test_redis_killed_under_load_fails_no_request_and_each_replica_takes_its_share(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    redis = RedisServer().start()
+    try:
+        (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+        async with fleet(redis, decode, state_timeout=1.0) as replicas:
+            statuses: list[int] = []
+            done = trio.Event()
+
+            async def load(url: str) -> None:
+                while not done.is_set():
+                    r = await client.post(url + CHAT, json=chat_body(),
+                                          headers={"authorization": "Bearer sk-bulk"})
+                    statuses.append(r.status_code)
+
+            async with trio.open_nursery() as traffic:
+                for url, _ in replicas:
+                    traffic.start_soon(load, url)
+                with trio.fail_after(10):
+                    while len(statuses) < 10:  # noqa: ASYNC110 - mid-run: traffic flowing
+                        await trio.sleep(0.01)
+                redis.kill()
+                for _, proxy in replicas:
+                    with trio.fail_after(10):
+                        while proxy.state.up:
+                            await proxy.state.next_change()
+                served_while_down = len(statuses)
+                with trio.fail_after(10):
+                    while len(statuses) < served_while_down + 30:  # noqa: ASYNC110
+                        await trio.sleep(0.01)
+                done.set()
+            assert statuses and set(statuses) == {200}
+            # The team tenant's 30 a minute, split over 3 live replicas: 10 here.
+            url, proxy = replicas[0]
+            team = [(await client.post(url + CHAT, json=chat_body(), headers=TEAM)).status_code
+                    for _ in range(15)]
+            assert team.count(200) == 10 and team.count(429) == 5
+            # Every decision since the kill was local (the load's, and these 15), counted.
+            assert sum(metric(p, "epd_trio_state_local_limits_total")
+                       for _, p in replicas) >= 30 + 15
+    finally:
+        redis.kill()
+
+
+async def test_max_inflight_counts_the_other_replicas_requests(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Two requests of a tenant capped at 2 hang at r0; once r1 has read r0's published
+    counts, r1 keeps a third waiting and answers 429 ``max_inflight`` at its deadline."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=0.3) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        async with trio.open_nursery() as held:
+            for _ in range(2):
+                held.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                        headers=capped))
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            assert r.status_code == 429, r.text
+            assert r.json()["error"]["param"] == "max_inflight"
+            assert len(decode.requests()) == 2  # the third never reached the engine
+            held.cancel_scope.cancel()
+
+
+async def test_a_waiter_held_by_other_replicas_starts_when_they_release(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """r1's request waits on the tenant's cap, held by r0's two: when r0's end, r1 learns it
+    from r0's next published counts and starts it, with no release of its own."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.hang = True
+    capped = {"authorization": "Bearer sk-capped"}
+    async with fleet(redis_server, decode, count=2, admission_timeout=30) as replicas:
+        (url0, _), (url1, proxy1) = replicas
+        answers: list[int] = []
+        holding = trio.CancelScope()
+
+        async def hold_two() -> None:
+            with holding:
+                async with trio.open_nursery() as two:
+                    for _ in range(2):
+                        two.start_soon(partial(client.post, url0 + CHAT, json=chat_body(),
+                                               headers=capped))
+
+        async def third() -> None:
+            r = await client.post(url1 + CHAT, json=chat_body(), headers=capped)
+            answers.append(r.status_code)
+
+        async with trio.open_nursery() as requests:
+            requests.start_soon(hold_two)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+                while proxy1.state.others_inflight("capped") < 2:
+                    await proxy1.state.next_load_read()
+            decode.behaviour.hang = False
+            requests.start_soon(third)
+            for _ in range(3):  # r1 has read the counts again: still waiting
+                await proxy1.state.next_load_read()
+            assert answers == [] and len(decode.requests()) == 2
+            holding.cancel()  # r0's two end (their client left)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 3)
+        assert answers == [200]
