@@ -108,3 +108,29 @@ def test_serve_stops_loudly_when_a_task_dies(workers: str, tmp_path: Path) -> No
                             timeout=60)
     assert result.returncode == 1, result.stderr
     assert "the prober task died: ValueError: the prober's bug" in result.stderr
+
+
+@pytest.mark.parametrize("spelling", [
+    "http://127.0.0.1:{port}/", "http://localhost:{port}", "http://127.0.0.1:{port}#dp=1024",
+    " http://127.0.0.1:{port} ,", "dns+http://localhost:{port}",
+])
+async def test_no_accepted_spelling_starts_a_proxy_with_a_dead_task(
+    nursery: trio.Nursery, spelling: str,
+) -> None:
+    """Issue 31's fuzz, from the other side: what the settings accept (odd but valid
+    spellings) starts a proxy whose every task runs: probes arrive, ``/health`` is ok."""
+    from epd_trio._core.config import settings_from
+    from epd_trio.testing import FakeVLLM, serve_proxy
+
+    fake = FakeVLLM("decode")
+    url = await nursery.start(fake.serve)
+    port = int(url.rsplit(":", 1)[1])
+    settings = settings_from({"EPD_DECODE_URLS": spelling.format(port=port),
+                              "EPD_HEALTH_INTERVAL": "0.05", "EPD_LOAD_SCRAPE_INTERVAL": "0.05"})
+    async with serve_proxy(settings) as (_url, proxy):
+        with trio.fail_after(10):
+            await fake.wait_until(lambda: len(fake.requests("/health")) >= 2
+                                  and len(fake.requests("/metrics")) >= 2)
+        health = proxy.health()
+        # "degraded" where /etc/hosts also names localhost ::1, which the fake does not serve.
+        assert health["status"] in ("ok", "degraded") and proxy.tasks.failure is None, health
