@@ -17,7 +17,7 @@ from collections.abc import Callable
 import orjson
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
@@ -25,8 +25,8 @@ from ._admission.fair import FairAdmission
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
-from ._core.errors import BodyTooLarge, ProxyError, error_reply
-from ._core.rewrite import json_object
+from ._core.errors import INTERNAL_ERROR, BodyTooLarge, ProxyError, error_reply
+from ._core.rewrite import json_object, new_request_id
 from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
@@ -138,6 +138,34 @@ def create_app(
 
     watchdog: list[trio.CancelScope] = []
 
+    # Every request of the Quart routes has an id, and a refusal a log line and a count, as
+    # the completion endpoints' refusals do (issue 31): the id is the client's x-request-id or
+    # a new one, sent back on every answer. Paths no route knows count as "other", so a scan
+    # of random URLs cannot grow the metric's labels.
+    known_paths: set[str] = set()
+
+    @app.before_request
+    async def _identify() -> None:
+        g.request_id = new_request_id(request.headers.get("x-request-id"))
+        g.started = time.perf_counter()
+
+    @app.after_request
+    async def _tag(response: Response) -> Response:
+        request_id = getattr(g, "request_id", None)
+        if request_id is not None:
+            response.headers["x-request-id"] = request_id
+        return response
+
+    def _refused(error: ProxyError, reply: BaseException | None = None) -> Response:
+        """``reply`` (default ``error``) answered, ``error`` counted and logged."""
+        if not known_paths:
+            known_paths.update(rule.rule for rule in app.url_map.iter_rules())
+        endpoint = request.path if request.path in known_paths else "other"
+        request_id = getattr(g, "request_id", None) or new_request_id(None)
+        accounting.refused(endpoint, request_id, getattr(g, "started", time.perf_counter()),
+                           error)
+        return _error(error if reply is None else reply)
+
     @app.before_serving
     async def _open() -> None:
         async def start(nursery: trio.Nursery) -> None:
@@ -221,20 +249,20 @@ def create_app(
         # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
         text = await trio.to_thread.run_sync(proxy.metrics.exposition)
         if text is None:
-            return _error(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
-                                     type="not_found_error"))
+            return _refused(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
+                                       type="not_found_error"))
         return Response(text, status=200, content_type=CONTENT_TYPE_LATEST)
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:
-        return _error(exc)
+        return _refused(exc)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         if status == 413:
-            return _error(BodyTooLarge(settings.max_body_bytes))
-        response = _error(ProxyError(
+            return _refused(BodyTooLarge(settings.max_body_bytes))
+        response = _refused(ProxyError(
             _routing_message(status, request.method, request.path, exc)
             or exc.description or exc.name,
             status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
@@ -245,6 +273,6 @@ def create_app(
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unexpected error while handling %s %s", request.method, request.path)
-        return _error(exc)
+        return _refused(INTERNAL_ERROR, exc)
 
     return app
