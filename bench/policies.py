@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -196,6 +196,16 @@ def reused_blocks(jobs: Sequence[Job]) -> int:
     return len(again)
 
 
+def _cached_tokens(job: Job, cache: Container[int], block_tokens: int) -> int:
+    """The tokens of ``job``'s leading blocks found in ``cache`` (as vLLM, the last prompt
+    token is always computed, so a prompt of whole blocks leaves its last one out)."""
+    limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
+    cached = 0
+    while cached < limit and job.prefill_blocks[cached] in cache:
+        cached += 1
+    return cached * block_tokens
+
+
 def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16, *,
                    proxied_only: bool = False) -> float:
     """The hit rate of one unbounded prefix cache over the whole sequence (direct requests
@@ -209,11 +219,7 @@ def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16, *,
             seen.update(job.prefill_blocks)
             continue
         total += job.prompt_tokens
-        limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
-        cached = 0
-        while cached < limit and job.prefill_blocks[cached] in seen:
-            cached += 1
-        hits += cached * block_tokens
+        hits += _cached_tokens(job, seen, block_tokens)
         seen.update(job.prefill_blocks)
     return hits / total if total else 0.0
 
@@ -227,11 +233,7 @@ def pooled_hit_rate(jobs: Sequence[Job], blocks: int, block_tokens: int = 16) ->
     hits = total = 0
     for job in jobs:
         total += job.prompt_tokens
-        limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
-        cached = 0
-        while cached < limit and job.prefill_blocks[cached] in cache:
-            cached += 1
-        hits += cached * block_tokens
+        hits += _cached_tokens(job, cache, block_tokens)
         for block in job.prefill_blocks:
             cache[block] = None
             cache.move_to_end(block)
