@@ -46,7 +46,8 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Container, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -195,6 +196,16 @@ def reused_blocks(jobs: Sequence[Job]) -> int:
     return len(again)
 
 
+def _cached_tokens(job: Job, cache: Container[int], block_tokens: int) -> int:
+    """The tokens of ``job``'s leading blocks found in ``cache`` (as vLLM, the last prompt
+    token is always computed, so a prompt of whole blocks leaves its last one out)."""
+    limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
+    cached = 0
+    while cached < limit and job.prefill_blocks[cached] in cache:
+        cached += 1
+    return cached * block_tokens
+
+
 def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16, *,
                    proxied_only: bool = False) -> float:
     """The hit rate of one unbounded prefix cache over the whole sequence (direct requests
@@ -208,12 +219,26 @@ def ideal_hit_rate(jobs: Sequence[Job], block_tokens: int = 16, *,
             seen.update(job.prefill_blocks)
             continue
         total += job.prompt_tokens
-        limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
-        cached = 0
-        while cached < limit and job.prefill_blocks[cached] in seen:
-            cached += 1
-        hits += cached * block_tokens
+        hits += _cached_tokens(job, seen, block_tokens)
         seen.update(job.prefill_blocks)
+    return hits / total if total else 0.0
+
+
+def pooled_hit_rate(jobs: Sequence[Job], blocks: int, block_tokens: int = 16) -> float:
+    """The hit rate of one LRU prefix cache of ``blocks`` blocks over the whole sequence: the
+    prefill ranks' caches pooled, as if routing made them one. A reference for bounded caches,
+    where the unbounded ideal is out of reach; not a bound (a router that kept unique prompts
+    off the ranks holding shared prefixes could beat plain LRU)."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = total = 0
+    for job in jobs:
+        total += job.prompt_tokens
+        hits += _cached_tokens(job, cache, block_tokens)
+        for block in job.prefill_blocks:
+            cache[block] = None
+            cache.move_to_end(block)
+        while len(cache) > blocks:
+            cache.popitem(last=False)
     return hits / total if total else 0.0
 
 
@@ -729,11 +754,17 @@ def main(argv: list[str] | None = None) -> int:
                      if any(job.direct is not None for job in jobs) else None)
     decisions = decision_costs(args.decision_rounds)
     print(render(rows, ideal, decisions, proxied_ideal))
+    per_rank = (max(1, round(args.cache_share * reused_blocks(jobs)))
+                if args.cache_share is not None else args.cache_blocks)
+    pooled_blocks = per_rank * args.prefills * args.prefill_dp
+    pooled = pooled_hit_rate(jobs, pooled_blocks)
+    print(f"the prefill ranks' caches pooled as one LRU of {pooled_blocks} blocks would hit "
+          f"{100 * pooled:.0f} % (a reference for bounded caches, not a bound)")
     print(f"estimated capacity {config_rate:.1f} requests/s; this process used {cpu:.0f} s of "
           "CPU (client, proxy and fakes share one event loop)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "ideal_hit_rate": ideal,
+            json.dump({"rows": rows, "ideal_hit_rate": ideal, "pooled_lru_hit_rate": pooled,
                        "proxied_ideal_hit_rate": proxied_ideal, "decisions_us": decisions}, f,
                       indent=1)
     if args.plot:

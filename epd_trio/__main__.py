@@ -48,7 +48,6 @@ from ._environment import load_settings
 from ._observe.tracing import check_tracing
 from ._replicas.tls import tls_context
 from ._serve.runner import (
-    DEFAULT_GRACEFUL_TIMEOUT,
     WATCHDOG_MARGIN,
     ServeOptions,
     cannot_listen,
@@ -251,14 +250,11 @@ def _add_serve(commands: Any) -> None:
                     "(docs/reference/settings.md, 'Coming from vllm-router / SGLang').")
     serve.add_argument("--version", action="version", version=f"epd-trio {_version()}")
     options = {"--host": "127.0.0.1", "--port": 8000, "--workers": 1,
-               "--backlog": DEFAULT_BACKLOG, "--keep-alive": DEFAULT_KEEP_ALIVE,
-               "--graceful-timeout": DEFAULT_GRACEFUL_TIMEOUT}
+               "--backlog": DEFAULT_BACKLOG, "--keep-alive": DEFAULT_KEEP_ALIVE}
     kinds = {"--host": str, "--port": int, "--workers": int, "--backlog": int}
     for flag, default in options.items():
         meaning = SERVE_OPTIONS[flag]
-        extra = {"--port": "; 0 = any free port, printed",
-                 "--graceful-timeout": f"; the process exits within this + "
-                                       f"{WATCHDOG_MARGIN + 1:g} s"}.get(flag, "")
+        extra = {"--port": "; 0 = any free port, printed"}.get(flag, "")
         serve.add_argument(flag, type=kinds.get(flag, float), default=default,
                            metavar=meaning.shown_metavar, help=_help(meaning, "", default, extra))
     serve.add_argument("--access-log", action="store_true",
@@ -284,6 +280,13 @@ def _add_serve(commands: Any) -> None:
                 serve.add_argument("--selector", dest="selector", nargs="+", action="extend",
                                    metavar="KEY=VALUE", help="vllm-router's --selector (a fleet "
                                    "without a prefill/decode split): --decode-selector")
+        elif field == "shutdown_grace":  # Hypercorn's --graceful-timeout is its other name
+            serve.add_argument(*flags, "--graceful-timeout", dest=field,
+                               metavar=meaning.shown_metavar,
+                               help=_help(meaning, where, SETTING_DEFAULTS[field],
+                                          f"; the process exits within this + "
+                                          f"{WATCHDOG_MARGIN + 1:g} s; --graceful-timeout is "
+                                          "Hypercorn's name for it"))
         elif isinstance(SETTING_DEFAULTS[field], bool):
             serve.add_argument(*flags, dest=field, action=argparse.BooleanOptionalAction,
                                default=None,
@@ -363,7 +366,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
-                           graceful_timeout=args.graceful_timeout, access_log=args.access_log)
+                           access_log=args.access_log)
     if options.workers < 1:
         print("epd-trio: --workers must be at least 1", file=sys.stderr)
         return 2

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import orjson
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST
-from quart import Response, request
+from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
@@ -25,15 +25,17 @@ from ._admission.fair import FairAdmission
 from ._admission.gate import Admission
 from ._core.auth import AdminKey, ClientKeys, bearer_token
 from ._core.config import Settings
-from ._core.errors import BodyTooLarge, ProxyError, error_reply
-from ._core.rewrite import json_object
+from ._core.errors import INTERNAL_ERROR, BodyTooLarge, ProxyError, error_reply
+from ._core.rewrite import json_object, new_request_id
 from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
 from ._pipeline import Reply
 from ._proxy import Proxy
 from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
+from ._state.tasks import named
 from ._web.asgi import ProxyASGI
+from ._web.drain import Drain
 from ._web.endpoints import CompletionEndpoints
 
 log = logging.getLogger("epd_trio")
@@ -73,7 +75,7 @@ def _send(reply: Reply) -> Response:
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
     discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
-    tracing: Tracing | None = None,
+    tracing: Tracing | None = None, on_failure: Callable[[str], None] | None = None,
 ) -> QuartTrio:
     """A quart-trio app serving the proxy for ``settings`` (the upstream client opens at startup).
 
@@ -86,6 +88,8 @@ def create_app(
     with other workers and is not the one binding the MoRIIO socket). ``tracing``: by default
     from the OpenTelemetry variables of the environment (off unless an OTLP endpoint is set;
     ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
+    ``on_failure`` stops the process when a per-process task dies (``_state/tasks.py``);
+    without it the app keeps serving and ``/health`` and ``/ready`` say it has failed.
     """
     if tracing is None:
         tracing = create_tracing(os.environ)
@@ -102,7 +106,7 @@ def create_app(
         # which shares no discovered instance) discovers for itself.
         discovery = moriio_listener or shared is None
     proxy = Proxy(settings, shared, moriio_listener=moriio_listener, discovery=discovery,
-                  clock=clock, tracing=tracing)
+                  clock=clock, tracing=tracing, on_failure=on_failure)
     app.extensions["epd_trio.proxy"] = proxy
     tenants = TenantTable(settings.tenants)
     client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
@@ -123,21 +127,60 @@ def create_app(
     if isinstance(admission, FairAdmission) and proxy.state is not None:
         proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
         proxy.state.on_loads = admission.dispatch  # the others' counts may free a tenant
+    accounting = proxy.pipeline.accounting
+    # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
+    drain = Drain(settings.shutdown_grace,
+                  on_cut=lambda: setattr(accounting, "shutting_down", True))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
                          proxy, settings.max_body_bytes, client_keys, admission,
-                         body_timeout=settings.body_timeout))
+                         body_timeout=settings.body_timeout, drain=drain))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
+    app.extensions["epd_trio.drain"] = drain
 
     watchdog: list[trio.CancelScope] = []
 
+    # Every request of the Quart routes has an id, and a refusal a log line and a count, as
+    # the completion endpoints' refusals do (issue 31): the id is the client's x-request-id or
+    # a new one, sent back on every answer. Paths no route knows count as "other", so a scan
+    # of random URLs cannot grow the metric's labels.
+    known_paths: set[str] = set()
+
+    @app.before_request
+    async def _identify() -> None:
+        g.request_id = new_request_id(request.headers.get("x-request-id"))
+        g.started = time.perf_counter()
+
+    @app.after_request
+    async def _tag(response: Response) -> Response:
+        request_id = getattr(g, "request_id", None)
+        if request_id is not None:
+            response.headers["x-request-id"] = request_id
+        return response
+
+    def _refused(error: ProxyError, reply: BaseException | None = None) -> Response:
+        """``reply`` (default ``error``) answered, ``error`` counted and logged."""
+        if not known_paths:
+            known_paths.update(rule.rule for rule in app.url_map.iter_rules())
+        endpoint = request.path if request.path in known_paths else "other"
+        request_id = getattr(g, "request_id", None) or new_request_id(None)
+        accounting.refused(endpoint, request_id, getattr(g, "started", time.perf_counter()),
+                           error)
+        return _error(error if reply is None else reply)
+
     @app.before_serving
     async def _open() -> None:
-        await proxy.start(app.nursery)
-        watchdog.append(await app.nursery.start(asgi.watch_stalled_sends))
-        if isinstance(admission, FairAdmission) and admission.across_workers:
-            watchdog.append(await app.nursery.start(admission.follow_workers))
+        async def start(nursery: trio.Nursery) -> None:
+            await proxy.start(nursery)
+            watchdog.append(await nursery.start(
+                named("stalled-send watchdog", asgi.watch_stalled_sends)))
+            if isinstance(admission, FairAdmission) and admission.across_workers:
+                watchdog.append(await nursery.start(
+                    named("admission's look at the other workers", admission.follow_workers)))
+
+        # Every per-process task under one owner, with one policy (``_state/tasks.py``).
+        await app.nursery.start(proxy.tasks.run, start)
 
     @app.after_serving
     async def _close() -> None:
@@ -163,6 +206,8 @@ def create_app(
     @app.get("/ready")
     async def ready() -> Response:
         ok, reason = proxy.readiness()
+        if drain.draining:  # at once: a load balancer stops sending here before the exit
+            ok, reason = False, "the proxy is shutting down"
         body: dict[str, object] = {"ready": ok, "roles": proxy.roles()}
         if reason is not None:
             body["reason"] = reason
@@ -210,20 +255,20 @@ def create_app(
         # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
         text = await trio.to_thread.run_sync(proxy.metrics.exposition)
         if text is None:
-            return _error(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
-                                     type="not_found_error"))
+            return _refused(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
+                                       type="not_found_error"))
         return Response(text, status=200, content_type=CONTENT_TYPE_LATEST)
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:
-        return _error(exc)
+        return _refused(exc)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         if status == 413:
-            return _error(BodyTooLarge(settings.max_body_bytes))
-        response = _error(ProxyError(
+            return _refused(BodyTooLarge(settings.max_body_bytes))
+        response = _refused(ProxyError(
             _routing_message(status, request.method, request.path, exc)
             or exc.description or exc.name,
             status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
@@ -234,6 +279,6 @@ def create_app(
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unexpected error while handling %s %s", request.method, request.path)
-        return _error(exc)
+        return _refused(INTERNAL_ERROR, exc)
 
     return app

@@ -44,6 +44,7 @@ from ._replicas.roster import ReplicatedRoster
 from ._state.cursors import EncoderCursor, Follow, SlotCursor
 from ._state.loads import DECODE_TOKENS, Loads, LocalLoadTable
 from ._state.roster_store import RosterStore, SharedRoutingState, routing_state
+from ._state.tasks import Supervisor, named
 from ._upstream.legs import get, make_client, upstream_auth_headers
 from ._upstream.load_scraper import run_load_scraper
 from ._upstream.pool import UpstreamClient, UpstreamPool
@@ -75,10 +76,14 @@ class Proxy:
         self, settings: Settings, shared: SharedRoutingState | None = None, *,
         moriio_listener: bool = True, discovery: bool = True,
         clock: Callable[[], float] = time.monotonic, tracing: Tracing | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         """``moriio_listener``, ``discovery`` and ``clock``: see ``Membership`` (whether this
-        process binds the MoRIIO socket and runs the discovery loops; the MoRIIO clock)."""
+        process binds the MoRIIO socket and runs the discovery loops; the MoRIIO clock).
+        ``on_failure``: how a per-process task's death stops the process (``Supervisor``)."""
         self.settings = settings
+        #: The owner of the per-process tasks, and the verdict when one of them dies.
+        self.tasks = Supervisor(on_failure)
         self._clock = clock
         replicated = settings.state_url is not None
         if replicated:
@@ -290,20 +295,20 @@ class Proxy:
                 await self.membership.start_discovery(nursery)
                 self.sync()
                 task_status.started(scope)
-                nursery.start_soon(partial(
+                nursery.start_soon(named("prober", partial(
                     run_prober, health_check(client, self.settings.health_timeout),
                     self.registry, interval=self.settings.health_interval,
-                    before_round=self.sync))
-                nursery.start_soon(self._housekeeping)
+                    before_round=self.sync)))
+                nursery.start_soon(named("housekeeping", self._housekeeping))
                 if self.kv is not None:
-                    await nursery.start(self.kv.run)
+                    await nursery.start(named("KV events", self.kv.run))
                 if self.state is not None:
-                    await nursery.start(self.state.run)
+                    await nursery.start(named("state link", self.state.run))
                 if self.settings.load_scrape_interval > 0:
-                    nursery.start_soon(partial(
+                    nursery.start_soon(named("load scraper", partial(
                         run_load_scraper, self._scrape_targets, client.pool, self.loads,
                         interval=self.settings.load_scrape_interval,
-                        deadline=self.settings.health_timeout))
+                        deadline=self.settings.health_timeout)))
 
     def _scrape_targets(self) -> list[tuple[str, Instance]]:
         """Every instance the load-aware policies may read a scrape of, by stage (each scrape
@@ -373,8 +378,12 @@ class Proxy:
         """``GET /health``, the liveness report: overall ``status``, readiness, and each
         instance's state (the HTTP status is always 200 while the process serves)."""
         self.sync()
-        report = {"status": self.registry.status(), "layout": layout_name(self.roster),
-                  "ready": self.registry.ready(), "roles": self.roles()}
+        failure = self.tasks.failure
+        report = {"status": "failed" if failure else self.registry.status(),
+                  "layout": layout_name(self.roster),
+                  "ready": self.registry.ready() and not failure, "roles": self.roles()}
+        if failure:
+            report["failure"] = failure
         if self.state is not None:
             report["state"] = self.state.describe()
         return report
@@ -395,6 +404,8 @@ class Proxy:
     def readiness(self) -> tuple[bool, str | None]:
         """Whether the proxy can serve every role now, and if not, why (``/ready``)."""
         self.sync()
+        if self.tasks.failure:
+            return False, self.tasks.failure
         if self.state is not None and not self._replicated.loaded:
             return False, (f"the shared roster is not loaded yet ({self.state.problem})"
                            if self.state.problem else "the shared roster is not loaded yet")

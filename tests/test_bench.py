@@ -296,6 +296,19 @@ def test_policies_workload_is_reproducible_and_its_ideal_counts_first_misses() -
             "cache_aware", "least_loaded", "power_of_two", False)}
 
 
+def test_the_pooled_reference_is_the_ideal_when_everything_fits_and_lru_when_not() -> None:
+    from bench.policies import Job, ideal_hit_rate, pooled_hit_rate, workload
+    jobs = workload(_policies_args(), rate=5.0)
+    blocks = {block for job in jobs for block in job.prefill_blocks}
+    assert pooled_hit_rate(jobs, len(blocks)) == pytest.approx(ideal_hit_rate(jobs))
+    # Three prompts of 4 blocks (65 tokens), the second sharing two blocks with the first: an
+    # LRU of 4 blocks keeps the second's, so the third, which starts like the first, misses.
+    jobs = [Job(0.0, False, b"", chain, 4, 65) for chain in ((1, 2, 3, 4), (1, 2, 5, 6),
+                                                             (3, 4, 7, 8))]
+    assert pooled_hit_rate(jobs, 4) == pytest.approx(32 / 195)
+    assert ideal_hit_rate(jobs) == pytest.approx(64 / 195)
+
+
 async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     report_path = tmp_path / "policies.json"
     with trio.fail_after(120):
@@ -306,7 +319,10 @@ async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
             capture_stdout=True, capture_stderr=True, check=False)
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
-    rows = json.loads(report_path.read_text())["rows"]
+    report = json.loads(report_path.read_text())
+    rows = report["rows"]
+    assert 0 < report["pooled_lru_hit_rate"] <= report["ideal_hit_rate"]
+    assert "caches pooled as one LRU of 1024 blocks" in out  # 4 ranks x 256 blocks
     assert [row["policy"] for row in rows] == ["round_robin", "round_robin/cache_aware/least_loaded"]
     assert all(row["failed"] == 0 and row["requests"] > 0 for row in rows)
     assert all(0 <= row["hit_rate"] <= 1 for row in rows)

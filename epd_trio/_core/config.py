@@ -21,16 +21,22 @@ from .routing import Instance, parse_instance
 from .shared_state import DEAD_REPLICA_LIMIT, MAX_LOAD_INTERVAL
 from .state_url import StateURL, parse_state_url
 from .tenants import Tenant, parse_tenants
-from .urls import check_base_url, check_host, echo
+from .urls import check_base_url, check_host, echo, redact_url
 
 ENV_PREFIX = "EPD_"
 
 
 class ConfigError(ValueError):
-    """A setting is missing or malformed; ``str()`` is the one line shown at start-up."""
+    """A setting is missing or malformed; ``str()`` is the one line shown at start-up: one
+    line whatever the value held, never a URL's user or password (``redact_url``), and cut
+    at ``MAX_LINE`` characters (a value of megabytes must not become a line of megabytes)."""
+
+    #: The longest line shown; the start names the setting and the problem.
+    MAX_LINE = 300
 
     def __init__(self, variable: str, problem: str) -> None:
-        super().__init__(f"{variable}: {problem}")
+        line = redact_url(" ".join(f"{variable}: {problem}".splitlines()))
+        super().__init__(line if len(line) <= self.MAX_LINE else line[:self.MAX_LINE] + "...")
         self.variable = variable
 
 
@@ -141,6 +147,10 @@ class Settings:
     #: holds its admission place while its body arrives: without this, clients trickling
     #: bodies would hold every place of ``max_inflight`` for ever.
     body_timeout: float = 60.0
+    #: Seconds the requests in flight get to end when ``epd-trio serve`` is told to stop
+    #: (SIGTERM); what still runs then is ended with a ``shutting_down`` error (a stream: as
+    #: its last SSE event). New requests are refused from the start of the drain.
+    shutdown_grace: float = 10.0
     #: Attempts per encoder sub-request and per prefill call (each on a different instance).
     max_attempts: int = 2
     #: Extra decode attempts (each re-runs prefill) when decode fails before its first byte.
@@ -564,7 +574,8 @@ def _header_name(raw: Any) -> str:
 
 
 def _api_url(raw: Any) -> str:
-    return check_base_url(raw.strip() if isinstance(raw, str) else raw)
+    return check_base_url(raw.strip() if isinstance(raw, str) else raw,
+                          what="the API server's URL")
 
 
 _PARSERS: dict[str, Callable[[Any], Any]] = {
@@ -602,6 +613,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "admission_timeout": _non_negative_seconds,
     "max_body_bytes": _positive_int,
     "body_timeout": _seconds,
+    "shutdown_grace": _non_negative_seconds,
     "max_attempts": _positive_int,
     "decode_retries": _non_negative_int,
     "health_interval": _seconds,

@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import orjson
 
 from .routing import MAX_DP_SIZE, Instance, split_dp_suffix
-from .urls import check_base_url
+from .urls import check_base_url, echo
 
 #: The URL prefixes that name a DNS name to expand: scheme -> (instance scheme, SRV form).
 DNS_PREFIXES = {"dns+http": ("http", False), "dns+https": ("https", False),
@@ -171,6 +171,32 @@ def address_queries(name: DnsName, srv_answer: Answer | None = None) -> list[Que
         return [(name.host, t) for t in ADDRESS_TYPES]
     targets = {target for target, _port in srv_answer.values} if isinstance(srv_answer, Found) else set()
     return [(target, t) for target in sorted(targets) for t in ADDRESS_TYPES]
+
+
+#: Where the system names hosts before it asks DNS (``hosts: files dns`` in nsswitch.conf).
+HOSTS_FILE = "/etc/hosts"
+
+
+def hosts_file_answers(text: str, host: str) -> dict[Query, Answer]:
+    """The A and AAAA answers a hosts file gives ``host``, or nothing when it does not name it.
+
+    Why: dnspython asks DNS servers only, so ``dns+http://localhost:8000`` (or a name that
+    Docker's ``extra_hosts`` put in ``/etc/hosts``) failed every round although every other
+    program on the machine resolves it. As glibc does with ``files`` before ``dns``, a name
+    the file lists is answered from the file alone; a family it does not list is empty."""
+    wanted = host.rstrip(".").lower()
+    found: dict[str, set[str]] = {"A": set(), "AAAA": set()}
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        # A scoped address (fe80::1%eth0) makes no URL: such a line names nothing here.
+        address = ip_address_of(fields[0]) if len(fields) > 1 and "%" not in fields[0] else None
+        if address is not None and wanted in (n.rstrip(".").lower() for n in fields[1:]):
+            found["AAAA" if ":" in address else "A"].add(address)
+    if not any(found.values()):
+        return {}
+    return {(host, rdtype): Found(frozenset(addresses)) if addresses
+            else Empty(f"{host}: the hosts file lists no {rdtype} address")
+            for rdtype, addresses in found.items()}
 
 
 def next_view(
@@ -333,8 +359,8 @@ def _annotated_int(annotations: Mapping[str, str], key: str, default: int, low: 
     if raw is None:
         return default
     value = raw.strip()
-    if not value.isdigit() or not low <= int(value) <= high:
-        raise ValueError(f"{key} must be an integer from {low} to {high}, got {raw!r}")
+    if not (value.isascii() and value.isdigit()) or not low <= int(value) <= high:
+        raise ValueError(f"{key} must be an integer from {low} to {high}, got {echo(raw)}")
     return int(value)
 
 

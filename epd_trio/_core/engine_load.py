@@ -11,6 +11,7 @@ of histogram lines) is skipped by a prefix test.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -50,6 +51,8 @@ def engine_loads(text: str) -> dict[str, EngineLoad]:
         try:
             value = float(match["value"])
         except ValueError:
+            continue
+        if not math.isfinite(value):  # Prometheus text allows NaN and +Inf; round() does not
             continue
         engine = _ENGINE.search(match["labels"] or "")
         load = loads.setdefault(engine["engine"] if engine else "", EngineLoad())

@@ -167,6 +167,18 @@ class MethodNotAllowed(ProxyError):
         super().__init__(f"method {method} is not allowed here; use POST")
 
 
+class ShuttingDown(ProxyError):
+    """The proxy is shutting down: a new request refused while it drains, or one still in
+    flight when its grace period (``EPD_SHUTDOWN_GRACE``) ended (a stream gets it as its last
+    SSE event)."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "shutting_down"
+    #: The process is about to exit: the client should not send another request here.
+    headers = {"connection": "close"}  # noqa: RUF012 (never mutated)
+
+
 class BodyTimeout(ProxyError):
     """The client did not send its whole body within ``EPD_BODY_TIMEOUT``."""
 

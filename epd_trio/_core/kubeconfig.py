@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Any
 
+from .urls import echo
+
 #: Where kubectl looks when ``KUBECONFIG`` is unset (under the home directory).
 DEFAULT_KUBECONFIG = ".kube/config"
 
@@ -120,7 +122,7 @@ def resolve_kubeconfig(
     if not server:
         raise KubeconfigError(f"{where}: cluster {cluster_name!r} has no server")
     if not server.startswith(("https://", "http://")):
-        raise KubeconfigError(f"{where}: server {server!r} is not an http(s):// URL")
+        raise KubeconfigError(f"{where}: server {echo(server)} is not an http(s):// URL")
     ca = _pem(cluster, "certificate-authority", directory, f"{where}, cluster {cluster_name!r}")
     insecure = _flag(cluster.get("insecure-skip-tls-verify"), f"{where}: insecure-skip-tls-verify")
     if ca is not None and insecure:

@@ -101,6 +101,8 @@ MEANINGS: dict[str, Meaning] = {
                              "no tenant's key", metavar="HEADER"),
     "priority_aging": Meaning("seconds of waiting in the admission queue that move a request up "
                               "one priority step", "seconds"),
+    "shutdown_grace": Meaning("seconds the requests in flight get to end when epd-trio serve is "
+                              "told to stop", "seconds"),
     "admission_timeout": Meaning("seconds a request over EPD_MAX_INFLIGHT waits for a place",
                                  "seconds"),
     "max_body_bytes": Meaning("largest client body in bytes", "bytes"),
@@ -179,8 +181,6 @@ SERVE_OPTIONS: dict[str, Meaning] = {
                          "connections"),
     "--keep-alive": Meaning("idle seconds before a client's keep-alive connection is closed",
                             "seconds"),
-    "--graceful-timeout": Meaning("seconds in-flight requests get at shutdown before being "
-                                  "cancelled", "seconds"),
     "--access-log": Meaning("one line per request on the proxy's log stream"),
     "--config": Meaning("a TOML file with the settings", metavar="PATH"),
 }

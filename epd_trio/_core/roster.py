@@ -248,7 +248,7 @@ def parse_name_registration(raw: bytes) -> tuple[str, DnsName] | None:
     try:
         return role, parse_dns_url(spec)
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
+        raise BadRequest(f"'url': {exc}") from None
 
 
 def register_name(roster: Roster, role: str, spec: str) -> tuple[Roster, bool]:

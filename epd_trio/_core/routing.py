@@ -12,7 +12,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from .urls import check_base_url, echo
+from .urls import check_base_url, check_host, echo
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -129,9 +129,13 @@ def check_zmq_endpoint(value: str, name: str) -> str:
     """A ZMQ endpoint the proxy connects to: ``tcp://host:port``; ``ValueError`` names it."""
     scheme, sep, rest = value.partition("://")
     host, colon, port = rest.rpartition(":")
-    if (scheme != "tcp" or not sep or not colon or not host or host == "*" or not port.isdigit()
-            or not 1 <= int(port) <= 65535):
-        raise ValueError(f"{name!r} must be tcp://host:port (a port 1-65535): {value!r}")
+    if (scheme != "tcp" or not sep or not colon or not host or host == "*" or not port.isascii()
+            or not port.isdigit() or not 1 <= int(port) <= 65535):
+        raise ValueError(f"{name!r} must be tcp://host:port (a port 1-65535): {echo(value)}")
+    try:
+        check_host(host, value)
+    except ValueError as exc:
+        raise ValueError(f"{name!r}: {exc}") from None
     return value
 
 

@@ -19,13 +19,14 @@ from .errors import (
     ProxyError,
     ProxyOverloaded,
     RateLimited,
+    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
 
 #: Values of the ``outcome`` label of ``epd_trio_requests_total`` (docs/how-to/operations.md).
 OUTCOMES = ("ok", "client_error", "rate_limited", "upstream_error", "timeout", "overloaded",
-            "no_instance", "stream_error", "cancelled", "internal_error")
+            "no_instance", "stream_error", "cancelled", "shutdown", "internal_error")
 
 
 @dataclass(slots=True, eq=False)
@@ -146,6 +147,8 @@ class RequestTrace:
 
 def outcome_of(error: ProxyError) -> str:
     """The ``outcome`` label for a request that failed with ``error`` before its first byte."""
+    if isinstance(error, ShuttingDown):
+        return "shutdown"
     if isinstance(error, ProxyOverloaded):
         return "overloaded"
     if isinstance(error, NoInstance):

@@ -28,6 +28,7 @@ import orjson
 
 from .config import ConfigError
 from .trace import Attempt, RequestTrace
+from .urls import check_base_url
 
 #: The sampler when ``OTEL_TRACES_SAMPLER`` is unset: a client's sampled trace is followed, and
 #: one request in ten of those that start a trace here is sampled (each costs CPU: the
@@ -84,6 +85,11 @@ def tracing_settings(env: Mapping[str, str]) -> TracingSettings:
     endpoint = traces or (generic.rstrip("/") + "/v1/traces" if generic else "")
     if _flag(env, "OTEL_SDK_DISABLED") or not endpoint:
         return TracingSettings()
+    try:  # checked like every URL here; a user and password are the SDK's, and never shown
+        check_base_url(traces or generic, what="OTLP endpoint", userinfo=True)
+    except ValueError as exc:
+        raise ConfigError("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT" if traces
+                          else "OTEL_EXPORTER_OTLP_ENDPOINT", str(exc)) from None
     for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(name, "").strip()
         if protocol:

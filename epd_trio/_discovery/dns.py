@@ -12,7 +12,9 @@ Why dnspython: a maintained resolver with an asynchronous API that runs on trio 
 trio ``asyncbackend``, named on every query: no thread, no asyncio), with the system's
 ``/etc/resolv.conf`` (search domains and ``ndots``, as ``vllm-decode.ns.svc`` needs inside
 Kubernetes) or a given server and port. No cache: every round asks the server, so a record
-that vanished is seen at the next round, not after its TTL.
+that vanished is seen at the next round, not after its TTL. dnspython reads no hosts file, so
+each round reads ``/etc/hosts`` first, as the system's resolver does (``hosts: files dns``): a
+name it lists (``localhost``) is answered from it alone (``hosts_file_answers``).
 
 Failure: a resolver that cannot be configured (no ``/etc/resolv.conf``, an
 ``EPD_DNS_NAMESERVER`` name that does not resolve) fails start-up with an ``OSError``;
@@ -33,6 +35,7 @@ import trio
 
 from .._core.config import ConfigError, env_name, split_host_port
 from .._core.discovery import (
+    HOSTS_FILE,
     Answer,
     Discovered,
     DnsName,
@@ -43,6 +46,7 @@ from .._core.discovery import (
     Query,
     address_queries,
     dns_instances,
+    hosts_file_answers,
     ip_address_of,
     next_view,
     parse_dns_url,
@@ -170,9 +174,11 @@ class DnsDiscovery:
         self, names: Sequence[tuple[str, DnsName]], apply: Apply, *,
         nameserver: str | None, interval: float, timeout: float,
         registered: Callable[[], Sequence[tuple[str, str]]] = tuple,
-        apply_registered: Apply | None = None,
+        apply_registered: Apply | None = None, hosts_file: str | None = HOSTS_FILE,
     ) -> None:
         self._names = list(names)
+        #: Read at every round, before DNS is asked (``hosts_file_answers``); None: never.
+        self._hosts_file = hosts_file
         self._apply = apply
         self._registered = registered
         self._apply_registered = apply_registered or apply
@@ -268,10 +274,13 @@ class DnsDiscovery:
                                                           search=True)
         queries = address_queries(name, srv)
         results: list[Answer | None] = [None] * len(queries)
+        hosts = await self._read_hosts()
 
         async def one(index: int, query: Query) -> None:
+            local = hosts_file_answers(hosts, query[0]).get(query)
             # SRV targets are absolute names: no search domains for them.
-            results[index] = await ask(resolver, query, search=not name.srv)
+            results[index] = local if local is not None else await ask(
+                resolver, query, search=not name.srv)
 
         async with trio.open_nursery() as nursery:
             for index, query in enumerate(queries):
@@ -285,6 +294,15 @@ class DnsDiscovery:
             log.info("%s instance %s joined (DNS %s)", role, url, name.spec)
         for url in left:
             log.info("%s instance %s left (DNS %s no longer lists it)", role, url, name.spec)
+
+    async def _read_hosts(self) -> str:
+        """The hosts file now (a missing or unreadable one names nothing)."""
+        if self._hosts_file is None:
+            return ""
+        try:
+            return await trio.Path(self._hosts_file).read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _signal(self) -> None:
         self._round_done.set()

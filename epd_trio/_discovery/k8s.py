@@ -107,6 +107,9 @@ class KubernetesDiscovery:
         self.lists: dict[str, int] = dict.fromkeys(self.views, 0)
         self.events: dict[str, int] = dict.fromkeys(self.views, 0)
         self.reconnects: dict[str, int] = dict.fromkeys(self.views, 0)
+        #: The pods each role skips as unusable now (a bad IP or annotation): each is warned
+        #: about once, when it starts being skipped, not at every event.
+        self._skipped: dict[str, set[str]] = {role: set() for role in self.views}
         self._changed = trio.Event()
 
     @staticmethod
@@ -258,8 +261,13 @@ class KubernetesDiscovery:
     def _publish(self, role: str, selector: str, view: PodView) -> None:
         self.views[role] = view
         instances, reasons = view.instances(self._port, role)
+        skipped = {reason for reason in reasons if " skipped: " in reason}
         for reason in reasons:
-            log.debug("Kubernetes %s: %s", role, reason)
+            if reason in skipped and reason not in self._skipped[role]:
+                log.warning("Kubernetes %s: %s", role, reason)
+            else:
+                log.debug("Kubernetes %s: %s", role, reason)
+        self._skipped[role] = skipped
         joined, left = self._apply(self.source(role, selector), role, instances)
         for url in joined:
             log.info("%s instance %s joined (Kubernetes pod, %s)", role, url, selector)

@@ -40,6 +40,7 @@ from .._core.kubeconfig import (
     kubeconfig_from_env,
     resolve_kubeconfig,
 )
+from .._core.urls import redact_url
 
 #: Where Kubernetes mounts a pod's service account.
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -135,7 +136,7 @@ class KubeApi:
         else:
             token = _fixed(target.token)
         return KubeConnection(target.server, self.namespace or target.namespace, verify, token,
-                              f"{target.server} ({where})")
+                              f"{redact_url(target.server)} ({where})")
 
 
 def kube_api(settings: Settings) -> KubeApi:

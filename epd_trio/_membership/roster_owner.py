@@ -57,6 +57,7 @@ from .._core.roster import (
 from .._discovery.start import discovery_sources
 from .._replicas.roster import ReplicatedRoster
 from .._state.roster_store import Change, RosterStore
+from .._state.tasks import named
 from .moriio_listener import RegistrationListener
 
 T = TypeVar("T")
@@ -275,12 +276,13 @@ class Membership:
         before the app serves, so a port in use fails start-up with an OSError."""
         if self.moriio_listener is not None:
             self._listener_scope = trio.CancelScope()
-            self.moriio_endpoint = await nursery.start(self._run_listener, self._listener_scope)
+            self.moriio_endpoint = await nursery.start(
+                named("MoRIIO listener", self._run_listener), self._listener_scope)
 
     async def start_discovery(self, nursery: trio.Nursery) -> None:
         """Start each discovery source in ``nursery``; each finds its instances once first."""
         for source in self.discovery:
-            await nursery.start(source.run)
+            await nursery.start(named(type(source).__name__, source.run))
 
     def close(self) -> None:
         """Stop the MoRIIO listener (nothing else here runs on its own)."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from .._core.errors import ProxyError, UpstreamError, UpstreamStatusError
+from .._core.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatusError
 from .._core.failover import Slot, is_retryable
 from .._core.health import InstanceState, Registry
 from .._core.names import Stage
@@ -49,6 +49,9 @@ class Accounting:
         self.registry = registry
         self.metrics = metrics
         self.request_log = request_log
+        #: The shutdown grace period is over: a request cancelled from now on was cut by the
+        #: shutdown, not left by its client (``_web/drain``).
+        self.shutting_down = False
         #: OpenTelemetry (off by default: it then only forwards the client's trace context).
         self.tracing = tracing if tracing is not None else Tracing()
 
@@ -71,6 +74,16 @@ class Accounting:
             trace = RequestTrace(request_id, endpoint, started)
             trace.outcome, trace.status, trace.error = (outcome_of(error), error.status,
                                                         error.message)
+            log_request(trace, time.perf_counter())
+
+    def left_early(self, endpoint: str, request_id: str, started: float) -> None:
+        """The client left before its body was complete: nobody to answer, but the request
+        is counted and logged (``cancelled``, 499) like one that left later."""
+        self.metrics.request_done(endpoint, "cancelled")
+        if self.request_log:
+            trace = RequestTrace(request_id, endpoint, started)
+            trace.outcome, trace.status = "cancelled", 499
+            trace.error = "the client left before its body was complete"
             log_request(trace, time.perf_counter())
 
     def count_failure(self, state: InstanceState, error: UpstreamError) -> None:
@@ -126,11 +139,19 @@ class Leg:
 
     def client_left(self) -> None:
         """The client left while this leg's stream was relayed to it."""
+        if self._account.acc.shutting_down:
+            self._account.shut_down()
+            return
         self._attempt.client_gone = True
         self._account.client_cancelled(self._attempt.stage)
 
-    def stream_failed(self, error: UpstreamError) -> None:
-        """The relayed stream broke after its first byte (the client got an SSE error event)."""
+    def stream_failed(self, error: ProxyError) -> None:
+        """The relayed stream broke after its first byte (the client got an SSE error event),
+        or the shutdown ended it (``ShuttingDown``: not the instance's fault)."""
+        if isinstance(error, ShuttingDown):
+            self._account.shut_down()
+            return
+        assert isinstance(error, UpstreamError)
         self._account.acc.count_failure(self._state, error)
         self._attempt.stream_error = True
         trace = self._account.trace
@@ -275,10 +296,21 @@ class RequestAccount:
         trace = self.trace
         trace.outcome, trace.status, trace.cancelled_stage = "cancelled", 499, stage
 
+    def shut_down(self, status: int | None = None) -> None:
+        """The shutdown ended the request (its grace period was over): counted and logged as
+        ``shutdown``, not as a client that left. ``status``: the 503 sent, if the reply had not
+        started (a stream keeps its 200 and ends with an error event)."""
+        trace = self.trace
+        trace.outcome, trace.error = "shutdown", "the proxy shut down before the request ended"
+        if status is not None:
+            trace.status = status
+
     def failed(self, exc: BaseException) -> None:
         """The request ended without a reply: cancelled (in its ``stage``) or an error."""
         trace = self.trace
-        if isinstance(exc, trio.Cancelled):
+        if isinstance(exc, trio.Cancelled) and self.acc.shutting_down:
+            self.shut_down(ShuttingDown.status)
+        elif isinstance(exc, trio.Cancelled):
             self.client_cancelled(self.stage)
         elif isinstance(exc, ProxyError):
             trace.outcome, trace.status, trace.error = outcome_of(exc), exc.status, exc.message

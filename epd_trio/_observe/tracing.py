@@ -42,6 +42,7 @@ from .._core.tracing import (
     request_attributes,
     tracing_settings,
 )
+from .._core.urls import redact_url
 
 log = logging.getLogger("epd_trio")
 
@@ -170,7 +171,7 @@ class OtelTracing(Tracing):
             exporter = OTLPSpanExporter()  # endpoint, headers, timeout: the OTEL_* variables
             self._processor: Any = BatchSpanProcessor(exporter)
             log.info("tracing on: OTLP/HTTP to %s, sampler %s (ratio %g), service %s",
-                     settings.endpoint, settings.sampler, ratio, settings.service_name)
+                     redact_url(settings.endpoint), settings.sampler, ratio, settings.service_name)
         else:  # a test's in-memory exporter: each span there as soon as it ends
             self._processor = SimpleSpanProcessor(exporter)
         self.provider.add_span_processor(self._processor)

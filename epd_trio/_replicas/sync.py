@@ -61,6 +61,7 @@ from .._core.shared_state import (
     sum_loads,
 )
 from .._core.state_url import StateURL
+from .._core.urls import redact_url
 from .._observe.metrics import ProxyMetrics
 from .._state.loads import Loads
 from .cursor_link import CommandRefused, CursorLink, LinkBroken
@@ -578,13 +579,14 @@ def _unless_cancelled(exc: BaseException) -> Exception:
 
 def _described(exc: BaseException) -> str:
     """What failed, in one line: the first leaf, and what it was raised from (coredis wraps a
-    refused certificate or a refused connection in its own ``ConnectionError``)."""
+    refused certificate or a refused connection in its own ``ConnectionError``). Shown on
+    ``/health`` and ``/ready``: a URL in a client library's message loses its userinfo."""
     leaf = _leaf(exc)
     text = f"{type(leaf).__name__}: {leaf}"
     if leaf.__cause__ is not None:
         cause = _leaf(leaf.__cause__)
         text += f" ({type(cause).__name__}: {cause})"
-    return text
+    return redact_url(text)
 
 
 def _leaf(exc: BaseException) -> BaseException:

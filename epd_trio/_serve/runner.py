@@ -1,10 +1,13 @@
 """``epd-trio serve``: the proxy on Hypercorn's trio worker, one or more processes, bounded shutdown.
 
-Why not ``hypercorn.run``: four things it does not do. (1) Shutdown must be bounded: Hypercorn's
-socket writes are shielded and have no write timeout, so a client that stopped reading keeps a
-worker alive past its graceful timeout (seen: 10 s with a 2 s graceful timeout). Each worker here
-arms a watchdog thread when shutdown starts and exits the process at graceful-timeout + 4 s if
-the event loop has not finished by then; the parent kills any worker still alive 1 s later.
+Why not ``hypercorn.run``: four things it does not do. (1) Shutdown must be bounded and say
+what it does: the app drains first (``_web/drain``: new requests refused, ``/ready`` 503, the
+requests in flight given ``EPD_SHUTDOWN_GRACE`` seconds, then ended with a ``shutting_down``
+error event), and only then is Hypercorn told to stop. Hypercorn's socket writes are shielded
+and have no write timeout, so a client that stopped reading keeps a worker alive past any
+timeout (seen: 10 s with a 2 s graceful timeout). Each worker here arms a watchdog thread when
+shutdown starts and exits the process at grace + 4 s if the event loop has not finished by
+then; the parent kills any worker still alive 1 s later.
 (2) Workers must share their routing counters and roster (``_state/roster_store.SharedRoutingState``),
 created here before spawning.
 (3) Its parent reports exit status 0 when a worker dies at start-up; here a failed start is a
@@ -23,6 +26,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -43,6 +47,7 @@ from .._core.shared_state import worker_replica_id
 from .._observe.metrics import MULTIPROC_ENV
 from .._replicas.identity import default_replica_id
 from .._state.roster_store import SharedRoutingState
+from .._web.drain import Drain
 from .logs import (
     ACCESS_LOGGER,
     SERVE_LOGGER,
@@ -55,11 +60,13 @@ from .process import setup_serving_process
 from .server import worker_serve  # Hypercorn's worker, our connection class (see _server)
 from .serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE, listening_sockets
 
-#: Seconds past the graceful timeout after which a worker process exits no matter what.
+#: Seconds past the shutdown grace after which a worker process exits no matter what.
 WATCHDOG_MARGIN = 4.0
 #: Exit status of a process whose shutdown had to be forced (in-flight work was cut).
 FORCED_EXIT = 3
-DEFAULT_GRACEFUL_TIMEOUT = 10.0
+#: Hypercorn's own graceful timeout, once the app has drained: the other routes' requests
+#: (health, metrics, admin) still running get this long.
+HYPERCORN_GRACE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,6 @@ class ServeOptions:
     workers: int = 1
     backlog: int = DEFAULT_BACKLOG
     keep_alive: float = DEFAULT_KEEP_ALIVE
-    graceful_timeout: float = DEFAULT_GRACEFUL_TIMEOUT
     access_log: bool = False
 
 
@@ -80,7 +86,7 @@ def hypercorn_config(options: ServeOptions) -> Config:
     config.bind = [f"{options.host}:{options.port}"]
     config.backlog = options.backlog
     config.keep_alive_timeout = options.keep_alive
-    config.graceful_timeout = options.graceful_timeout
+    config.graceful_timeout = HYPERCORN_GRACE
     # Hypercorn's lines go to loggers under epd_trio (one format, one stream: stderr), not to
     # handlers of its own on stdout (access) and stderr (the rest).
     config.accesslog = logging.getLogger(ACCESS_LOGGER) if options.access_log else None
@@ -125,15 +131,28 @@ async def _serve(
     stop: trio.Event,
     who: str,
     moriio_listener: bool = True,
+    failures: list[str] | None = None,
 ) -> None:
+    """Serve until ``stop``; a per-process task that dies (``_state/tasks.py``) is appended to
+    ``failures`` and stops the process too, which then exits non-zero."""
     setup_serving_process(settings)
     capture_process_output(settings.log_level)
-    app = wrap_app(create_app(settings, shared, moriio_listener=moriio_listener),
-                   config.wsgi_max_body_size, "asgi")
+
+    def on_failure(reason: str) -> None:
+        if failures is not None:
+            failures.append(reason)
+        stop.set()
+
+    quart_app = create_app(settings, shared, moriio_listener=moriio_listener,
+                           on_failure=on_failure)
+    drain: Drain = quart_app.extensions["epd_trio.drain"]
+    app = wrap_app(quart_app, config.wsgi_max_body_size, "asgi")
 
     async def shutdown_trigger() -> None:
+        # Hypercorn stops accepting once this returns: the app drains first (``_web/drain``).
         await stop.wait()
-        _arm_watchdog(config.graceful_timeout + WATCHDOG_MARGIN, who)
+        _arm_watchdog(settings.shutdown_grace + WATCHDOG_MARGIN, who)
+        await drain.run()
 
     await worker_serve(app, config, sockets=sockets, shutdown_trigger=shutdown_trigger)
 
@@ -152,6 +171,8 @@ def _worker_main(
     means "stop", and comes by itself when the parent is killed, so no worker outlives it.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which decides
+
+    failures: list[str] = []
 
     async def main() -> None:
         stop = trio.Event()
@@ -173,10 +194,12 @@ def _worker_main(
             nursery.start_soon(watch_signals)
             # One ZMQ port: worker 0 binds it; the shared roster carries what it hears.
             await _serve(settings, shared, config, sockets, stop, f"worker {index}",
-                         moriio_listener=index == 0)
+                         moriio_listener=index == 0, failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    if failures:
+        sys.exit(1)  # the parent sees a worker that exited on its own, and stops
 
 
 def serve(settings: Settings, options: ServeOptions) -> int:
@@ -200,6 +223,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
 
 
 def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> int:
+    failures: list[str] = []
+
     async def main() -> None:
         stop = trio.Event()
         async with trio.open_nursery() as nursery:
@@ -208,16 +233,16 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for signum in signals:
                         _say(f"{signal.Signals(signum).name}: shutting down "
-                             f"(graceful timeout {config.graceful_timeout:g} s)")
+                             f"(shutdown grace {settings.shutdown_grace:g} s)")
                         stop.set()
                         return
 
             nursery.start_soon(on_signal)
-            await _serve(settings, None, config, sockets, stop, "proxy")
+            await _serve(settings, None, config, sockets, stop, "proxy", failures=failures)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    return 0
+    return 1 if failures else 0
 
 
 @contextmanager
@@ -303,11 +328,11 @@ def _run_workers(
             break
     if signalled:
         _say(f"{signal.Signals(signalled[0]).name}: shutting down "
-             f"(graceful timeout {config.graceful_timeout:g} s)")
+             f"(shutdown grace {settings.shutdown_grace:g} s)")
     for lifeline in lifelines:
         lifeline.close()  # end of file on every worker's lifeline: stop
     # Each worker bounds itself (watchdog); this is the backstop for a worker that cannot.
-    deadline = time.monotonic() + config.graceful_timeout + WATCHDOG_MARGIN + 1.0
+    deadline = time.monotonic() + settings.shutdown_grace + WATCHDOG_MARGIN + 1.0
     for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
     for process in processes:

@@ -8,4 +8,6 @@ several workers is the one thing outside the process.
     roster_store   where the roster lives: one process, or shared memory for ``--workers N``
     rate_buckets   the tenants' per-minute buckets in shared memory for ``--workers N``
     tenant_places  the tenants' requests in flight in shared memory for ``--workers N``
+    tasks          the one policy of the per-process tasks: skip what they are fed, or die
+                   loudly (``/health`` says so, the worker stops)
 """

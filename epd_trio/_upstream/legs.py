@@ -22,6 +22,7 @@ import trio
 from .._core.config import Settings
 from .._core.ec_handoff import encoder_transfer_params
 from .._core.errors import (
+    ProxyError,
     ProxyOverloaded,
     UpstreamError,
     UpstreamRefused,
@@ -190,7 +191,7 @@ def _raise_for_status(
 
 
 #: Told when a relayed stream breaks after its first byte.
-OnStreamError = Callable[[UpstreamError], None]
+OnStreamError = Callable[[ProxyError], None]
 
 #: Where a relay sends the bytes (the web layer's ``send`` of one body message).
 SendBytes = Callable[[bytes], Awaitable[None]]
@@ -229,6 +230,17 @@ class StreamRelay:
         self._on_abandon = on_abandon
         #: The stream's last two chunks once it is over (where its ``usage`` event is).
         self.tail = first
+        #: The relay loop's cancel scope while it runs, and the error ``cut`` ends it with.
+        self._scope: trio.CancelScope | None = None
+        self._cut: ProxyError | None = None
+
+    def cut(self, error: ProxyError) -> None:
+        """End the stream now with ``error`` as its last event (the shutdown's grace period is
+        over): the relay stops reading, sends the event, tells ``on_error`` and closes the
+        upstream (vLLM aborts the generation)."""
+        self._cut = error
+        if self._scope is not None:
+            self._scope.cancel()
 
     async def pump(self, send: SendBytes) -> None:
         """Relay the whole stream to ``send``, then close it (see the class docstring)."""
@@ -241,7 +253,7 @@ class StreamRelay:
         finally:
             await self.aclose()
 
-    async def _relay(self, send: SendBytes) -> UpstreamError | None:
+    async def _relay(self, send: SendBytes) -> ProxyError | None:
         """The bytes after the first; the error the stream ends with, if any.
 
         The idle deadline is one cancel scope for the whole stream, moved on at most every
@@ -258,9 +270,10 @@ class StreamRelay:
         try:
             with map_upstream_errors(self._stage, self._instance), \
                     trio.CancelScope(deadline=trio.current_time() + idle + slack) as scope:
+                self._scope = scope
                 # ``_closed`` is checked before each read: the stalled-send watchdog may have
                 # released the upstream while ``send`` waited for the client.
-                while not self._closed:
+                while not self._closed and self._cut is None:
                     chunk = await receive(None)
                     if not chunk:
                         self._finished = True
@@ -273,6 +286,12 @@ class StreamRelay:
                     sending = True
                     await send(chunk)
                     sending = False
+            self._scope = None
+            if self._cut is not None:
+                self._finished = True  # ended by the proxy, with an event: not abandoned
+                if self._on_error is not None:
+                    self._on_error(self._cut)
+                return self._cut
             if scope.cancelled_caught and sending:
                 return None  # the client stopped reading: nobody to tell
             if scope.cancelled_caught:

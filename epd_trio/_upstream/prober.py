@@ -10,6 +10,7 @@ answer; results go to the ``Registry``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -18,6 +19,8 @@ from .._core.errors import UpstreamError
 from .._core.health import InstanceState, Registry
 from .legs import get
 from .pool import UpstreamClient
+
+log = logging.getLogger("epd_trio")
 
 #: One probe of one instance: returns when it answered, raises ``UpstreamError`` when it failed.
 Check = Callable[[InstanceState], Awaitable[object]]
@@ -54,6 +57,13 @@ async def run_prober(
         try:
             await check(state)
         except UpstreamError:
+            registry.failed(state)
+        except Exception:
+            # What one instance feeds its probe must not stop the probing of every instance
+            # (issue 31: one bad port killed the prober of every worker). It counts as a
+            # failure of that instance, and the log says why, with the traceback.
+            log.exception("health probe of %s %s failed unexpectedly; counted as a failure",
+                          state.stage, state.url)
             registry.failed(state)
         else:
             registry.succeeded(state)

@@ -44,6 +44,7 @@ from .._observe.tracing import NO_TRACE_CONTEXT
 from .._pipeline import Reply
 from .._proxy import Proxy
 from .client_gone import client_gone
+from .drain import Drain, InFlight
 
 log = logging.getLogger("epd_trio")
 
@@ -60,8 +61,10 @@ class CompletionEndpoints:
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
                  admission: Admission | FairAdmission | None = None,
-                 body_timeout: float = 60.0) -> None:
+                 body_timeout: float = 60.0, drain: Drain | None = None) -> None:
         self._proxy = proxy
+        #: The requests in flight, and the shutdown that refuses new ones (``_web/drain``).
+        self.drain = drain if drain is not None else Drain(0.0, lambda: None)
         self._body_timeout = body_timeout
         self._admission = admission
         self._max_body_bytes = max_body_bytes
@@ -74,6 +77,46 @@ class CompletionEndpoints:
         headers = scope["headers"]
         # The id first: a refusal below carries it and is logged under it, like an answer.
         request_id = new_request_id(_header(headers, b"x-request-id"))
+        if self.drain.draining:  # before anything else: the process is about to exit
+            await self._refuse(scope["path"], request_id, started, send, self.drain.refusal())
+            return
+        # In flight from here: the shutdown's grace covers reading its body too. One cancel
+        # scope serves the drain and, under epd-trio serve, the client's leaving.
+        entry = self.drain.add()
+        try:
+            gone = client_gone(scope)
+            with trio.CancelScope() as whole:
+                entry.scope = whole
+                if gone is None:
+                    await self._handle(scope, receive, send, resources, request_id, started,
+                                       entry)
+                else:  # the connection cancels the request if its client leaves
+                    with gone.cancelling(whole):
+                        await self._handle(scope, receive, send, resources, request_id,
+                                           started, entry, watch=False)
+            if entry.cut and not entry.started:  # the shutdown ended it before its reply
+                error = self.drain.refusal_at_end()
+                if entry.handed:  # the pipeline's accounting counted it
+                    await _send_error(send, error, {"x-request-id": request_id})
+                else:
+                    await self._refuse(scope["path"], request_id, started, send, error)
+            elif whole.cancelled_caught and not entry.handed:  # it left while sending its body
+                self._proxy.pipeline.accounting.left_early(scope["path"], request_id, started)
+        finally:
+            self.drain.discard(entry)
+
+    async def _refuse(self, path: str, request_id: str, started: float, send: Send,
+                      error: ProxyError) -> None:
+        """Answer ``error`` before the pipeline ran: counted and logged like any request."""
+        self._proxy.pipeline.accounting.refused(path, request_id, started, error)
+        await _send_error(send, error, {"x-request-id": request_id})
+
+    async def _handle(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
+                      resources: AsyncExitStack, request_id: str, started: float,
+                      entry: InFlight, *, watch: bool = True) -> None:
+        """The request, once in flight: refusals, its body, the pipeline. ``watch``: start a
+        task that cancels it on ``http.disconnect`` (no ``ClientGone`` to do it)."""
+        headers = scope["headers"]
         ticket: Ticket | None = None
         try:
             if scope["method"] != "POST":
@@ -90,24 +133,25 @@ class CompletionEndpoints:
             if reading.cancelled_caught:
                 raise BodyTimeout(self._body_timeout)
         except _ClientGone:
+            self._proxy.pipeline.accounting.left_early(scope["path"], request_id, started)
             return
         except ProxyError as exc:
-            self._proxy.pipeline.accounting.refused(scope["path"], request_id, started, exc)
-            await _send_error(send, exc, {"x-request-id": request_id})
+            entry.started = True
+            await self._refuse(scope["path"], request_id, started, send, exc)
             return
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, _header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
-        gone = client_gone(scope)
-        if gone is not None:  # the connection cancels the request if its client leaves
-            with trio.CancelScope() as request, gone.cancelling(request):
-                await self._respond(kind, raw, request_id, send, resources, trace_context,
-                                    ticket)
+        entry.handed = True
+        if not watch:
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
+                                ticket)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(kind, raw, request_id, send, resources, trace_context, ticket)
+            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
+                                ticket)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -132,7 +176,7 @@ class CompletionEndpoints:
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
                        resources: AsyncExitStack, trace_context: Mapping[str, str],
-                       ticket: Ticket | None) -> None:
+                       entry: InFlight, ticket: Ticket | None) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
                                              resources=resources, trace_context=trace_context,
@@ -141,13 +185,15 @@ class CompletionEndpoints:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,
                               request_id)
+            entry.started = True
             await _send_error(send, exc, {"x-request-id": request_id})
             return
-        await _send_reply(send, reply, request_id, ticket)
+        await _send_reply(send, reply, request_id, entry, ticket)
 
 
-async def _send_reply(send: Send, reply: Reply, request_id: str,
+async def _send_reply(send: Send, reply: Reply, request_id: str, entry: InFlight,
                       ticket: Ticket | None = None) -> None:
+    entry.started = True
     if reply.stream is None:
         # A complete body goes out with its length, as vLLM sends it: no chunked framing, and
         # no terminating chunk as a third write (the server can send head and body as one).
@@ -158,6 +204,7 @@ async def _send_reply(send: Send, reply: Reply, request_id: str,
     await send({"type": "http.response.start", "status": reply.status,
                 "headers": _asgi_headers(reply.headers)})
     stream = reply.stream
+    entry.relay = stream  # the shutdown ends it with an error event, not a cancellation
 
     async def send_body(chunk: bytes) -> None:
         await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -80,6 +80,9 @@ class Behaviour:
     break_after: int | None = None
     #: Awaited before answering each request: lets a test hold a request at a known point.
     gate: Callable[[], Awaitable[None]] | None = None
+    #: Streams: awaited before each chunk after the first, so a test holds a stream that is
+    #: running (its first bytes relayed) for as long as it needs, without a clock.
+    chunk_gate: Callable[[], Awaitable[None]] | None = None
     #: Prompt length limit, in whitespace-separated words plus media items.
     max_model_len: int = 4096
     #: ``GET /health`` answers 200 when True, 503 when False.
@@ -596,6 +599,8 @@ class FakeVLLM:
                 raise _BrokenStream
             if b.chunk_delay and i:
                 await trio.sleep(b.chunk_delay)
+            if b.chunk_gate is not None and i:
+                await b.chunk_gate()
             if ticks is not None and (i == 0 or first_word < i <= len(words) - 1 + first_word):
                 await anext(ticks, None)
             await body_chunk(data, last=i == count - 1)

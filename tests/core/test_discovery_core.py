@@ -246,6 +246,21 @@ def test_pod_annotations_give_sizes_port_scheme_and_ec_addresses() -> None:
         assert problem in pod_endpoint(pod("d", **bad), 8000, "decode")  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("ip, annotations", [
+    ("10.1.0.5 ", {}), ("not-an-ip:1", {}), ("user:pw@10.1.0.5", {}),
+    ("10.1.0.5", {"epd-trio.io/dp-size": "5000"}), ("10.1.0.5", {"epd-trio.io/port": "0"}),
+    ("10.1.0.5", {"epd-trio.io/port": "\uff18"}),
+])
+def test_a_pod_that_is_no_usable_instance_is_skipped_with_a_reason(
+    ip: str, annotations: dict[str, str]
+) -> None:
+    """Issue 31: the watch loop must survive what the API server feeds it: such a pod is a
+    reason for the log (and no instance), never an exception in the loop."""
+    problem = pod_endpoint(pod("d9", ip, **annotations), 8000, "decode")
+    assert isinstance(problem, str) and problem.startswith("pod d9 skipped: ")
+    assert "pw" not in problem
+
+
 def line(type_: str, obj: dict) -> bytes:
     return orjson.dumps({"type": type_, "object": obj})
 
@@ -350,3 +365,19 @@ def test_discovered_members_stay_each_replicas_own_with_a_shared_roster() -> Non
     assert not skipped
     assert [(m.url, m.source) for m in merged.members] == [
         ("http://static:1", None), ("http://a:1", "dns+http://d:1"), ("http://r:1", None)]
+
+
+def test_the_hosts_file_answers_the_names_it_lists() -> None:
+    from epd_trio._core.discovery import Empty, Found, hosts_file_answers
+    text = ("127.0.0.1 localhost\n::1 localhost ip6-localhost  # both families\n"
+            "# 10.0.0.9 commented\n10.0.0.5 vllm-a VLLM-B.local.\nnot-an-ip vllm-c\n\n"
+            "fe80::1%eth0 vllm-c\n")
+    assert hosts_file_answers(text, "localhost") == {
+        ("localhost", "A"): Found(frozenset({"127.0.0.1"})),
+        ("localhost", "AAAA"): Found(frozenset({"::1"}))}
+    answers = hosts_file_answers(text, "vllm-b.local")
+    assert answers[("vllm-b.local", "A")] == Found(frozenset({"10.0.0.5"}))
+    assert isinstance(answers[("vllm-b.local", "AAAA")], Empty)
+    assert hosts_file_answers(text, "vllm-c") == {}  # a bad line names nothing
+    assert hosts_file_answers(text, "commented") == {}
+    assert hosts_file_answers("", "localhost") == {}

@@ -41,3 +41,16 @@ def test_old_names_unlabelled_series_and_garbage() -> None:
     assert (loads[""].running, loads[""].waiting, loads[""].kv_usage) == (4, 0, 0.25)
     assert rank_loads(loads, 2) == {}  # no engine label: nothing to say per rank
     assert engine_loads("") == {}
+
+
+def test_values_that_are_no_count_are_skipped() -> None:
+    """Issue 31: the load scraper must survive what an instance feeds it. Prometheus text
+    allows ``NaN`` and ``+Inf``; ``round()`` of them raised, and the scraper task died."""
+    page = ('vllm:num_requests_running{engine="0"} NaN\n'
+            'vllm:num_requests_waiting{engine="0"} +Inf\n'
+            'vllm:num_requests_running{engine="1"} -Inf\n'
+            'vllm:num_requests_running{engine="1"} 2\n'
+            'vllm:kv_cache_usage_perc{engine="0"} nan\n')
+    loads = engine_loads(page)
+    assert rank_loads(loads, 2) == {1: 2}  # engine 0 said nothing usable
+    assert rank_loads(loads, 1) == {None: 2}

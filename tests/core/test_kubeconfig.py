@@ -353,3 +353,17 @@ def test_no_way_to_reach_the_api_server_is_a_configuration_error_before_serving(
                                           r"kubeconfig"):
         check_discovery(settings_from({**selector,
                                        "EPD_SERVICE_DISCOVERY_KUBECONFIG": str(absent)}))
+
+
+def test_a_servers_user_and_password_are_never_shown(tmp_path: Path) -> None:
+    """Issue 31: the start-up line shows where discovery connects; a kubeconfig server that
+    carries userinfo is shown without it (and so is a refused one)."""
+    config = write(tmp_path / "config", kubeconfig(server="http://admin:hunter2@10.0.0.1:8001"))
+    connection = KubeApi(kubeconfig=str(config), environ={}).connect()
+    assert connection.base_url == "http://admin:hunter2@10.0.0.1:8001"  # used as given
+    assert "hunter2" not in connection.described and "admin" not in connection.described
+    assert connection.described.startswith("http://***@10.0.0.1:8001")
+    bad = write(tmp_path / "bad", kubeconfig(server="ftp://admin:hunter2@10.0.0.1"))
+    with pytest.raises(OSError) as caught:
+        KubeApi(kubeconfig=str(bad), environ={}).connect()
+    assert "hunter2" not in str(caught.value)

@@ -68,6 +68,13 @@ def test_hello_is_a_no_op() -> None:
     (frames(payload(http_address="http://10.0.0.1:8100")), "http_address"),
     (frames(payload(http_address="10.0.0.1")), "http_address"),
     (frames(payload(http_address=8100)), "http_address"),
+    # Issue 31: each once made an instance whose URL killed the prober.
+    (frames(payload(http_address="user:pw@10.0.0.1:8100")), "http_address"),
+    (frames(payload(http_address="10.0.0.1:\uff18\uff11")), "http_address"),
+    (frames(payload(http_address="10.0.0.1 :8100")), "http_address"),
+    (frames(payload(http_address="10.0.0.1:8100#x")), "http_address"),
+    (frames(payload(http_address="10.0.0.1:99999")), "http_address"),
+    (frames(payload(http_address="10.0.0.1:0")), "http_address"),
     (frames(payload(zmq_address="10.0.0.1:6301")), "zmq_address"),
     (frames(payload(zmq_address="host:a,handshake:x,notify:1")), "zmq_address"),
     (frames(payload(zmq_address="host:a___b,handshake:1,notify:2")), "zmq_address"),

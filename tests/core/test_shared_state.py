@@ -75,6 +75,20 @@ def test_a_malformed_record_is_refused_not_guessed(raw: bytes) -> None:
         decode_record(raw, url="http://d:1")
 
 
+@pytest.mark.parametrize("url", ["http://d:abc", "http://d:99999", "http://u:pw@d:1",
+                                 "http://d :1", "http://d:0"])
+@pytest.mark.parametrize("dp_size", [1, 100000])
+def test_a_record_with_a_bad_url_or_size_from_the_store_is_skipped(url: str,
+                                                                   dp_size: int) -> None:
+    """Issue 31: another replica (an older version, a hand-edited key) must not hand this one
+    an instance whose URL or size would kill its prober; the state link skips the record."""
+    raw = orjson.dumps({"v": 1, "url": url, "role": "decode", "dp_size": dp_size,
+                        "ec_zmq_addrs": [], "registered_at": 1, "moriio": None,
+                        "transfer_mode": None})
+    with pytest.raises(MalformedEntry):
+        decode_record(raw)
+
+
 def test_announcements_round_trip_and_refuse_garbage() -> None:
     record = Record(member("http://d:1"))
     put = decode_announcement(encode_announcement("put", "http://d:1", "r1", encode_record(record)))

@@ -129,3 +129,54 @@ def test_dp_size_is_bounded_at_registration(dp_size: object) -> None:
 ])
 def test_redact_url_hides_the_userinfo_of_every_url(value: str, shown: str) -> None:
     assert redact_url(value) == shown
+
+
+def test_no_configuration_error_shows_a_password_or_a_second_line() -> None:
+    """The last net under every parser: ``ConfigError`` itself redacts and joins lines."""
+    error = ConfigError("EPD_X", "cannot reach redis://app:secret@r:1\nsecond line")
+    assert str(error) == "EPD_X: cannot reach redis://***@r:1 second line"
+
+
+#: Malformed ZMQ endpoints (``#kv_events=`` in a URL, ``kv_events_endpoint`` in a
+#: registration): the KV subscriber connects to them.
+BAD_ENDPOINTS = ["tcp://h:abc", "tcp://h:0", "tcp://h:99999", "tcp://h:-1", "tcp://h:\uff11",
+                 "tcp://*:5557", "ipc:///x", "tcp://a b:1", "tcp://u:secret@h:1", "tcp://h\u00e9:1",
+                 "tcp://:1", "h:1", "tcp://" + "a" * 300 + ":1"]
+
+
+@pytest.mark.parametrize("value", BAD_ENDPOINTS)
+def test_kv_event_endpoints_are_refused_in_urls_and_registrations(value: str) -> None:
+    import orjson
+    _refused({"EPD_DECODE_URLS": f"http://d:1#kv_events={value}"}, "EPD_DECODE_URLS")
+    for field in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        extra = {} if field == "kv_events_endpoint" else {"kv_events_endpoint": "tcp://d:1"}
+        body = orjson.dumps({"role": "decode", "url": "http://d:1", field: value, **extra})
+        with pytest.raises(BadRequest) as caught:
+            parse_registration(body, 0.0)
+        assert caught.value.message.startswith(f"'{field}'"), caught.value.message
+        assert "secret" not in caught.value.message
+
+
+@pytest.mark.parametrize("value", ["dns+http://x:abc", "dns+http://x:0", "dns+http://u:secret@x:1",
+                                   "dns+http://x y:1", "dns+http://x:1#dp=100000",
+                                   "dnssrv+http://_x._tcp.x:1"])
+def test_dns_names_registered_are_refused_naming_the_field(value: str) -> None:
+    import orjson
+
+    from epd_trio._core.roster import parse_name_registration
+    with pytest.raises(BadRequest) as caught:
+        parse_name_registration(orjson.dumps({"role": "decode", "url": value}))
+    assert caught.value.message.startswith("'url': ") and "secret" not in caught.value.message
+
+
+@pytest.mark.parametrize("fragment", ["#dp=0", "#dp=1025", "#dp=\uff12", "#dp=", "#dq=2",
+                                      "#dp=2&dp=3", "#kv_events_replay=tcp://h:1"])
+def test_a_bad_fragment_is_refused(fragment: str) -> None:
+    _refused({"EPD_PREFILL_URLS": f"http://p:1{fragment}"}, "EPD_PREFILL_URLS")
+
+
+@pytest.mark.parametrize("variable", ["EPD_HEALTH_TIMEOUT", "EPD_DECODE_POLICY", "EPD_METRICS",
+                                      "EPD_STATE_PREFIX", "EPD_SERVICE_DISCOVERY_NAMESPACE"])
+def test_a_huge_value_of_any_setting_is_still_one_short_line(variable: str) -> None:
+    message = _refused({variable: "x y" * 100_000}, variable)  # a space: no value takes it
+    assert len(message) <= ConfigError.MAX_LINE + 3

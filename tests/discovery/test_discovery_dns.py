@@ -228,6 +228,46 @@ async def test_srv_targets_and_ports(nursery: trio.Nursery, tmp_path: Path) -> N
         assert set(statuses) == {200}
 
 
+async def test_an_srv_record_with_port_0_is_skipped_and_logged(
+    nursery: trio.Nursery, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 31: DNS discovery survives what it is fed. Port 0 is legal in an SRV record but
+    no instance's port: that record is skipped (logged), the others serve."""
+    fake = FakeVLLM(role="decode")
+    url = await nursery.start(partial(fake.serve))
+    port = int(url.rsplit(":", 1)[1])
+    srv = [f"_http._tcp.vllm.test,t0.test,{port}", "_http._tcp.vllm.test,t1.test,0"]
+    hosts = [("127.0.0.1", "t0.test"), ("127.0.0.2", "t1.test")]
+    async with dnsmasq(tmp_path, hosts, srv=srv) as server, \
+            serve_proxy(settings_for("dnssrv+http://_http._tcp.vllm.test", server)) as (url, proxy):
+        assert decode_urls(proxy) == [f"http://127.0.0.1:{port}"]
+        assert "record t1.test port 0 skipped" in caplog.text
+        async with traffic(url) as statuses:
+            await served_by(fake, 2)
+        assert set(statuses) == {200}
+        assert proxy.health()["status"] == "ok"
+
+
+async def test_localhost_resolves_from_the_hosts_file(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """Issue 31: ``dns+http://localhost:PORT`` failed every round (dnspython asks DNS only,
+    and this DNS server knows no ``localhost``); a name the hosts file lists is answered from
+    it, as the system's resolver does (``hosts: files dns``)."""
+    fake = FakeVLLM(role="decode")
+    url = await nursery.start(partial(fake.serve, host="127.0.0.1"))
+    port = int(url.rsplit(":", 1)[1])
+    local = [line.split()[0] for line in (await trio.Path("/etc/hosts").read_text()).splitlines()
+             if "localhost" in line.split("#")[0].split()[1:]]
+    assert "127.0.0.1" in local, "this test needs /etc/hosts to name localhost"
+    async with dnsmasq(tmp_path, [("127.0.0.1", "t0.test")]) as server, \
+            serve_proxy(settings_for(f"dns+http://localhost:{port}", server)) as (url, proxy):
+        assert f"http://127.0.0.1:{port}" in decode_urls(proxy)
+        async with traffic(url) as statuses:
+            await served_by(fake, 2)
+        assert set(statuses) == {200}
+
+
 async def test_srv_records_join_and_leave_while_traffic_flows(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:

@@ -117,6 +117,29 @@ async def test_list_then_watch_ready_pods_only(
     assert found.lists == {"decode": 1, "prefill": 1} and found.reconnects["decode"] == 0
 
 
+async def test_an_unusable_pod_is_skipped_warned_once_and_the_watch_goes_on(
+    nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 31: discovery survives what the API server feeds it. A pod whose annotation
+    makes no instance (a port of 0, a dp-size over 1024) is skipped, with one warning naming
+    it, not one per event; the good pods serve and later events are still followed."""
+    fake.put(make_pod("d0", "127.0.1.1", DECODE))
+    fake.put(make_pod("bad", "127.0.1.2", DECODE, annotations={"epd-trio.io/port": "0"}))
+    roles = Roles()
+    found = await start(nursery, fake, roles)
+    assert roles.urls("decode") == ["http://127.0.1.1:8000"]
+    fake.put(make_pod("big", "127.0.1.3", DECODE, annotations={"epd-trio.io/dp-size": "5000"}))
+    fake.put(make_pod("d1", "127.0.1.4", DECODE))
+    await until(found, lambda: len(roles.urls("decode")) == 2)
+    warned = [r.getMessage() for r in caplog.records
+              if r.levelname == "WARNING" and " skipped: " in r.getMessage()]
+    assert len(warned) == 2, warned
+    assert any("pod bad skipped: epd-trio.io/port" in w for w in warned)
+    assert any("pod big skipped: epd-trio.io/dp-size must be an integer from 1 to 1024" in w
+               for w in warned)
+
+
 async def test_a_pod_relabelled_out_of_the_selector_leaves(
     nursery: trio.Nursery, fake: FakeKubeApi, autojump_clock: Any
 ) -> None:

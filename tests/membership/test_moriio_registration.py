@@ -171,6 +171,8 @@ async def test_malformed_traffic_is_dropped_and_registration_goes_on(
             [msgpack.packb({"type": "D"})], [msgpack.packb({**bad.payload(), "dp_size": -1})],
             [msgpack.packb(bad.payload()), b"second frame"], [b""],
             [msgpack.packb({**bad.payload(), "http_address": None})],
+            [msgpack.packb({**bad.payload(), "http_address": "u:pw@127.0.0.1:8009"})],
+            [msgpack.packb({**bad.payload(), "http_address": "127.0.0.1:\uff18"})],
         ]
         for frames in garbage:
             bad.send(*frames)

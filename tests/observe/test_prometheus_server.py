@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import trio
 
+from epd_trio._core.tenants import Tenant
 from epd_trio.testing import Behaviour
 from epd_trio.testing.cluster import run_cluster
 from epd_trio.testing.process import stop_process
@@ -45,6 +46,9 @@ ZERO_IS_FINE = {
     # A gauge read at the scrape's instant: the trickle's requests take milliseconds, so
     # between them every upstream has 0 in flight; the series per upstream must exist.
     "In flight per upstream",
+    # The trickle's requests never wait for a place (refused at once at the cap): the queue is
+    # empty at every scrape; the series per tenant must exist.
+    "Queue depth per tenant",
 }
 
 
@@ -91,8 +95,11 @@ async def test_a_real_prometheus_scrapes_the_proxy_with_the_rules(tmp_path: Path
     binary = require_binary("prometheus")
     # The admission cap at 2, refusing at once: two requests that never finish sending their
     # body hold both places (tests/helpers.hold_admission_places).
+    # Fair admission on (one tenant, every request in it, with a token limit never reached),
+    # so the Tenants row's panels have data too.
     async with run_cluster(encoders=1, prefills=2, decodes=2, health_interval=0.2,
-                           health_threshold=1, max_inflight=2, admission_timeout=0) as c:
+                           health_threshold=1, max_inflight=2, admission_timeout=0,
+                           tenants=(Tenant("default", tokens_per_minute=10**9),)) as c:
         # Fails every call it gets (a 500 does not evict): failovers and errors keep coming,
         # their rates stay above 0. The traffic also fails its probes now and then (below).
         failing = c.prefills[1]

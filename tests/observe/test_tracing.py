@@ -10,6 +10,7 @@ real OTLP/HTTP exporter to a receiver built on ``opentelemetry-proto``
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -98,6 +99,29 @@ def test_a_bad_variable_is_a_start_up_error(env: dict[str, str], variable: str) 
     with pytest.raises(ConfigError) as caught:
         tracing_settings({**ENDPOINT, **env})
     assert caught.value.variable == variable
+
+
+@pytest.mark.parametrize("value", ["http://collector:abc/v1/traces", "http://collector:0",
+                                   "collector:4318", "http://u:hunter2@collector:99999",
+                                   "http://coll ector:4318", "http://collector:4318#x"])
+def test_a_malformed_otlp_endpoint_is_a_start_up_error_without_its_password(value: str) -> None:
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        with pytest.raises(ConfigError) as caught:
+            tracing_settings({variable: value})
+        assert caught.value.variable == variable and "hunter2" not in str(caught.value)
+
+
+def test_the_otlp_endpoint_is_logged_without_its_user_and_password(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "epd_trio")
+    tracing = create_tracing(
+        {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://u:hunter2@127.0.0.1:9/v1/traces"})
+    try:
+        assert "OTLP/HTTP to http://***@127.0.0.1:9/v1/traces" in caplog.text
+        assert "hunter2" not in caplog.text
+    finally:
+        tracing.provider.shutdown()  # type: ignore[attr-defined]
 
 
 def test_tracing_without_the_sdk_is_a_clear_start_up_error() -> None:

@@ -173,3 +173,16 @@ def test_a_record_from_another_path_never_erases_what_this_replica_heard_on_its_
     store.apply_snapshot([Record(registration("http://p:1", "prefill", at=clocks.wall))])
     member = store.current().find("http://p:1")
     assert member is not None and member.moriio == peer and member.ec_zmq_addrs == ("z:1",)
+
+
+def test_a_state_link_failure_shown_on_health_never_carries_a_password() -> None:
+    """Issue 31: ``/health`` and ``/ready`` show why the state link is down, in the client
+    library's words, which may hold the URL as given."""
+    from epd_trio._replicas.sync import _described
+
+    exc = ConnectionError("Error connecting to redis://:hunter2@r:6380")
+    exc.__cause__ = OSError("connect to rediss://app:hunter2@r:6380 refused")
+    shown = _described(exc)
+    assert "hunter2" not in shown and "app" not in shown
+    assert shown == ("ConnectionError: Error connecting to redis://***@r:6380 "
+                     "(OSError: connect to rediss://***@r:6380 refused)")

@@ -387,3 +387,131 @@ async def test_a_port_out_of_range_is_one_line_and_exit_2(command: str) -> None:
     status, _, err = await run_cli(command, "--port", "70000", *settings)
     assert status == 2
     assert err == ("epd-trio: --port 70000: not a TCP port (0 to 65535; 0 = any free port)\n")
+
+
+def json_lines(text: bytes) -> list[dict[str, object]]:
+    """The JSON log lines in ``text`` (``--log-format json``), in order."""
+    return [orjson.loads(line) for line in text.splitlines() if line.startswith(b"{")]
+
+
+async def read_to_end(stream: trio.abc.ReceiveStream) -> bytes:
+    seen = b""
+    with trio.fail_after(30):
+        while chunk := await stream.receive_some():
+            seen += chunk
+    return seen
+
+
+async def test_sigterm_lets_a_running_stream_finish_and_refuses_new_requests(
+    nursery: trio.Nursery,
+) -> None:
+    """Issue 31: within the shutdown grace a stream in flight ends normally; from the signal
+    on, a new request gets 503 ``shutting_down`` with ``Connection: close``, and ``/ready``
+    503."""
+    release = trio.Event()
+    decode = FakeVLLM("prefill_decode")
+    decode.behaviour.chunk_gate = release.wait  # the stream runs until the test says
+    await start_fakes(nursery, decode)
+    async with serving("--decode", decode.url, "--request-log", "--log-format", "json",
+                       "--shutdown-grace", "30") as (process, url):
+        assert process.stderr is not None
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client, client.stream(
+                "POST", url + CHAT, json=chat_body(stream=True),
+                headers={"x-request-id": "long"}) as r:
+            chunks = r.aiter_bytes()
+            first = await anext(chunks)
+            process.send_signal(signal.SIGTERM)
+            _, seen = await read_until(process.stderr, rb"1 request\(s\) in flight")
+            ready = await client.get(url + "/ready")
+            assert ready.status_code == 503, ready.text
+            assert ready.json()["reason"] == "the proxy is shutting down"
+            late = await client.post(url + CHAT, json=chat_body(),
+                                     headers={"x-request-id": "late"})
+            assert late.status_code == 503 and late.headers["connection"] == "close"
+            assert late.json()["error"]["code"] == "shutting_down"
+            release.set()
+            rest = b"".join([chunk async for chunk in chunks])
+        assert (first + rest).endswith(b"data: [DONE]\n\n") and b"error" not in rest
+        with trio.fail_after(10):
+            assert await process.wait() == 0
+        lines = json_lines(seen + await read_to_end(process.stderr))
+    outcomes = {line["request_id"]: (line["outcome"], line["status"])
+                for line in lines if line.get("logger") == "epd_trio.requests"}
+    assert outcomes == {"late": ("shutdown", 503), "long": ("ok", 200)}
+
+
+async def test_a_stream_still_running_when_the_grace_ends_gets_a_shutdown_event(
+    nursery: trio.Nursery,
+) -> None:
+    """Issue 31: it used to end with a truncated chunked body and no event, logged as
+    ``cancelled 499`` like a client that left."""
+    decode = FakeVLLM("prefill_decode")
+    held = trio.Event()
+    decode.behaviour.chunk_gate = held.wait  # never set: the stream outlives the grace
+    await start_fakes(nursery, decode)
+    async with serving("--decode", decode.url, "--request-log", "--log-format", "json",
+                       "--shutdown-grace", "0.2") as (process, url):
+        assert process.stderr is not None
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client, client.stream(
+                "POST", url + CHAT, json=chat_body(stream=True),
+                headers={"x-request-id": "cut"}) as r:
+            chunks = r.aiter_bytes()
+            first = await anext(chunks)
+            process.send_signal(signal.SIGTERM)
+            rest = b"".join([chunk async for chunk in chunks])  # ends: no truncation
+        events = (first + rest).decode().strip().split("\n\n")
+        assert events[-1].startswith("data: {") and "[DONE]" not in rest.decode()
+        error = orjson.loads(events[-1].removeprefix("data: "))["error"]
+        assert error["code"] == "shutting_down" and "shut down" in error["message"]
+        assert error["type"] == "service_unavailable"
+        with trio.fail_after(10):
+            assert await process.wait() == 0
+        lines = json_lines(await read_to_end(process.stderr))
+    (request,) = [line for line in lines if line.get("logger") == "epd_trio.requests"]
+    assert (request["request_id"], request["outcome"]) == ("cut", "shutdown")
+    assert any("shutdown grace of 0.2 s over: ending 1 request(s)" in str(line.get("message"))
+               for line in lines)
+
+
+async def test_registering_an_encoder_keeps_every_worker_ready(nursery: trio.Nursery) -> None:
+    """Issue 31: with ``--workers 2`` and a registered ``prefill_decode``, registering an
+    encoder turned ``/ready`` 503 (in each worker, until its own probe of the newcomer
+    succeeded), though the encoder served requests. Here the newcomer's probes fail (below
+    the threshold): both workers stay ready."""
+    decode, encoder = FakeVLLM("prefill_decode"), FakeVLLM("encode")
+    encoder.behaviour.healthy = False
+    await start_fakes(nursery, decode, encoder)
+    admin = {"x-api-key": "admin-secret"}
+    # Probes often (each worker's first probe of the decode comes soon), failing never enough
+    # to evict the encoder.
+    async with serving("--workers", "2", "--health-interval", "0.1", "--health-threshold",
+                       "100000", env={"EPD_ADMIN_KEY": "admin-secret"}) as (_, url):
+
+        async def ready_by_worker() -> tuple[int, httpx.Response]:
+            # A fresh connection per call (either worker may accept it); the same one for
+            # /instances, which names the worker.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                pid = (await client.get(url + "/instances", headers=admin)).json()["worker_pid"]
+                return pid, await client.get(url + "/ready")
+
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            r = await client.post(url + "/instances", headers=admin,
+                                  json={"role": "prefill_decode", "url": decode.url})
+            assert r.json() == {"registered": True}
+        seen: set[int] = set()
+        with trio.fail_after(60):  # each worker probes the decode at once, then is ready
+            while len(seen) < 2:
+                pid, ready = await ready_by_worker()
+                if ready.status_code == 200:
+                    seen.add(pid)
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            r = await client.post(url + "/instances", headers=admin,
+                                  json={"role": "encode", "url": encoder.url})
+            assert r.json() == {"registered": True}
+        answered: dict[int, list[int]] = {}
+        with trio.fail_after(60):
+            while len(answered) < 2:
+                pid, ready = await ready_by_worker()
+                answered.setdefault(pid, []).append(ready.status_code)
+                assert set(ready.json()["roles"]) == {"encode", "prefill_decode"}, ready.text
+        assert all(statuses == [200] * len(statuses) for statuses in answered.values()), answered

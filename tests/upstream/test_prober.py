@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import pytest
 import trio
 import trio.testing
 
@@ -75,3 +76,27 @@ async def test_instances_that_join_or_leave_are_followed(
     await probe_for(1.5, checks, registry, lambda: registry.set_members({"decode": [B]}), 2.0)
     assert checks.times[A.url] == [0.0, 1.0]
     assert checks.times[B.url] == [2.0, 3.0]  # picked up at the next look (within interval)
+
+
+class Broken(Checks):
+    """``B``'s probe raises what no transport error is (as the HTTP client did for a port of
+    ``abc``: ``ValueError``)."""
+
+    async def __call__(self, state: InstanceState) -> None:
+        await super().__call__(state)
+        if state.url == B.url:
+            raise ValueError("Port could not be cast to integer value as 'abc'")
+
+
+async def test_an_unexpected_probe_error_fails_its_instance_not_the_prober(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Issue 31: one instance's bad port killed the prober of every worker."""
+    registry = Registry.from_stages({"decode": [A, B]}, threshold=1)
+    checks = Broken()
+    await probe_for(3.5, checks, registry)
+    assert checks.times[A.url] == [0.0, 1.0, 2.0, 3.0]
+    assert checks.times[B.url] == [0.0, 1.0, 2.0, 3.0]  # probed on, failing each time
+    assert registry.state("decode", A.url).live and not registry.state("decode", B.url).live
+    assert f"health probe of decode {B.url} failed unexpectedly" in caplog.text
+    assert "Port could not be cast" in caplog.text  # the traceback, logged

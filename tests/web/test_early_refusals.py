@@ -97,3 +97,50 @@ async def test_100_continue_still_comes_when_the_body_is_read() -> None:
             await stream.send_all(body)
             answer = seen + await read_response(stream)
         assert b"\r\n\r\nHTTP/1.1 200 " in answer, answer
+
+
+async def test_a_client_that_leaves_before_its_body_ends_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    async with run_cluster(decodes=1, request_log=True) as c:
+        host, port = c.proxy_url.removeprefix("http://").split(":")
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(f"POST {CHAT} HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"
+                                  "x-request-id: gone\r\n\r\n{".encode())
+            await trio.testing.wait_all_tasks_blocked()  # the proxy reads the body: wait
+        await trio.testing.wait_all_tasks_blocked()  # it sees the close
+        assert request_lines(caplog) == [("gone", CHAT, "cancelled", 499)]
+        assert metric(c.proxy, "epd_trio_requests_total", endpoint=CHAT,
+                      outcome="cancelled") == 1
+
+
+async def test_refusals_of_the_other_routes_have_an_id_a_log_line_and_a_metric(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The Quart routes (models, admin, unknown paths) answer with an id too, and each refusal
+    is logged and counted like a completion's; an unknown path counts as ``other``."""
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    async with run_cluster(decodes=1, api_keys=("k",), admin_key="admin",
+                           request_log=True) as c:
+        cases = [
+            ("models-no-key", "GET", "/v1/models", {}, 401, "/v1/models"),
+            ("admin-bad-key", "GET", "/instances", {"x-api-key": "nope"}, 401, "/instances"),
+            ("unknown", "GET", "/v1/nope", {}, 404, "other"),
+            ("wrong-method", "DELETE", "/health", {}, 405, "/health"),
+        ]
+        for rid, method, path, headers, status, _ in cases:
+            r = await client.request(method, c.proxy_url + path,
+                                     headers={**headers, "x-request-id": rid})
+            assert r.status_code == status, r.text
+            assert r.headers["x-request-id"] == rid
+            assert r.json()["error"]["message"]
+        r = await client.get(c.proxy_url + "/health")
+        assert r.status_code == 200 and r.headers["x-request-id"]  # answers carry one too
+        await trio.testing.wait_all_tasks_blocked()
+        assert request_lines(caplog) == [(rid, endpoint, "client_error", status)
+                                         for rid, _, _, _, status, endpoint in cases]
+        for _, _, _, _, _, endpoint in cases:
+            assert metric(c.proxy, "epd_trio_requests_total", endpoint=endpoint,
+                          outcome="client_error") == 1
