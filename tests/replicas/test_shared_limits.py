@@ -239,7 +239,7 @@ async def test_admissions_go_by_sha_and_survive_a_script_flush(
     to the replica's share, and the bucket counts across the flush (3 a minute: the 4th is
     refused)."""
     (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
-    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+    async with fleet(redis_server, decode, count=1, state_limits_timeout=10.0) as [(url, proxy)]:
         redis_server.command("SCRIPT", "FLUSH")
         redis_server.command("CONFIG", "RESETSTAT")
         team = {"authorization": "Bearer sk-trio"}
