@@ -19,6 +19,12 @@ Release: the place (and the tenant's count) is held until the request's resource
 the queue is asked who gets it (``FairQueue.pop``), skipping tenants at their own cap, so no
 place stays idle while someone who may use it waits. A ticket settles its token reservation
 on its usage when the request ends, however it ends.
+
+Workers: the places (``EPD_MAX_INFLIGHT``) and the queue are this process's; a tenant's
+``max_inflight`` is counted by every worker of ``epd-trio serve --workers N`` (``places``: one
+locked take-if-below-the-cap), or by every replica (``shared``: their published counts). No
+event crosses processes, so ``follow_workers`` looks at the shared counts every
+``WORKERS_RECHECK`` seconds while anyone waits here.
 """
 
 from __future__ import annotations
