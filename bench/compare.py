@@ -94,6 +94,8 @@ CLIENT_SCRIPTS = {"aiohttp": (Path(__file__).with_name("_aiohttp_load.py"), "aio
 #: The fakes of ``--fake aiohttp`` (each stream on its own timer; see the module).
 AIOHTTP_FAKE = Path(__file__).with_name("aiohttp_fake.py")
 FAKES = ("lean", "aiohttp")
+#: Seconds between tokens in issue 33's independent measurement (``--lab``).
+LAB_TOKEN_INTERVAL = 0.005
 PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
 DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
 #: Seconds a peer gets to answer its readiness probe after it was started.
@@ -547,8 +549,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of every peer (default 2)")
     p.add_argument("--warmup", type=int, default=64, help="requests before each measurement")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    p.add_argument("--token-interval", type=float, default=DEFAULT_TOKEN_INTERVAL,
-                   help=f"the fakes' seconds between tokens (default {DEFAULT_TOKEN_INTERVAL})")
+    p.add_argument("--token-interval", type=float, default=None,
+                   help=f"the fakes' seconds between tokens (default {DEFAULT_TOKEN_INTERVAL}; "
+                   f"{LAB_TOKEN_INTERVAL} with --lab)")
     p.add_argument("--prefill-time", type=float, default=DEFAULT_PREFILL_TIME,
                    help=f"the fakes' prefill/encode seconds (default {DEFAULT_PREFILL_TIME})")
     p.add_argument("--prefills", type=int, default=1)
@@ -561,7 +564,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rest-cpus", type=_cpu_list, default=None, metavar="LIST",
                    help="run the fakes and the load generator on these CPUs only")
     p.add_argument("--model", default="fake-model")
-    p.add_argument("--client", choices=CLIENTS, default="epoll",
+    p.add_argument("--lab", action="store_true",
+                   help="issue 33's independent setup: --fake aiohttp --client aiohttp "
+                   f"--token-interval {LAB_TOKEN_INTERVAL} (an option given as well wins)")
+    p.add_argument("--client", choices=CLIENTS, default=None,
                    help="the load: epoll (one send per request; default), split (head and body "
                    "as two sends, as httpx / the OpenAI SDK write), aiohttp (an aiohttp "
                    "ClientSession in a process of its own), openai (the OpenAI SDK's "
@@ -572,7 +578,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-python", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_OPENAI_PYTHON", DEFAULT_OPENAI_PYTHON)),
         help="a Python with the openai package, for --client openai")
-    p.add_argument("--fake", choices=FAKES, default="lean",
+    p.add_argument("--fake", choices=FAKES, default=None,
                    help="the fake backends: lean (bench.lean_fake: one engine steps every "
                    "stream on one grid; default), aiohttp (bench/aiohttp_fake.py: an aiohttp "
                    "server, each stream on its own timer, as issue 33's lab measured)")
@@ -601,6 +607,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
         args.images = 1 if args.layout == "epd" else 0
+    for name, plain, lab in (("token_interval", DEFAULT_TOKEN_INTERVAL, LAB_TOKEN_INTERVAL),
+                             ("client", "epoll", "aiohttp"), ("fake", "lean", "aiohttp")):
+        if getattr(args, name) is None:
+            setattr(args, name, lab if args.lab else plain)
     if args.client in CLIENT_SCRIPTS:
         python = getattr(args, CLIENT_SCRIPTS[args.client][1])
         if not os.access(python, os.X_OK):

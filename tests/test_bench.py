@@ -227,6 +227,13 @@ def test_the_fakes_and_their_pacing_are_options_of_compare(tmp_path: Path) -> No
         compare_args(["--fake", "aiohttp", "--fake-python", str(tmp_path / "none")])
     with pytest.raises(SystemExit):  # the aiohttp fake has one pacing only
         compare_args(["--fake", "aiohttp", "--fake-python", str(python), "--pacing", "stream"])
+    plain = compare_args([])
+    assert (plain.client, plain.token_interval) == ("epoll", 0.002)
+    py = [f"--{o}-python={python}" for o in ("fake", "aiohttp")]
+    lab = compare_args(["--lab", *py])
+    assert (lab.fake, lab.client, lab.token_interval) == ("aiohttp", "aiohttp", 0.005)
+    mixed = compare_args(["--lab", *py, "--client", "epoll", "--token-interval", "0.002"])
+    assert (mixed.fake, mixed.client, mixed.token_interval) == ("aiohttp", "epoll", 0.002)
 
 
 async def test_compare_starts_the_aiohttp_fake_under_the_python_it_names(
