@@ -48,6 +48,12 @@ aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``), 
 under ``--openai-python``). The load
 generator's CPU in the report is the client's, whichever it is.
 
+Fakes (``--fake``): ``lean`` (default; ``bench.lean_fake``, every stream on one engine grid, or
+each on its own timer with ``--pacing stream``), ``aiohttp`` (``bench/aiohttp_fake.py``, an
+aiohttp server, each stream on its own timer, under ``--fake-python``). ``--lab`` is issue 33's
+independent setup: ``--fake aiohttp --client aiohttp --token-interval 0.005``. For streams the
+report gives each peer's tokens per wake-up (its threads' voluntary context switches).
+
 docs/discussion/performance.md says how to install the references and gives the figures.
 """
 
