@@ -48,6 +48,12 @@ aiohttp ``ClientSession`` in a process of its own, under ``--aiohttp-python``), 
 under ``--openai-python``). The load
 generator's CPU in the report is the client's, whichever it is.
 
+Fakes (``--fake``): ``lean`` (default; ``bench.lean_fake``, every stream on one engine grid, or
+each on its own timer with ``--pacing stream``), ``aiohttp`` (``bench/aiohttp_fake.py``, an
+aiohttp server, each stream on its own timer, under ``--fake-python``). ``--lab`` is issue 33's
+independent setup: ``--fake aiohttp --client aiohttp --token-interval 0.005``. For streams the
+report gives each peer's tokens per wake-up (its threads' voluntary context switches).
+
 docs/discussion/performance.md says how to install the references and gives the figures.
 """
 
@@ -73,8 +79,8 @@ import trio
 
 from bench._epoll_load import run_load_epoll
 from bench._load import Result
-from bench.burst import make_body_factory, percentile, process_tree_cpu
-from bench.lean_fake import DEFAULT_PREFILL_TIME, DEFAULT_TOKEN_INTERVAL
+from bench.burst import make_body_factory, percentile, process_tree_cpu, process_tree_wakeups
+from bench.lean_fake import DEFAULT_PREFILL_TIME, DEFAULT_TOKEN_INTERVAL, PACINGS
 from epd_trio.testing.process import read_until, stop_process
 
 CHAT = "/v1/chat/completions"
@@ -91,6 +97,11 @@ CLIENTS = ("epoll", "split", "aiohttp", "openai")
 #: Python that runs it.
 CLIENT_SCRIPTS = {"aiohttp": (Path(__file__).with_name("_aiohttp_load.py"), "aiohttp_python"),
                   "openai": (Path(__file__).with_name("_openai_load.py"), "openai_python")}
+#: The fakes of ``--fake aiohttp`` (each stream on its own timer; see the module).
+AIOHTTP_FAKE = Path(__file__).with_name("aiohttp_fake.py")
+FAKES = ("lean", "aiohttp")
+#: Seconds between tokens in issue 33's independent measurement (``--lab``).
+LAB_TOKEN_INTERVAL = 0.005
 PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
 DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
 #: Seconds a peer gets to answer its readiness probe after it was started.
@@ -197,7 +208,7 @@ def rotated(items: list[Any], by: int) -> list[Any]:
 
 def summarize_run(results: list[Result], wall: float, *, requests: int, stream: bool,
                   max_tokens: int, proxy_cpu: float | None, fakes_cpu: float,
-                  generator_cpu: float) -> dict[str, Any]:
+                  generator_cpu: float, proxy_wakeups: int | None = None) -> dict[str, Any]:
     """One peer's one round, in numbers (CPU arguments in seconds; output in ms and µs)."""
     ok = [r for r in results if r.error is None]
     failures: dict[str, int] = {}
@@ -219,6 +230,10 @@ def summarize_run(results: list[Result], wall: float, *, requests: int, stream: 
                                    else proxy_cpu * 1e6 / tokens),
         "fakes_cpu_ms_per_request": fakes_cpu * 1000 / max(requests, 1),
         "load_generator_cpu_ms_per_request": generator_cpu * 1000 / max(requests, 1),
+        "proxy_wakeups_per_request": (None if proxy_wakeups is None
+                                      else proxy_wakeups / max(requests, 1)),
+        "tokens_per_proxy_wakeup": (None if proxy_wakeups is None or not stream or not tokens
+                                    else tokens / max(proxy_wakeups, 1)),
     }
     if stream:
         out["gap_ms"] = {f"p{q}": _ms(percentile(gaps, q)) for q in (50, 90, 99)} | {
@@ -264,6 +279,13 @@ RATIO_FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] 
 )
 
 
+def _fakes(cfg: dict[str, Any]) -> str:
+    """The fakes as the report names them: which server, and how its streams are paced."""
+    fake = cfg.get("fake", "lean")
+    return "aiohttp (paced per stream)" if fake == "aiohttp" else (
+        f"lean (paced per {cfg.get('pacing', 'engine')})")
+
+
 def render(report: dict[str, Any]) -> str:
     cfg = report["config"]
     rounds: list[dict[str, dict[str, Any]]] = report["rounds"]
@@ -273,7 +295,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"compare: client {cfg.get('client', 'epoll')}, layout {cfg['layout']}, {kind}, "
              f"C={cfg['concurrency']}, "
              f"{cfg['requests']} requests x {len(rounds)} round(s), token interval "
-             f"{cfg['token_interval'] * 1000:g} ms, lean fakes "
+             f"{cfg['token_interval'] * 1000:g} ms, {_fakes(cfg)} fakes "
              f"({report['backends']})"]
     lines += [f"  {line}" for line in report["skipped"]]
     if "spans_received" in report:
@@ -306,7 +328,8 @@ def render(report: dict[str, Any]) -> str:
                 f"max {span([r['gap_ms']['max'] for r in runs], 1)}  |  TTFB p50 "
                 f"{span([r['ttfb_ms']['p50'] for r in runs], 2)}  p99 "
                 f"{span([r['ttfb_ms']['p99'] for r in runs], 2)}  |  events "
-                f"{span([r['events_per_request'] for r in runs], 1)}")
+                f"{span([r['events_per_request'] for r in runs], 1)}  |  tokens per proxy "
+                f"wake-up {span([r.get('tokens_per_proxy_wakeup') for r in runs], 2)}")
     failures = {n: f for n in names for r in rounds if n in r and (f := r[n]["failures"])}
     for name, fails in failures.items():
         lines.append(f"  {name} failures: " + ", ".join(f"{k}: {v}" for k, v in fails.items()))
@@ -353,10 +376,14 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
     encoders = getattr(args, "encoders", None)  # bench.replicas asks for several
     if encoders is None:
         encoders = 1 if args.layout == "epd" else 0
-    cmd = [sys.executable, "-m", "bench.lean_fake", "--encoders", str(encoders),
-           "--prefills", str(args.prefills), "--decodes", str(args.decodes),
-           "--token-interval", str(args.token_interval), "--prefill-time",
-           str(args.prefill_time)]
+    if getattr(args, "fake", "lean") == "aiohttp":
+        cmd = [str(args.fake_python), str(AIOHTTP_FAKE), "--encoders", str(encoders)]
+    else:
+        cmd = [sys.executable, "-m", "bench.lean_fake", "--encoders", str(encoders),
+               "--pacing", getattr(args, "pacing", "engine")]
+    cmd += ["--prefills", str(args.prefills), "--decodes", str(args.decodes),
+            "--token-interval", str(args.token_interval), "--prefill-time",
+            str(args.prefill_time)]
     process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE,
                                                preexec_fn=pinned(args.rest_cpus))
     assert process.stdout is not None
@@ -430,16 +457,19 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
 
         await load(args.warmup, min(args.concurrency, 16))
         proxy0 = process_tree_cpu(process.pid) if process else None
+        wakes0 = process_tree_wakeups(process.pid) if process else None
         fakes0, self0, t0 = process_tree_cpu(fakes_pid), _self_cpu(), trio.current_time()
         results, client_cpu = await load(args.requests, args.concurrency)
         wall = trio.current_time() - t0
         self1, fakes1 = _self_cpu(), process_tree_cpu(fakes_pid)
         proxy1 = process_tree_cpu(process.pid) if process else None
+        wakes1 = process_tree_wakeups(process.pid) if process else None
         return summarize_run(
             results, wall, requests=args.requests, stream=args.stream,
             max_tokens=args.max_tokens,
             proxy_cpu=None if proxy0 is None or proxy1 is None else proxy1 - proxy0,
-            fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0 + client_cpu)
+            fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0 + client_cpu,
+            proxy_wakeups=None if wakes0 is None or wakes1 is None else wakes1 - wakes0)
     finally:
         if process is not None:
             await stop(process)
@@ -525,8 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of every peer (default 2)")
     p.add_argument("--warmup", type=int, default=64, help="requests before each measurement")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
-    p.add_argument("--token-interval", type=float, default=DEFAULT_TOKEN_INTERVAL,
-                   help=f"the fakes' seconds between tokens (default {DEFAULT_TOKEN_INTERVAL})")
+    p.add_argument("--token-interval", type=float, default=None,
+                   help=f"the fakes' seconds between tokens (default {DEFAULT_TOKEN_INTERVAL}; "
+                   f"{LAB_TOKEN_INTERVAL} with --lab)")
     p.add_argument("--prefill-time", type=float, default=DEFAULT_PREFILL_TIME,
                    help=f"the fakes' prefill/encode seconds (default {DEFAULT_PREFILL_TIME})")
     p.add_argument("--prefills", type=int, default=1)
@@ -539,7 +570,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rest-cpus", type=_cpu_list, default=None, metavar="LIST",
                    help="run the fakes and the load generator on these CPUs only")
     p.add_argument("--model", default="fake-model")
-    p.add_argument("--client", choices=CLIENTS, default="epoll",
+    p.add_argument("--lab", action="store_true",
+                   help="issue 33's independent setup: --fake aiohttp --client aiohttp "
+                   f"--token-interval {LAB_TOKEN_INTERVAL} (an option given as well wins)")
+    p.add_argument("--client", choices=CLIENTS, default=None,
                    help="the load: epoll (one send per request; default), split (head and body "
                    "as two sends, as httpx / the OpenAI SDK write), aiohttp (an aiohttp "
                    "ClientSession in a process of its own), openai (the OpenAI SDK's "
@@ -550,6 +584,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--openai-python", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_OPENAI_PYTHON", DEFAULT_OPENAI_PYTHON)),
         help="a Python with the openai package, for --client openai")
+    p.add_argument("--fake", choices=FAKES, default=None,
+                   help="the fake backends: lean (bench.lean_fake: one engine steps every "
+                   "stream on one grid; default), aiohttp (bench/aiohttp_fake.py: an aiohttp "
+                   "server, each stream on its own timer, as issue 33's lab measured)")
+    p.add_argument("--pacing", choices=PACINGS, default="engine",
+                   help="the lean fakes' token timing: engine (one grid for every stream, as an "
+                   "engine steps its batch; default), stream (a timer per stream, as "
+                   "--fake aiohttp paces them)")
+    p.add_argument("--fake-python", type=Path, default=Path(os.environ.get(
+        "EPD_BENCH_FAKE_PYTHON", DEFAULT_AIOHTTP_PYTHON)),
+        help="a Python with aiohttp, for --fake aiohttp (default: the EPD proxy's venv)")
     p.add_argument("--vllm-router", type=Path, default=Path(os.environ.get(
         "EPD_BENCH_VLLM_ROUTER", DEFAULT_VLLM_ROUTER)))
     p.add_argument("--epd-proxy", type=Path, default=Path(os.environ.get(
@@ -568,6 +613,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
         args.images = 1 if args.layout == "epd" else 0
+    for name, plain, lab in (("token_interval", DEFAULT_TOKEN_INTERVAL, LAB_TOKEN_INTERVAL),
+                             ("client", "epoll", "aiohttp"), ("fake", "lean", "aiohttp")):
+        if getattr(args, name) is None:
+            setattr(args, name, lab if args.lab else plain)
     if args.client in CLIENT_SCRIPTS:
         python = getattr(args, CLIENT_SCRIPTS[args.client][1])
         if not os.access(python, os.X_OK):
@@ -575,6 +624,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--client {args.client}: no Python at {python} (--{option} / "
                     f"EPD_BENCH_{option.upper().replace('-', '_')}; "
                     "bench/install_references.sh makes one)")
+    if args.fake == "aiohttp" and args.pacing != "engine":
+        p.error("--pacing is the lean fakes' option (--fake aiohttp paces every stream alone)")
+    if args.fake == "aiohttp" and not os.access(args.fake_python, os.X_OK):
+        p.error(f"--fake aiohttp: no Python at {args.fake_python} (--fake-python / "
+                "EPD_BENCH_FAKE_PYTHON; bench/install_references.sh makes one)")
     return args
 
 

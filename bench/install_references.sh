@@ -7,6 +7,8 @@
 #     https://github.com/vllm-project/vllm/blob/main/examples/disaggregated/disaggregated_encoder/disagg_epd_proxy.py
 #     into ~/.cache/epd-refs/disagg_epd_proxy.py (or point --epd-proxy / EPD_BENCH_EPD_PROXY at it).
 #   - the OpenAI SDK (PyPI `openai`), the load of `bench.compare --client openai`
+#   The EPD proxy's venv (it has aiohttp) also runs `bench.compare --client aiohttp`, and the
+#   aiohttp fakes of `--fake aiohttp` / `--lab` (bench/aiohttp_fake.py).
 # Usage: sh bench/install_references.sh   (PYTHON=python3.12 to pick the interpreter)
 set -eu
 PYTHON=${PYTHON:-python3}

@@ -18,6 +18,10 @@ What a benchmark figure depends on, and this fake does as vLLM does:
 - Prefill (and encode) answers one JSON body after ``--prefill-time``; a prefill asked for
   ``do_remote_decode`` returns a NIXL-shaped ``kv_transfer_params``. A non-stream decode
   answers after ``max_tokens`` engine steps.
+- ``--pacing stream`` gives each stream a timer of its own instead (its tokens ``interval``
+  apart from its own start, as a server whose handler sleeps between writes paces them, e.g.
+  ``bench/aiohttp_fake.py``): streams started at different moments then deliver their tokens
+  at different moments, and a proxy wakes up for few at a time instead of for the whole batch.
 - HTTP/1.1 keep-alive; ``GET /health`` and ``GET /v1/models`` answer 200.
 
 What it does not do: validate DP ranks or prompt lengths, record requests, inject faults (that is
@@ -49,7 +53,7 @@ import trio
 
 from epd_trio.testing.fake_vllm import media_parts
 
-__all__ = ["DEFAULT_TOKEN_INTERVAL", "Engine", "LeanFake", "Stream", "chunk", "serve_fakes"]
+__all__ = ["DEFAULT_TOKEN_INTERVAL", "PACINGS", "Engine", "LeanFake", "Stream", "chunk", "serve_fakes"]
 
 #: Seconds between two tokens of one stream: a real engine's decode step, a few ms.
 DEFAULT_TOKEN_INTERVAL = 0.002
@@ -58,6 +62,8 @@ DEFAULT_PREFILL_TIME = 0.002
 #: Tokens a decode generates when the request does not cap them lower.
 DEFAULT_TOKENS = 16
 ROLES = ("encode", "prefill", "decode", "prefill_decode")
+#: How a stream's tokens are timed: one engine grid for all streams, or a timer per stream.
+PACINGS = ("engine", "stream")
 _WORDS = [orjson.dumps(" " + w) for w in (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()]
@@ -180,6 +186,8 @@ class LeanFake:
     prefill_time: float = DEFAULT_PREFILL_TIME
     tokens: int = DEFAULT_TOKENS
     model: str = "fake-model"
+    #: ``engine``: every stream on the engine's one grid; ``stream``: a timer per stream.
+    pacing: str = "engine"
     url: str = ""
     #: API requests answered, by path (a cheap sanity check for the bench).
     answered: int = 0
@@ -187,6 +195,8 @@ class LeanFake:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}: {self.role!r}")
+        if self.pacing not in PACINGS:
+            raise ValueError(f"pacing must be one of {PACINGS}: {self.pacing!r}")
         self.engine = Engine(self.token_interval)
         self._ids = itertools.count()
 
@@ -302,6 +312,15 @@ class LeanFake:
         stream = _new_stream(sock, rid, created, model, chat, tokens)
         if tokens <= 0:
             stream.write(chunk(_DONE))
+        elif self.pacing == "stream":
+            # Its own grid, from its own start (a late step runs at once, as the engine's does).
+            deadline = trio.current_time()
+            while stream.left > 0:
+                deadline = max(deadline + self.token_interval,
+                               trio.current_time() - self.token_interval)
+                await trio.sleep_until(deadline)
+                stream.step()
+                await self._flush(stream)
         else:
             self.engine.add(stream)
             while not stream.finished:
@@ -397,7 +416,8 @@ async def serve_fakes(args: argparse.Namespace) -> None:
             urls = []
             for _ in range(count):
                 fake = LeanFake(role, token_interval=args.token_interval,
-                                prefill_time=args.prefill_time, tokens=args.tokens)
+                                prefill_time=args.prefill_time, tokens=args.tokens,
+                                pacing=args.pacing)
                 urls.append(await nursery.start(fake.serve, args.host))
             if urls:
                 print(f"EPD_{name}_URLS={','.join(urls)}", flush=True)
@@ -420,6 +440,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"seconds between two tokens of a stream (default {DEFAULT_TOKEN_INTERVAL})")
     p.add_argument("--prefill-time", type=float, default=DEFAULT_PREFILL_TIME,
                    help=f"seconds a prefill or encode takes (default {DEFAULT_PREFILL_TIME})")
+    p.add_argument("--pacing", choices=PACINGS, default="engine",
+                   help="engine: every stream's tokens on one shared grid, as an engine steps "
+                   "its batch (default); stream: each stream on a timer of its own")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help="tokens when the request sets no max_tokens")
     args = p.parse_args(argv)

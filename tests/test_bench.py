@@ -209,6 +209,81 @@ async def test_the_lean_fake_sends_the_head_first_then_a_token_per_interval(
     assert reader.status == 200 and fake.answered == 2
 
 
+async def test_the_lean_fake_paced_per_stream_times_each_stream_from_its_own_start(
+        nursery: trio.Nursery, autojump_clock: trio.testing.MockClock) -> None:
+    """``--pacing stream``: a stream started half an interval after another gets its tokens
+    half an interval after the other's (the engine's grid would step both together)."""
+    fake = LeanFake("decode", token_interval=1.0, pacing="stream")
+    url = await nursery.start(fake.serve)
+    port = int(url.rsplit(":", 1)[1])
+    body = orjson.dumps({"model": "m", "stream": True, "max_tokens": 3, "messages": []})
+    t0 = trio.current_time()
+    arrivals: dict[str, list[float]] = {"a": [], "b": []}
+
+    async def one(name: str, delay: float) -> None:
+        await trio.sleep(delay)
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(request_head("POST", "/v1/chat/completions", "x", len(body))
+                              + body)
+        reader = ResponseReader()
+        while not reader.done:
+            data = await client.receive_some(65536)
+            reader.feed(data)
+            arrivals[name] += [trio.current_time() - t0] * data.count(b"data:")
+        await client.aclose()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as streams:
+            streams.start_soon(one, "a", 0.0)
+            streams.start_soon(one, "b", 0.5)
+    # role + token, token, token + [DONE]: one read per step, each on the stream's own grid
+    assert arrivals["a"] == [1.0, 1.0, 2.0, 3.0, 3.0]
+    assert arrivals["b"] == [1.5, 1.5, 2.5, 3.5, 3.5]
+
+
+def test_the_fakes_and_their_pacing_are_options_of_compare(tmp_path: Path) -> None:
+    args = compare_args([])
+    assert (args.fake, args.pacing) == ("lean", "engine")
+    assert compare_args(["--pacing", "stream"]).pacing == "stream"
+    python = Path(sys.executable)
+    assert compare_args(["--fake", "aiohttp", "--fake-python", str(python)]).fake == "aiohttp"
+    with pytest.raises(SystemExit):  # no Python with aiohttp: said before anything starts
+        compare_args(["--fake", "aiohttp", "--fake-python", str(tmp_path / "none")])
+    with pytest.raises(SystemExit):  # the aiohttp fake has one pacing only
+        compare_args(["--fake", "aiohttp", "--fake-python", str(python), "--pacing", "stream"])
+    plain = compare_args([])
+    assert (plain.client, plain.token_interval) == ("epoll", 0.002)
+    py = [f"--{o}-python={python}" for o in ("fake", "aiohttp")]
+    lab = compare_args(["--lab", *py])
+    assert (lab.fake, lab.client, lab.token_interval) == ("aiohttp", "aiohttp", 0.005)
+    mixed = compare_args(["--lab", *py, "--client", "epoll", "--token-interval", "0.002"])
+    assert (mixed.fake, mixed.client, mixed.token_interval) == ("aiohttp", "epoll", 0.002)
+
+
+async def test_compare_starts_the_aiohttp_fake_under_the_python_it_names(
+        tmp_path: Path) -> None:
+    """``--fake aiohttp`` runs ``bench/aiohttp_fake.py`` under ``--fake-python`` with the lean
+    fake's command line, and reads its URLs the same way. The project has no aiohttp, so the
+    named "Python" here is a stand-in that records its arguments and serves a lean fake."""
+    from bench.compare import start_backends, stop
+
+    record = tmp_path / "argv"
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\necho \"$@\" > {record}\nshift\n"
+                      f"exec {sys.executable} -m bench.lean_fake \"$@\"\n")
+    python.chmod(0o755)
+    args = compare_args(["--fake", "aiohttp", "--fake-python", str(python),
+                         "--token-interval", "0.005"])
+    with trio.fail_after(30):
+        process, backends, described = await start_backends(args)
+        await stop(process)
+    argv = record.read_text().split()
+    assert argv[0].endswith("bench/aiohttp_fake.py")
+    assert argv[argv.index("--token-interval") + 1] == "0.005" and "--pacing" not in argv
+    assert len(backends.prefill) == 1 and len(backends.decode) == 1
+    assert described == "1 prefill, 1 decode"
+
+
 # -- bench.compare: its arithmetic and its choice of peers ----------------------------------------
 def test_rotated_and_span() -> None:
     assert rotated([1, 2, 3], 0) == [1, 2, 3] and rotated([1, 2, 3], 4) == [2, 3, 1]
@@ -220,6 +295,27 @@ def test_round_ratios_pair_each_round() -> None:
     rounds = [{"epd_trio": {"x": 4.0}, "ref": {"x": 2.0}}, {"epd_trio": {"x": 3.0}},
               {"epd_trio": {"x": 6.0}, "ref": {"x": 2.0}}]
     assert round_ratios(rounds, "epd_trio", "ref", lambda r: r["x"]) == [2.0, 3.0]
+
+
+def test_summarize_run_counts_tokens_per_proxy_wakeup() -> None:
+    results = [Result(i, 0.0, 0.01, 0.001, 200, None, 100, 9, [0.002]) for i in range(4)]
+    out = summarize_run(results, 1.0, requests=4, stream=True, max_tokens=8, proxy_cpu=0.01,
+                        fakes_cpu=0.0, generator_cpu=0.0, proxy_wakeups=16)
+    assert out["proxy_wakeups_per_request"] == 4 and out["tokens_per_proxy_wakeup"] == 2
+    out = summarize_run(results, 1.0, requests=4, stream=False, max_tokens=8, proxy_cpu=None,
+                        fakes_cpu=0.0, generator_cpu=0.0)
+    assert out["proxy_wakeups_per_request"] is None and out["tokens_per_proxy_wakeup"] is None
+
+
+def test_process_tree_wakeups_counts_a_thread_going_to_sleep() -> None:
+    """A blocking wait is a voluntary context switch of the waiting thread, counted."""
+    import select
+
+    from bench.burst import process_tree_wakeups
+    before = process_tree_wakeups(os.getpid())
+    for _ in range(5):
+        select.select([], [], [], 0.001)  # the thing measured: a thread that sleeps
+    assert process_tree_wakeups(os.getpid()) >= before + 5
 
 
 def test_summarize_run_per_request_and_per_token() -> None:
