@@ -86,8 +86,20 @@ async def test_three_replica_processes_converge_on_registrations(nursery: trio.N
                     for _ in range(4):
                         r = await client.post(url + CHAT, json=chat_body(text="hi"))
                         assert r.status_code == 200, r.text
-                replica_ids = {(await listing(urls[0]))["replica"] for _ in range(12)}
-                assert len(replica_ids) == 2  # two workers, two replicas of the fleet
+                # Two workers, two replicas of the fleet. Listings sent together, on fresh
+                # connections, so that one idle worker does not accept them all (the kernel
+                # hands a shared socket's connections to whichever worker waits first).
+                replica_ids: set[str] = set()
+
+                async def replica_of(url: str) -> None:
+                    replica_ids.add((await listing(url))["replica"])
+
+                with trio.fail_after(CONVERGE):
+                    while len(replica_ids) < 2:
+                        async with trio.open_nursery() as together:
+                            for _ in range(8):
+                                together.start_soon(replica_of, urls[0])
+                assert len(replica_ids) == 2
                 r = await client.request("DELETE", urls[1] + "/instances", headers=ADMIN,
                                          params={"url": decode.url})
                 assert r.status_code == 200
