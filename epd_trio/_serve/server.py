@@ -58,6 +58,10 @@ stream, the worker's lifespan and shutdown) and changes these things:
    asked (``Expect: 100-continue``) was told to send a body the app then refused unread (a
    ``Content-Length`` over the limit, a bad key, the admission cap). The app's answer now
    comes first, and the client never sends the body.
+11. The connection offers its HTTP/1.1 requests the chunk write of change 6 directly
+   (``_web/direct_body``: ``scope["state"][DIRECT_BODY]``), so a relayed token skips the ASGI
+   message as well: the message dict, Hypercorn's ``app_send`` state machine, its ``Body``
+   event and the check of its type here. What the writer declines takes the ASGI path.
 
 How it is plugged in: ``hypercorn.trio.run.worker_serve`` names ``TCPServer`` and
 ``WorkerContext`` as globals of its module and takes no parameter for them. ``worker_serve``
@@ -94,6 +98,7 @@ from hypercorn.utils import parse_socket_addr
 
 from .._core.errors import HeadersTooLarge, MalformedHTTP, ProxyError
 from .._web.client_gone import CLIENT_GONE, ClientGone
+from .._web.direct_body import DECLINED, DIRECT_BODY, PARTIAL, WRITTEN, WRITTEN_YIELD
 
 __all__ = ["ProxyTCPServer", "ProxyWorkerContext", "worker_serve"]
 
@@ -175,6 +180,8 @@ class ProxyTCPServer(TCPServer):
         self._plain: Any = None
         #: Chunks written directly since the last yield to the scheduler.
         self._unyielded = 0
+        #: What the kernel did not take of the last chunk written directly (see flush_chunk).
+        self._rest = b""
         #: The news, for this connection's HTTP/1.x requests, that their client left (change 7).
         self._client_gone = ClientGone()
 
@@ -203,7 +210,8 @@ class ProxyTCPServer(TCPServer):
                 self._task_group = task_group
                 self.protocol = ProtocolWrapper(
                     self.app, self.config, self.context, task_group,
-                    ConnectionState({**self.state, CLIENT_GONE: self._client_gone}), ssl,
+                    ConnectionState({**self.state, CLIENT_GONE: self._client_gone,
+                                     DIRECT_BODY: self}), ssl,
                     client, server, self.protocol_send,
                     alpn_protocol,
                 )
@@ -267,11 +275,14 @@ class ProxyTCPServer(TCPServer):
             self._h11 = inner.connection
 
     async def _stream_send(self, stream_send: Any, event: Any) -> None:
-        if type(event) is Body and self._corked is None and self._plain is not None:
-            connection = self._h11
-            if (connection is not None and connection.our_state is h11.SEND_BODY
-                    and type(connection._writer) is ChunkedWriter):
-                await self._send_chunk(event.data)
+        if type(event) is Body and self._corked is None:
+            await trio.lowlevel.checkpoint_if_cancelled()  # as an ASGI send has always been
+            taken = self.write_chunk(event.data)
+            if taken != DECLINED:
+                if taken == WRITTEN_YIELD:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                elif taken == PARTIAL:
+                    await self.flush_chunk()
                 return
         if (isinstance(event, Response) and event.status_code >= 200
                 and any(name.lower() == b"content-length" for name, _ in event.headers)):
@@ -289,27 +300,42 @@ class ProxyTCPServer(TCPServer):
         if not isinstance(event, Body | EndBody):
             await stream_send(event)
 
-    async def _send_chunk(self, data: bytes) -> None:
-        """One chunk of a chunked body, framed as h11 frames it (change 6)."""
+    def write_chunk(self, data: bytes) -> int:
+        """One chunk of a chunked body, framed as h11 frames it and written now, if the
+        response is one and nothing else is writing (changes 6 and 11; ``_web/direct_body``).
+
+        Declined (nothing written) when the kernel takes none of it, or the write fails: the
+        usual path then waits for the client, or meets the same error and handles it."""
+        connection = self._h11
+        if (connection is None or self._plain is None or self._corked is not None
+                or self.send_lock.locked() or connection.our_state is not h11.SEND_BODY
+                or type(connection._writer) is not ChunkedWriter):
+            return DECLINED
         if not data:
-            return  # h11 writes nothing for an empty chunk: it would read as the body's end
+            return WRITTEN  # h11 writes nothing for an empty chunk: it would read as the end
+        fd = self._plain.fileno()
+        if fd == -1:  # closed: the usual path says so
+            return DECLINED
         frame = b"%x\r\n%b\r\n" % (len(data), data)
-        if not self.send_lock.locked():
-            await trio.lowlevel.checkpoint_if_cancelled()
-            fd = self._plain.fileno()
-            if fd != -1:  # -1: closed; the usual path below says so
-                try:
-                    sent = os.write(fd, frame)
-                except OSError:  # full (BlockingIOError) or broken: the usual path below
-                    sent = 0     # waits for the client, or meets the same error and handles it
-                if sent == len(frame):
-                    self._unyielded += 1
-                    if self._unyielded >= _YIELD_EVERY:
-                        self._unyielded = 0
-                        await trio.lowlevel.cancel_shielded_checkpoint()
-                    return
-                frame = frame[sent:]
-        await self.protocol_send(RawData(data=frame))
+        try:
+            sent = os.write(fd, frame)
+        except OSError:  # full (BlockingIOError) or broken
+            return DECLINED
+        if sent < len(frame):
+            self._rest = frame[sent:]
+            return PARTIAL
+        self._unyielded += 1
+        if self._unyielded >= _YIELD_EVERY:
+            # A relay whose upstream always has bytes ready never waits: let the others run.
+            self._unyielded = 0
+            return WRITTEN_YIELD
+        return WRITTEN
+
+    async def flush_chunk(self) -> None:
+        """The rest of a chunk the kernel took only in part, written the usual way (the send
+        lock, a shielded ``send_all``), which waits for the client."""
+        rest, self._rest = self._rest, b""
+        await self.protocol_send(RawData(data=rest))
 
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, RawData):

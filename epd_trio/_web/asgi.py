@@ -1,6 +1,6 @@
 """ASGI plumbing around the Quart app: per-request resource ownership and the keep-alive fix.
 
-Three problems live at this layer, below the routes:
+Four problems live at this layer, below the routes:
 
 1. **Who closes an open upstream stream?** The pipeline returns a reply whose body generator
    owns the decode stream; if the client disconnects before that body is iterated, the generator
@@ -23,6 +23,10 @@ Three problems live at this layer, below the routes:
    request whose send has been stuck for ``write_timeout`` seconds, which releases the upstream
    stream (vLLM aborts it). The client connection itself is cut by the kernel when the server
    socket has ``TCP_USER_TIMEOUT`` set, as ``epd-trio serve`` and the in-process server do.
+
+4. **A relayed token's cost.** Under ``epd-trio serve`` a body chunk is handed to the
+   connection's own writer (``direct_body``) instead of going down as an ASGI message; what the
+   writer declines goes down as before.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 
 from .._core.names import KIND_OF_PATH
+from .direct_body import PARTIAL, WRITTEN, WRITTEN_YIELD, chunk_writer
 from .endpoints import CompletionEndpoints
 
 ASGIApp = Any
@@ -85,10 +90,28 @@ class ProxyASGI:
             await self.app(scope, receive, send)
             return
 
+        writer = chunk_writer(scope)
+
         async def send_watched(message: ASGISendEvent) -> None:
             if message["type"] != "http.response.body":
                 await send(message)
                 return
+            if writer is not None and message.get("more_body", False):
+                # A relayed token, written by the connection itself (``direct_body``): no wait,
+                # so nothing to watch, unless the kernel took only part of it.
+                taken = writer.write_chunk(message.get("body", b""))
+                if taken == WRITTEN:
+                    return
+                if taken == WRITTEN_YIELD:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    return
+                if taken == PARTIAL:
+                    watch.since = trio.current_time()
+                    try:
+                        await writer.flush_chunk()
+                    finally:
+                        watch.since = math.inf
+                    return
             # Per send only the clock is read: registering once per request is cheaper than
             # once per relayed token.
             watch.since = trio.current_time()

@@ -442,7 +442,7 @@ def test_h11_internals_the_direct_chunk_write_relies_on() -> None:
     from h11._writers import ChunkedWriter
 
     assert _source_hash(ChunkedWriter.send_data) == "0fbc8fb565f7029f", (
-        "h11's ChunkedWriter.send_data changed: check ProxyTCPServer._send_chunk's framing")
+        "h11's ChunkedWriter.send_data changed: check ProxyTCPServer.write_chunk's framing")
     connection = h11.Connection(h11.SERVER)
     connection.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
     assert type(connection.next_event()) is h11.Request
@@ -556,3 +556,45 @@ async def test_direct_chunk_writes_still_yield_to_other_tasks() -> None:
     # at worst. With no yield it would be 0.
     ran = seen[-1] - seen[0]
     assert ran >= len(chunks) // _server._YIELD_EVERY - 2
+
+
+# -- the connection's own chunk writer (change 11, epd_trio/_web/direct_body.py) ------------------
+@pytest.mark.parametrize("wait_first", [False, True], ids=["reading", "not-reading-at-first"])
+async def test_proxy_asgi_relays_chunks_through_the_connection_writer(wait_first: bool) -> None:
+    """Behind ``ProxyASGI`` a relayed chunk is written by the connection, not sent down as an
+    ASGI message: the bytes are still h11's, and a chunk the kernel took only in part (the
+    client is not reading yet) is finished before the next one."""
+    from epd_trio._web.asgi import ProxyASGI
+
+    chunks = [b"data: 1\n\n", b"x" * 3_000_000, b"data: 3\n\n", b"y" * 70_000,
+              *(b"data: %d\n\n" % i for i in range(40))]
+    bodies_down_asgi = 0
+    stream_send = _server.ProxyTCPServer._stream_send
+
+    async def counting(self: Any, inner: Any, event: Any) -> None:
+        nonlocal bodies_down_asgi
+        bodies_down_asgi += type(event).__name__ == "Body"
+        await stream_send(self, inner, event)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_server.ProxyTCPServer, "_stream_send", counting)
+        async with trio.open_nursery() as nursery:
+            port, _ = await _serve_recording(ProxyASGI(_stream_app(chunks)), nursery)
+            answer = await _raw_answer(port, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n",
+                                       wait_first=wait_first)
+            nursery.cancel_scope.cancel()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    assert body == _h11_body(chunks)
+    assert bodies_down_asgi == 0
+
+
+async def test_the_writer_declines_an_http10_response_and_the_asgi_path_sends_it() -> None:
+    from epd_trio._web.asgi import ProxyASGI
+
+    chunks = [b"data: 1\n\n", b"data: 2\n\n"]
+    async with trio.open_nursery() as nursery:
+        port, _ = await _serve_recording(ProxyASGI(_stream_app(chunks)), nursery)
+        answer = await _raw_answer(port, b"GET / HTTP/1.0\r\n\r\n")
+        assert answer.partition(b"\r\n\r\n")[2] == b"".join(chunks)
+        nursery.cancel_scope.cancel()
