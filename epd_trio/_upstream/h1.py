@@ -84,6 +84,8 @@ class PoolTimeout(TimeoutException):
 #: What a socket raises when the connection is gone (resets, refusals, a closed descriptor).
 _GONE = (OSError,)
 _RECV_SIZE = 65536
+#: After a read that found nothing, one read in this many tries before waiting (``_Plain``).
+_PROBE_EVERY = 8
 _FORBIDDEN_IN_HEADERS = (b"\r", b"\n", b"\0")
 
 
@@ -199,29 +201,47 @@ class _Message:
 class _Plain:
     """A TCP socket read and written directly (non-blocking, trio's wait for readiness)."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("_misses", "sock")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        #: Reads in a row that found (or were expected to find) nothing at first.
+        self._misses = 0
 
     async def receive(self) -> bytes:
-        # Tried before waiting: under load the bytes are usually there already, and a wait
-        # would cost a trip through the epoll loop. Not a checkpoint when it returns data at
-        # once: a relay sends next (and a send always yields), a whole-body read ends with the
-        # body; either way no loop spins without yielding.
+        # Whether to try the read before waiting depends on the peer's pace. Under load the
+        # bytes are often there already, and a wait would cost a trip through the epoll loop;
+        # a stream slower than the proxy (a token every few ms) finds nothing, and the failed
+        # read (a syscall and an exception) is a tenth of what relaying a token costs. So after
+        # a read that found nothing the next ones wait first, and one in _PROBE_EVERY tries
+        # first again to notice when the bytes are there. A read that returns data at once is
+        # not a checkpoint: a relay sends next (and a send yields often enough), a whole-body
+        # read ends with the body; either way no loop spins without yielding.
         sock = self.sock
-        await trio.lowlevel.checkpoint_if_cancelled()
+        misses = self._misses
+        if misses and misses % _PROBE_EVERY:
+            self._misses = misses + 1
+            await self._wait_readable()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
         while True:
             try:
-                return sock.recv(_RECV_SIZE)
+                data = sock.recv(_RECV_SIZE)
             except BlockingIOError:
-                pass
+                self._misses += 1
             except _GONE as exc:
                 raise ReadError(str(exc) or type(exc).__name__) from exc
-            try:
-                await trio.lowlevel.wait_readable(sock)
-            except trio.ClosedResourceError as exc:  # closed by its owner meanwhile
-                raise ReadError("the connection was closed") from exc
+            else:
+                if self._misses == misses:  # found at the first try: keep trying first
+                    self._misses = 0
+                return data
+            await self._wait_readable()
+
+    async def _wait_readable(self) -> None:
+        try:
+            await trio.lowlevel.wait_readable(self.sock)
+        except trio.ClosedResourceError as exc:  # closed by its owner meanwhile
+            raise ReadError("the connection was closed") from exc
 
     async def send_all(self, data: bytes) -> None:
         sock = self.sock

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from epd_trio._upstream.h1 import (
     ConnectError,
@@ -259,3 +260,57 @@ async def test_https_instances_work_with_the_trust_store(
         await pool.aclose()
         nursery.cancel_scope.cancel()
     assert (len(server.requests), server.connections) == (2, 1)
+
+
+# -- when a read tries before it waits (``_Plain.receive``) ---------------------------------------
+class _CountingSocket(socket.socket):
+    """A socket that counts its ``recv`` calls and the ones that found nothing."""
+
+    calls = 0
+    empty = 0
+
+    def recv(self, size: int, *args: int) -> bytes:  # type: ignore[override]
+        self.calls += 1
+        try:
+            return super().recv(size, *args)
+        except BlockingIOError:
+            self.empty += 1
+            raise
+
+
+async def test_a_slow_peer_is_waited_for_before_reading_and_a_fast_one_is_read_at_once() -> None:
+    from epd_trio._upstream import h1
+
+    ours, theirs = socket.socketpair()
+    counting = _CountingSocket(fileno=ours.detach())
+    counting.setblocking(False)
+    plain = h1._Plain(counting)
+    with counting, theirs:
+        theirs.send(b"a")
+        assert await plain.receive() == b"a"  # there already: one read, no wait
+        assert (counting.calls, counting.empty) == (1, 0)
+
+        async def slow(data: bytes) -> bytes:
+            """Read ``data`` sent only once the reader is blocked (a peer slower than us)."""
+            async with trio.open_nursery() as nursery:
+                async def send_later() -> None:
+                    await trio.testing.wait_all_tasks_blocked()
+                    theirs.send(data)
+                nursery.start_soon(send_later)
+                return await plain.receive()
+
+        assert await slow(b"b") == b"b"  # tried first, found nothing, waited
+        assert (counting.calls, counting.empty) == (3, 1)
+        for n in range(h1._PROBE_EVERY - 1):  # from then on it waits first: no empty read
+            assert await slow(b"c%d" % n) == b"c%d" % n
+        assert counting.empty == 1
+        assert await slow(b"d") == b"d"  # one in _PROBE_EVERY tries first again
+        assert counting.empty == 2
+        for _ in range(h1._PROBE_EVERY - 1):
+            await slow(b"e")
+        theirs.send(b"f")  # the probe finds the bytes there: it reads at once again...
+        calls = counting.calls
+        assert await plain.receive() == b"f"
+        theirs.send(b"g")
+        assert await plain.receive() == b"g"  # ...and goes on reading first
+        assert (counting.calls - calls, counting.empty) == (2, 2)
