@@ -22,6 +22,9 @@ the same one. Measured per peer and round:
 Peers (``--peers``; the references are optional and skipped, with the reason, when absent):
 
 - ``epd_trio``: ``python -m epd_trio serve`` at its default settings.
+- ``hypercorn``: the same app under plain Hypercorn, as the design card runs it (``hypercorn
+  --worker-class trio epd_trio.app:app``, the instances in ``EPD_*_URLS``): Hypercorn's own
+  connection class, without ``epd-trio serve``'s (``hypercorn@DIR``: from another checkout).
 - ``vllm-router``: the Rust router from PyPI (``pip install vllm-router``, in a venv of its own),
   ``--vllm-pd-disaggregation --prefill URL --decode URL --policy round_robin``. It has no encoder
   stage: it is skipped in the ``epd`` layout.
@@ -102,7 +105,7 @@ AIOHTTP_FAKE = Path(__file__).with_name("aiohttp_fake.py")
 FAKES = ("lean", "aiohttp")
 #: Seconds between tokens in issue 33's independent measurement (``--lab``).
 LAB_TOKEN_INTERVAL = 0.005
-PEERS = ("epd_trio", "vllm-router", "vllm-epd-proxy", "direct")
+PEERS = ("epd_trio", "hypercorn", "vllm-router", "vllm-epd-proxy", "direct")
 DEFAULT_PEERS = "epd_trio,vllm-router,vllm-epd-proxy"
 #: Seconds a peer gets to answer its readiness probe after it was started.
 READY_TIMEOUT = 60.0
@@ -160,6 +163,18 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
                         cmd += [f"--{role}", *urls]
                 return cmd
             peers.append(Peer(name, epd_trio, "/ready", cwd=checkout, env=env))
+        elif name == "hypercorn" or name.startswith("hypercorn@"):
+            checkout = name.partition("@")[2] or None
+            if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
+                skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
+                continue
+
+            def plain(port: int) -> list[str]:
+                return [sys.executable, "-m", "hypercorn", "--worker-class", "trio",
+                        "--bind", f"127.0.0.1:{port}", "epd_trio.app:app"]
+            urls = {f"EPD_{role.upper()}_URLS": " ".join(u)
+                    for role, u in (("encode", e), ("prefill", p), ("decode", d)) if u}
+            peers.append(Peer(name, plain, "/ready", cwd=checkout, env=urls))
         elif name == "vllm-router":
             if e:
                 skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
@@ -608,7 +623,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     unknown = [x for x in args.peers if x not in PEERS
-               and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel"))]
+               and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel", "hypercorn@"))]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:

@@ -346,13 +346,15 @@ def test_references_are_skipped_with_a_reason(tmp_path: Path) -> None:
     assert "no encoder stage" in skipped[0]
 
 
-async def test_compare_runs_epd_trio_and_direct_side_by_side(tmp_path: Path) -> None:
+async def test_compare_runs_epd_trio_plain_hypercorn_and_direct_side_by_side(
+        tmp_path: Path) -> None:
     report_path = tmp_path / "compare.json"
     # Pinned to the CPUs this test may use anyway: the pinning, and its sets in the report.
     cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
     with trio.fail_after(120):
         result = await trio.run_process(
-            [sys.executable, "-m", "bench.compare", "--peers", "epd_trio,direct", "--stream",
+            [sys.executable, "-m", "bench.compare", "--peers", "epd_trio,hypercorn,direct",
+             "--stream",
              "--requests", "20", "--concurrency", "4", "--max-tokens", "5", "--rounds", "1",
              "--warmup", "4", "--quiet", "--json", str(report_path),
              "--proxy-cpus", cpus, "--rest-cpus", cpus],
@@ -364,8 +366,11 @@ async def test_compare_runs_epd_trio_and_direct_side_by_side(tmp_path: Path) -> 
     assert report["config"]["proxy_cpus"] == sorted(os.sched_getaffinity(0))
     (by_peer,) = report["rounds"]
     assert by_peer["epd_trio"]["ok"] == 20 and by_peer["direct"]["ok"] == 20
-    assert by_peer["epd_trio"]["proxy_cpu_us_per_token"] > 0
-    assert by_peer["epd_trio"]["events_per_request"] == 6  # the role chunk and 5 tokens
+    assert by_peer["hypercorn"]["ok"] == 20
+    for peer in ("epd_trio", "hypercorn"):
+        assert by_peer[peer]["proxy_cpu_us_per_token"] > 0
+        assert by_peer[peer]["events_per_request"] == 6
+    # (6 events: the role chunk and 5 tokens)
 
 
 # -- bench.policies: its workload, its ideal, and a tiny real run ---------------------------------

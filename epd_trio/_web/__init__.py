@@ -7,5 +7,6 @@ Rule: it may import ``_core``, ``_admission``, ``_observe`` and the owner and pi
     asgi         per-request resource ownership around Quart, the keep-alive fix, the hot-path split
     endpoints    the two completion routes as plain ASGI: method, keys, body, then the pipeline
     client_gone  how a request learns that its client left, without a task per request
+    direct_body  a relayed token written by the connection itself, not as an ASGI message
     drain        shutdown: new requests refused, those in flight given a grace period, then told
 """
