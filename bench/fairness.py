@@ -24,7 +24,16 @@ throughput; 1.0 is work-conserving: no place idle while a batch request waits).
 Modes: ``fair``: two tenants (``interactive`` at priority 0, ``batch`` at priority 1, both with
 a large ``requests_per_minute`` so that, with Redis, every admission runs the shared script);
 ``fifo``: no tenants, today's single cap and line (the reference). Requests are non-stream
-chat completions of ``--max-tokens`` tokens.
+chat completions: the interactive tenant's of ``--max-tokens`` tokens, the batch tenant's of
+``--batch-max-tokens`` (one count, or a range ``LOW-HIGH`` drawn uniformly per request).
+
+Why a range for the batch: the fake answers exactly ``max_tokens`` tokens, and its engine steps
+every stream at once, as vLLM's does. Batch requests of one length that started together then
+finish in the same step, and the proxy refills their places in the same instant, so the flood
+stays in lockstep: every place of a replica frees within a few ms once per service time, and an
+interactive request waits for that one moment, uniformly up to a whole service time, however
+many places there are. Real completions stop at their end-of-sequence token, at lengths that
+differ, which spreads the frees; ``5-15`` keeps the mean (10) and so the capacity.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
@@ -145,13 +155,16 @@ def _ms(seconds: float | None) -> float | None:
 async def phase(args: argparse.Namespace, urls: list[str], *, batch: bool,
                 interactive_rate: float | None) -> dict[str, dict[str, Any]]:
     """One phase: the batch flood (closed loop) and/or the interactive tenant (open loop)."""
-    body = {"model": "fake-model", "max_tokens": args.max_tokens,
-            "messages": [{"role": "user", "content": "a short question"}]}
+    messages = [{"role": "user", "content": "a short question"}]
+    lengths = random.Random(0)  # the same draws each run
+    low, high = args.batch_max_tokens
     tallies = {"batch": Tally(), "interactive": Tally()}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     end = trio.current_time() + args.duration
 
     async def one(client: httpx.AsyncClient, tenant: str, url: str) -> None:
+        tokens = args.max_tokens if tenant == "interactive" else lengths.randint(low, high)
+        body = {"model": "fake-model", "max_tokens": tokens, "messages": messages}
         started = trio.current_time()
         try:
             r = await client.post(url + CHAT, json=body,
@@ -290,6 +303,15 @@ def render_one(r: dict[str, Any]) -> str:
             f"batch got {share} of the remaining capacity")
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """``10`` -> (10, 10); ``5-15`` -> (5, 15)."""
+    low, _, high = text.partition("-")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: a count, or LOW-HIGH with 1 <= LOW <= HIGH")
+    return bounds
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.fairness", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -305,7 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the interactive tenant's rate, as a fraction of capacity")
     p.add_argument("--aging", type=float, default=0.5, help="EPD_PRIORITY_AGING")
     p.add_argument("--admission-timeout", type=float, default=30.0)
-    p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument("--max-tokens", type=int, default=10,
+                   help="the interactive tenant's completion length")
+    p.add_argument("--batch-max-tokens", type=token_range, default=(10, 10),
+                   metavar="N|LOW-HIGH",
+                   help="the batch tenant's completion length: one count, or a uniform range "
+                        "(see the module docstring for why a range)")
     p.add_argument("--token-interval", type=float, default=0.01)
     p.add_argument("--prefill-time", type=float, default=0.002)
     p.add_argument("--decodes", type=int, default=2)

@@ -93,7 +93,7 @@ async def test_fairness_flood_runs_its_three_phases_in_small(tmp_path: Path) -> 
         result = await trio.run_process(
             [sys.executable, "-m", "bench.fairness", "--duration", "1", "--replicas", "1",
              "--modes", "fair", "--capacity", "2", "--flood", "2", "--share", "0.5",
-             "--decodes", "1", "--json", str(report_path)],
+             "--decodes", "1", "--batch-max-tokens", "5-15", "--json", str(report_path)],
             capture_stdout=True, capture_stderr=True, check=False)
     out = result.stdout.decode()
     assert result.returncode == 0, out + result.stderr.decode()
@@ -105,6 +105,16 @@ async def test_fairness_flood_runs_its_three_phases_in_small(tmp_path: Path) -> 
     assert run["idle"]["ok"] and flood["interactive"]["ok"] and flood["batch"]["ok"], run
     assert run["interactive_refused"] == 0 and not flood["batch"]["refused"], run
     assert run["p99_ratio"] is not None and run["batch_share"] is not None
+
+
+def test_fairness_batch_lengths_are_one_count_or_a_range() -> None:
+    from bench.fairness import token_range
+
+    assert token_range("10") == (10, 10)
+    assert token_range("5-15") == (5, 15)
+    for bad in ("0", "15-5", "0-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            token_range(bad)
 
 
 def test_discovery_cost_measures_each_apply() -> None:

@@ -5,11 +5,17 @@ The rules, in order, each time a place frees (``pop``):
 1. **Bands.** A waiter is in its tenant's band (its priority: lower is served first).
 2. **Aging.** A band moves up one step (its priority number minus one) for every ``aging``
    seconds its oldest waiter has waited, but never above the best band waiting; bands at the
-   same step take turns, one place each. So a lower band is never starved: with ``aging``
-   0.5 s, a batch band at priority 1 beside an interactive band at 0 gets every other place
-   once its oldest has waited 0.5 s, and the interactive band still gets the others (it is
-   never put behind the whole batch queue, which strict promotion above it would do under a
-   flood deeper than ``aging`` seconds of service). ``aging`` 0 turns aging off (strict bands).
+   same step take turns, one place each: of those, the band that got a place least recently
+   goes first. So a lower band is never starved: with ``aging`` 0.5 s, a batch band at
+   priority 1 beside an interactive band at 0 gets every other place once its oldest has
+   waited 0.5 s, and the interactive band still gets the others (it is never put behind the
+   whole batch queue, which strict promotion above it would do under a flood deeper than
+   ``aging`` seconds of service). An interactive request that arrives while the batch band
+   has taken the last places goes first: the turn is owed to it. (A counter that ticked only
+   while bands were tied remembered the turn across such episodes: one interactive request
+   alone took two tied places, lost then won, so every later one waited for the second place
+   to free, not the first, which under a flood was most of its wait.) ``aging`` 0 turns aging
+   off (strict bands).
 3. **Turns inside a band.** Deficit round-robin: each tenant with waiters, in turn, is credited
    its ``weight`` and serves one waiter per whole credit, so over many turns tenants are served
    in proportion to their weights, and one tenant's thousand waiters do not starve another's
@@ -28,6 +34,9 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
+
+#: Bands whose last place ``FairQueue`` remembers beyond those waiting (a guard, see ``_served``).
+MAX_REMEMBERED_BANDS = 64
 
 
 @dataclass(slots=True, eq=False)
@@ -57,8 +66,14 @@ class FairQueue:
         self._aging = aging
         self._bands: dict[int, _Band] = {}
         self._waiting = 0
-        #: Whose turn it is among bands at the same step (aging).
-        self._turn = 0
+        #: Places given so far, and the count at the last place each band got: among bands at
+        #: the same step (aging), the one served least recently goes first. Kept after a band
+        #: empties, so a band that empties after every place it gets, its next request arriving
+        #: before the next place frees, still takes turns instead of going first every time.
+        self._given = 0
+        self._last_given: dict[int, int] = {}
+        #: The band of the last ``pop`` and its count before it (``requeue`` puts it back).
+        self._before_last: tuple[int, int | None] | None = None
 
     def __len__(self) -> int:
         """Waiters, the cancelled not yet dropped included."""
@@ -80,7 +95,13 @@ class FairQueue:
     def requeue(self, waiter: Waiter) -> None:
         """A waiter ``pop`` gave out that could not start after all (another process took
         its tenant's last place in between): back at the head of its tenant's line, with
-        the credit its turn spent."""
+        the credit its turn spent, and its band's turn among tied bands as before."""
+        undo, self._before_last = self._before_last, None
+        if undo is not None and undo[0] == waiter.priority:
+            if undo[1] is None:
+                self._last_given.pop(waiter.priority, None)
+            else:
+                self._last_given[waiter.priority] = undo[1]
         band = self._bands.get(waiter.priority)
         if band is None:
             band = self._bands[waiter.priority] = _Band()
@@ -105,8 +126,19 @@ class FairQueue:
         for priority in self._band_order(now):
             waiter = self._pop_band(priority, blocked)
             if waiter is not None:
+                self._served(priority)
                 return waiter
         return None
+
+    def _served(self, priority: int) -> None:
+        self._before_last = (priority, self._last_given.get(priority))
+        self._last_given[priority] = self._given
+        self._given += 1
+        if len(self._last_given) > MAX_REMEMBERED_BANDS:
+            # Bands come from the tenants' tables, so this holds a few; the bound is only a
+            # guard: a band forgotten while empty counts as never served when it returns.
+            self._last_given = {p: n for p, n in self._last_given.items()
+                                if p in self._bands or p == priority}
 
     def _band_order(self, now: float) -> list[int]:
         oldest = {priority: when for priority in list(self._bands)
@@ -121,10 +153,9 @@ class FairQueue:
         first = ranked[0][0]
         tied = [priority for step, priority in ranked if step == first]
         rest = [priority for step, priority in ranked if step != first]
-        if len(tied) > 1:  # bands at the same step take turns
-            turn = self._turn % len(tied)
-            self._turn += 1
-            tied = tied[turn:] + tied[:turn]
+        if len(tied) > 1:  # bands at the same step take turns: the least recently served first
+            last = self._last_given
+            tied.sort(key=lambda priority: (last.get(priority, -1), priority))
         return tied + rest
 
     def _oldest(self, priority: int) -> float | None:

@@ -174,3 +174,39 @@ async def test_both_per_minute_limits_are_taken_together_or_not_at_all() -> None
             with pytest.raises(RateLimited, match="tokens_per_minute"):
                 await (await admission.enter(both, resources)).admitted(small)
         assert admission.bucket("both", "requests_per_minute", 2).level == 1
+
+
+async def test_under_an_aged_flood_each_interactive_request_takes_the_next_freed_place() -> None:
+    """The batch band has waited past the aging time (tied with interactive): each lone
+    interactive request still gets the first place to free, not the second."""
+    now = [0.0]
+    admission = gate(max_inflight=2, aging=0.5, now=now)
+    admitted: list[tuple[str, trio.Event]] = []
+
+    async def request(name: str) -> None:
+        async with AsyncExitStack() as resources:
+            await admission.enter(tenant(admission, name), resources)
+            done = trio.Event()
+            admitted.append((name, done))
+            await done.wait()
+
+    async def finish_one() -> str:
+        """The oldest request in flight ends; who took its place."""
+        running = [entry for entry in admitted if not entry[1].is_set()]
+        before = len(admitted)
+        running[0][1].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(admitted) == before + 1
+        return admitted[-1][0]
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(12):
+            nursery.start_soon(request, "batch")
+        await trio.testing.wait_all_tasks_blocked()
+        now[0] = 1.0  # batch's oldest waiter has aged two steps: level with band 0
+        for _ in range(3):
+            nursery.start_soon(request, "interactive")
+            await trio.testing.wait_all_tasks_blocked()
+            assert await finish_one() == "interactive"
+            assert [await finish_one() for _ in range(2)] == ["batch", "batch"]
+        nursery.cancel_scope.cancel()

@@ -63,10 +63,45 @@ def test_an_aged_band_takes_turns_with_the_best_one_never_overtakes_it() -> None
         q.push(waiter("interactive", priority=0, at=0.9))
     # At 0.9 s batch is one step up (1): still behind band 0.
     assert served(q, 1, now=0.9) == ["interactive"]
-    # At 1.0 s it is two steps up: level with band 0 (never above it), and they take turns.
-    assert served(q, 6, now=1.0) == ["interactive", "batch", "interactive", "batch",
-                                     "interactive", "batch"]
+    # At 1.0 s it is two steps up: level with band 0 (never above it), and they take turns,
+    # batch first: interactive had the last place.
+    assert served(q, 6, now=1.0) == ["batch", "interactive", "batch", "interactive",
+                                     "batch", "interactive"]
     assert served(q, 2, now=1.0) == ["batch", "-"]
+
+
+def test_a_band_that_comes_back_after_the_aged_band_took_the_last_places_goes_first() -> None:
+    q = FairQueue(aging=0.5)
+    for _ in range(20):
+        q.push(waiter("batch", priority=1, at=0.0))
+    for _ in range(3):  # one interactive request at a time, as a steady trickle sends them
+        q.push(waiter("interactive", priority=0, at=1.0))
+        assert served(q, 1, now=1.0) == ["interactive"]
+        assert served(q, 3, now=1.0) == ["batch"] * 3
+
+
+def test_a_band_that_empties_after_each_place_still_takes_turns() -> None:
+    q = FairQueue(aging=0.5)
+    for _ in range(20):
+        q.push(waiter("batch", priority=1, at=0.0))
+    order = []
+    for _ in range(6):  # a new interactive request always waiting when a place frees
+        if ("interactive", 0) not in q.depth():
+            q.push(waiter("interactive", priority=0, at=1.0))
+        order += served(q, 1, now=1.0)
+    assert order == ["interactive", "batch"] * 3
+
+
+def test_a_requeued_waiter_keeps_its_bands_turn() -> None:
+    q = FairQueue(aging=0.5)
+    for _ in range(5):
+        q.push(waiter("batch", priority=1, at=0.0))
+    assert served(q, 1, now=1.0) == ["batch"]
+    q.push(waiter("interactive", priority=0, at=1.0))
+    given = q.pop(1.0)
+    assert given is not None and given.tenant == "interactive"
+    q.requeue(given)  # it could not start: its band has still not had a place since batch's
+    assert served(q, 2, now=1.0) == ["interactive", "batch"]
 
 
 def test_without_aging_a_lower_band_waits_for_ever() -> None:
