@@ -101,9 +101,7 @@ def decisions(args: argparse.Namespace) -> dict[str, object]:
         begin = clock()
         held = index.match(keys, 1.0)
         matched = clock()
-        index.note_head(keys[0])  # as KvRouting.lookup: the head, and on a miss the shared
-        shared = None if held else index.shared_heads()
-        chosen = policy.choose(slots, loads, CachedPrefix(len(tokens), held, shared))
+        chosen = policy.choose(slots, loads, CachedPrefix(len(tokens), held))
         end = clock()
         cpu_timings.append((cpu_clock() - cpu_begin) / 1000)
         timings.append((end - begin) / 1000)

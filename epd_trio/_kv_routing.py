@@ -184,13 +184,9 @@ class KvRouting:
         salt = body.get("cache_salt")
         keys = prompt.keys(self.events.index.block_size,
                            cache_salt=salt if isinstance(salt, str) else None)
-        index = self.events.index
         held = self.events.match(keys)
-        if keys:
-            index.note_head(keys[0])
-        shared = None if held else index.shared_heads()
         self._metrics.looked_up(time.perf_counter() - started)
-        return KvLookup(CachedPrefix(len(prompt.token_ids), held, shared), keys)
+        return KvLookup(CachedPrefix(len(prompt.token_ids), held), keys)
 
     async def _render(self, path: str, body: dict[str, Any], request_id: str,
                       account: Decisions) -> Any:

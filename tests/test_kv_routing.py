@@ -111,27 +111,6 @@ async def test_a_prefix_loaded_on_one_prefill_directly_attracts_its_requests(
         assert slots[p1.url]["blocks"] >= 10 and slots[p1.url]["events"] >= 1
 
 
-async def test_a_prompt_no_slot_holds_goes_where_fewer_shared_prefixes_are(
-    nursery: trio.Nursery, client: httpx.AsyncClient,
-) -> None:
-    (p0, u0), (p1, u1), (_, ud) = [await kv_fake(nursery, role)
-                                   for role in ("prefill", "prefill", "decode")]
-    async with proxy_over([u0, u1], [ud], prefill_policy="precise_cache_aware") as (url, proxy):
-        await all_exact(proxy, 3)
-        for i in range(2):  # the same prefix twice: a shared one, on the slot it went to
-            r = await client.post(f"{url}/v1/chat/completions", json=chat(SHARED + f" q{i}"))
-            assert r.status_code == 200, r.text
-            holder = p0 if legs(p0) else p1
-            await until_held(proxy, holder.url, 40)
-        other = p1 if holder is p0 else p0
-        assert (len(legs(holder)), len(legs(other))) == (2, 0)
-        for i in range(4):  # new prompts, one at a time: not in rotation order, all elsewhere
-            r = await client.post(f"{url}/v1/chat/completions",
-                                  json=chat(f"new{i} " + SHARED))
-            assert r.status_code == 200, r.text
-        assert (len(legs(holder)), len(legs(other))) == (2, 4)
-
-
 async def test_a_failed_render_routes_by_load_and_the_request_still_succeeds(
     nursery: trio.Nursery, client: httpx.AsyncClient,
 ) -> None:

@@ -28,8 +28,6 @@ list, never the policy's arithmetic.
   exact holds nothing there). The slot holding the longest prefix wins, unless overloaded by
   the same ``Balance`` rule as ``cache_aware``; a miss goes to ``least_loaded``. Without a
   ``CachedPrefix`` (no tokens: the render call failed or was too slow) it is ``cache_aware``.
-  A prompt no slot holds goes to the slot holding the fewest shared prefixes
-  (``least_shared``), within the same ``Balance``, else to ``least_loaded``.
 
 No I/O and no trio here; randomness comes from a ``random.Random`` the caller owns.
 """
@@ -198,9 +196,6 @@ class CachedPrefix:
 
     prompt_tokens: int
     held: Mapping[SlotKey, int]
-    #: Per exact slot, the shared prefixes' heads it holds (``KvIndex.shared_heads``): given
-    #: when no slot holds the prompt, for ``least_shared``; None otherwise.
-    shared: Mapping[SlotKey, int] | None = None
 
     def uncached(self, slot: SlotKey) -> int:
         """The prompt's tokens ``slot`` would have to compute (the prefill bypass reads it)."""
@@ -219,31 +214,6 @@ def longest_held(keys: Sequence[SlotKey], loads: Sequence[int], cached: CachedPr
         if tokens > best_tokens or (tokens == best_tokens and tokens
                                     and loads[index] < loads[best]):
             best, best_tokens = index, tokens
-    if best < 0 or balance.overloaded(loads[best], min(loads)):
-        return -1
-    return best
-
-
-def least_shared(keys: Sequence[SlotKey], loads: Sequence[int], shared: Mapping[SlotKey, int],
-                 balance: Balance) -> int:
-    """Where a prompt that no slot holds goes: the candidate holding the fewest shared
-    prefixes (the least loaded among equals, then rotation order), or -1 when none is known
-    (no exact slot) or that one is overloaded against the least loaded candidate.
-
-    Why: the engines evict least recently used blocks, so where a prompt nobody holds lands
-    decides which reused prefixes it pushes out. On the slot carrying the fewest it pushes out
-    the least, and the slots carrying more keep theirs; prompts seen once gather there, within
-    ``balance``. The price is a less even prefill load (docs/how-to/kv-routing.md has the
-    figures: hit rate up, TTFT p99 up in short runs). A head is a prompt's first block: where
-    a chat template gives every prompt the same first block, no prompt is a miss and this
-    never applies."""
-    best, fewest = -1, 0
-    for index, key in enumerate(keys):
-        count = shared.get(key)
-        if count is None:
-            continue
-        if best < 0 or count < fewest or (count == fewest and loads[index] < loads[best]):
-            best, fewest = index, count
     if best < 0 or balance.overloaded(loads[best], min(loads)):
         return -1
     return best
@@ -436,8 +406,6 @@ class StagePolicy:
             chosen = power_of_two(loads, self.rng)
         elif name == "precise_cache_aware" and isinstance(hint, CachedPrefix):
             chosen = longest_held(keys, loads, hint, self.balance)
-            if chosen < 0 and not hint.held and hint.shared:
-                chosen = least_shared(keys, loads, hint.shared, self.balance)
             if chosen < 0:
                 chosen = least_loaded(loads, sizes)
         else:  # cache_aware, and precise_cache_aware without the engines' word (no tokens)

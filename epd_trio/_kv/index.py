@@ -40,11 +40,6 @@ only the hit):
   follows the first request before the engine reports the blocks. A real BlockStored of the key
   replaces it; expiry, ``lost``, ``fresh``, AllBlocksCleared and dropping the slot remove it.
 
-- Shared heads: ``note_head`` is told each request's first key; a head seen in two requests or
-  more (among the last ``max_heads`` heads) is a shared prefix's, and ``shared_heads`` counts,
-  per exact slot, those it holds. Where no slot holds a prompt at all, that count says which
-  slot already carries the most reused prefixes (see ``policies.least_shared``).
-
 Not thread-safe, no I/O: the caller (the subscriber shell, on the trio loop) passes ``now``.
 """
 
@@ -65,8 +60,6 @@ DEFAULT_BLOCK_SIZE = 32
 DEFAULT_MAX_BLOCKS_PER_SLOT = 262_144
 DEFAULT_REBUILD_WINDOW = 30.0
 DEFAULT_SPECULATION_TTL = 2.0
-#: Request heads (first keys) remembered to tell a shared prefix from a prompt seen once.
-DEFAULT_MAX_HEADS = 65_536
 DEFAULT_MEDIA = frozenset({"GPU", None})
 _MAX_MEMO_MASKS = 4096
 
@@ -113,10 +106,9 @@ class KvIndex:
                  max_blocks_per_slot: int = DEFAULT_MAX_BLOCKS_PER_SLOT,
                  rebuild_window: float = DEFAULT_REBUILD_WINDOW,
                  speculation_ttl: float = DEFAULT_SPECULATION_TTL,
-                 media: Iterable[str | None] = DEFAULT_MEDIA, group_idx: int = 0,
-                 max_heads: int = DEFAULT_MAX_HEADS) -> None:
-        if block_size <= 0 or max_blocks_per_slot <= 0 or max_heads <= 0:
-            raise ValueError("block_size, max_blocks_per_slot and max_heads must be positive")
+                 media: Iterable[str | None] = DEFAULT_MEDIA, group_idx: int = 0) -> None:
+        if block_size <= 0 or max_blocks_per_slot <= 0:
+            raise ValueError("block_size and max_blocks_per_slot must be positive")
         self.block_size = block_size
         self.max_blocks_per_slot = max_blocks_per_slot
         self.rebuild_window = rebuild_window
@@ -132,10 +124,6 @@ class KvIndex:
         self._exact = 0                          # bitmask of the exact slots
         self._next_promotion = float("inf")
         self._slots_of_mask: dict[int, tuple[Slot, ...]] = {}
-        self.max_heads = max_heads
-        self._heads: OrderedDict[int, None] = OrderedDict()  # request heads seen, LRU
-        self._shared: set[int] = set()            # those seen in two requests or more
-        self._shared_held: dict[int, int] = {}    # slot bit -> shared heads it holds
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -229,18 +217,13 @@ class KvIndex:
             return
         held = self._held
         bit = 1 << state.bit
-        shared = self._shared
         for block_hash, key in zip(hashes, chain_keys(parent_key, event.token_ids, size,
                                                       event.extra_keys), strict=True):
             old = blocks.pop(block_hash, None)
             if old is not None and old != key:
                 self._unhold(old, bit)
             blocks[block_hash] = key
-            mask = held.get(key, 0)
-            if not mask & bit:
-                held[key] = mask | bit
-                if key in shared:
-                    self._shared_held[bit] = self._shared_held.get(bit, 0) + 1
+            held[key] = held.get(key, 0) | bit
             if state.speculative and state.speculative.pop(key, None) is not None:
                 self._unspeculate(key, bit)
         state.stats.stored += len(hashes)
@@ -264,10 +247,7 @@ class KvIndex:
                 state.stats.removed += 1
 
     def _unhold(self, key: int, bit: int) -> None:
-        held = self._held.get(key, 0)
-        if held & bit and key in self._shared:
-            self._shared_held[bit] -= 1
-        mask = held & ~bit
+        mask = self._held.get(key, 0) & ~bit
         if mask:
             self._held[key] = mask
         else:
@@ -349,37 +329,6 @@ class KvIndex:
             rest ^= low
         self._slots_of_mask[bits] = found = tuple(slots)
         return found
-
-    def note_head(self, key: int) -> None:
-        """A request starts with ``key``: the second time (while remembered), it becomes a
-        shared head, and each slot holding it counts it."""
-        heads = self._heads
-        if key in heads:
-            heads.move_to_end(key)
-            if key not in self._shared:
-                self._shared.add(key)
-                self._count_shared(key, 1)
-            return
-        heads[key] = None
-        if len(heads) > self.max_heads:
-            gone, _ = heads.popitem(last=False)
-            if gone in self._shared:
-                self._count_shared(gone, -1)
-                self._shared.discard(gone)
-
-    def _count_shared(self, key: int, step: int) -> None:
-        rest = self._held.get(key, 0)
-        counts = self._shared_held
-        while rest:
-            low = rest & -rest
-            counts[low] = counts.get(low, 0) + step
-            rest ^= low
-
-    def shared_heads(self) -> dict[Slot, int]:
-        """Per exact slot, the shared heads it holds (by events; 0 included)."""
-        counts = self._shared_held
-        return {state.slot: counts.get(1 << state.bit, 0) for state in self._slots.values()
-                if self._exact >> state.bit & 1}
 
     def speculate(self, slot: Slot, keys: Sequence[int], now: float) -> None:
         """The request with these keys was routed to ``slot``: count them held there until a

@@ -22,7 +22,6 @@ from epd_trio._core.policies import (
     SlotKey,
     StagePolicy,
     least_loaded,
-    least_shared,
     longest_held,
     power_of_two,
     prefix_hint,
@@ -421,33 +420,6 @@ def test_longest_held_prefers_the_longest_prefix_within_the_balance(
 ) -> None:
     cached = CachedPrefix(prompt_tokens=128, held=held)
     assert longest_held([A, B, C], loads, cached, Balance(8, 1.5)) == expected
-
-
-@pytest.mark.parametrize(
-    "shared, loads, expected",
-    [
-        ({A: 2, B: 0, C: 1}, [0, 1, 0], 1),      # the fewest shared prefixes, before load
-        ({A: 1, B: 1, C: 1}, [2, 1, 1], 1),      # equal: the less loaded, then rotation order
-        ({A: 3, C: 2}, [0, 0, 0], 2),            # a slot not exact (absent) is not chosen
-        ({}, [0, 0, 0], -1),                     # no exact slot: nothing known
-        ({A: 0, B: 5}, [20, 0, 4], -1),          # overloaded (by > 8 and > 1.5x): gives way
-        ({A: 0, B: 5}, [8, 0, 4], 0),            # within the absolute margin: kept
-    ],
-)
-def test_least_shared_sends_a_prompt_nobody_holds_where_fewest_shared_prefixes_are(
-    shared: dict, loads: list[int], expected: int
-) -> None:
-    assert least_shared([A, B, C], loads, shared, Balance(8, 1.5)) == expected
-
-
-def test_precise_cache_aware_places_a_miss_by_shared_prefixes_only_when_nobody_holds_it() -> None:
-    policy = StagePolicy("precise_cache_aware")
-    shared = {A: 0, B: 2, C: 1}
-    assert policy.choose([A, B, C], [1, 0, 0], CachedPrefix(128, {}, shared)) == 0
-    # held somewhere but overloaded there: the least loaded, not the fewest shared
-    assert policy.choose([A, B, C], [0, 20, 4], CachedPrefix(128, {B: 96}, shared)) == 0
-    assert policy.choose([A, B, C], [1, 20, 0], CachedPrefix(128, {B: 96}, shared)) == 2
-    assert policy.choose([A, B, C], [2, 0, 1], CachedPrefix(128, {}, {})) == 1
 
 
 def test_precise_cache_aware_routes_on_what_the_engines_hold_else_like_cache_aware() -> None:

@@ -249,49 +249,8 @@ def test_dropping_a_slot_forgets_it_and_frees_its_bit() -> None:
     assert A not in index.slots()
 
 
-def test_a_head_seen_twice_counts_as_shared_on_the_exact_slots_holding_it() -> None:
-    index = index_with(A, B, C)
-    shared, once = prompt(3, seed=1), prompt(3, seed=2)
-    index.apply(A, [stored(shared, 100)])
-    index.apply(B, [stored(once, 200)])
-    head = keys(shared)[0]
-    index.note_head(head)
-    index.note_head(keys(once)[0])
-    assert index.shared_heads() == {A: 0, B: 0, C: 0}                 # each seen once
-    index.note_head(head)
-    assert index.shared_heads() == {A: 1, B: 0, C: 0}
-    index.note_head(head)                                              # a third time: still one
-    index.apply(C, [stored(shared, 300)])                              # stored after: counted
-    index.apply(C, [stored(shared, 300)])                              # again: held once
-    assert index.shared_heads() == {A: 1, B: 0, C: 1}
-    index.apply(A, [BlockRemoved((100,), "GPU")])
-    index.apply(C, [AllBlocksCleared()])
-    assert index.shared_heads() == {A: 0, B: 0, C: 0}
-    index.apply(B, [stored(shared, 400)])
-    index.lost(B, 0)                                                   # not exact: not listed
-    assert index.shared_heads() == {A: 0, C: 0}
-
-
-def test_shared_heads_are_bounded_oldest_first_and_forget_a_dropped_slot() -> None:
-    index = index_with(A, B, max_heads=2)
-    first, second, third = prompt(2, seed=1), prompt(2, seed=2), prompt(2, seed=3)
-    for tokens, slot, first_hash in ((first, A, 100), (second, B, 200), (third, A, 300)):
-        index.apply(slot, [stored(tokens, first_hash)])
-        index.note_head(keys(tokens)[0])
-        index.note_head(keys(tokens)[0])
-    assert index.shared_heads() == {A: 1, B: 1}                        # first's head forgotten
-    index.note_head(keys(first)[0])                                    # once more: new again
-    assert index.shared_heads() == {A: 1, B: 0}                        # ... and second's gone
-    index.drop_slot(A)
-    index.add_slot(C)
-    index.fresh(C, 0)                                                  # C takes A's bit
-    assert index.shared_heads() == {B: 0, C: 0}
-
-
 def test_options_are_checked() -> None:
     with pytest.raises(ValueError, match="positive"):
         KvIndex(block_size=0)
     with pytest.raises(ValueError, match="positive"):
         KvIndex(max_blocks_per_slot=0)
-    with pytest.raises(ValueError, match="positive"):
-        KvIndex(max_heads=0)
