@@ -19,9 +19,11 @@ prompt), the rest unique; a share of requests with one image from a small pool.
 Reported per policy set and request class: p50/p99 time to first byte and end-to-end latency,
 throughput (tokens/s), the prefill prefix-cache hit rate (from the engines' ``/metrics``) against
 the ideal (one cache large enough for everything: every repeated block hits), the encoder cache
-hit rate, and the load spread (most requests on one slot over the mean, per stage). Then the cost
-of one policy decision on the pipeline's own path, measured in this process
-(``--decision-rounds``; ``--decisions-only`` runs just that).
+hit rate, and the load spread (most requests on one slot over the mean, per stage). Beside the
+ideal, two upper bounds for what it does not model: the ranks' caches bounded
+(``bounded_ideal_hit_rate``) and, with direct traffic, the direct requests' slots given
+(``placed_ideal_hit_rate``). Then the cost of one policy decision on the pipeline's own path,
+measured in this process (``--decision-rounds``; ``--decisions-only`` runs just that).
 
 precise_cache_aware routes on the engines' own KV cache events: every prefill and decode fake
 renders prompts (``render=True``) and publishes its cache's events on vLLM's ZMQ wire (a
@@ -50,6 +52,7 @@ from collections import OrderedDict
 from collections.abc import Container, Sequence
 from contextlib import AsyncExitStack, ExitStack
 from dataclasses import dataclass, field, fields, replace
+from itertools import pairwise
 from typing import Any
 
 import orjson
@@ -240,6 +243,79 @@ def pooled_hit_rate(jobs: Sequence[Job], blocks: int, block_tokens: int = 16) ->
         while len(cache) > blocks:
             cache.popitem(last=False)
     return hits / total if total else 0.0
+
+
+def _presentations(jobs: Sequence[Job],
+                   block_tokens: int) -> dict[int, list[tuple[int, bool]]]:
+    """Per block, each job that carries it, in order: (job index, whether a hit there would
+    count, i.e. the block lies within the job's lookup limit: vLLM computes the last prompt
+    token, so a prompt of whole blocks never hits its last one)."""
+    shown: dict[int, list[tuple[int, bool]]] = {}
+    for t, job in enumerate(jobs):
+        limit = min(len(job.prefill_blocks), max(job.prompt_tokens - 1, 0) // block_tokens)
+        for i, block in enumerate(dict.fromkeys(job.prefill_blocks)):
+            shown.setdefault(block, []).append((t, i < limit))
+    return shown
+
+
+def bounded_ideal_hit_rate(jobs: Sequence[Job], blocks: int, block_tokens: int = 16) -> float:
+    """An upper bound on the hit rate any routing reaches when the prefill ranks hold
+    ``blocks`` blocks between them (their caches' total), on this sequence in arrival order.
+
+    Why it bounds every router: a hit of block x on a rank at job b needs x on that rank since
+    the job before b that carried x (x can only have entered a rank when a job carried it), so
+    x is in the union of the ranks' caches over that interval, and the union never holds more
+    than ``blocks``. Relaxing further (a job's blocks need not share a rank, a block need not be
+    stored, a hit need not have its leading blocks: the hits are counted block by block), the
+    best schedule is the largest set of such intervals, one per hit, never more than ``blocks``
+    deep at once: for equal weights the greedy by earliest end (keep an interval if the depth
+    allows) finds it (Yannakakis and Gavril, 1987), which is Belady's MIN with bypass.
+
+    Arrival order: the engines admit in their own order, which can let a run pass the bound by
+    a point or two, as it passes the unbounded ideal."""
+    intervals = []
+    for shown in _presentations(jobs, block_tokens).values():
+        for (a, _), (b, counted) in pairwise(shown):
+            if counted:  # held from job a through job b - 1, a hit at b
+                intervals.append((b, a))
+    intervals.sort()
+    depth = [0] * len(jobs)
+    hits = 0
+    for b, a in intervals:
+        if max(depth[a:b]) < blocks:
+            for t in range(a, b):
+                depth[t] += 1
+            hits += 1
+    total = sum(job.prompt_tokens for job in jobs)
+    return hits * block_tokens / total if total else 0.0
+
+
+def placed_ideal_hit_rate(jobs: Sequence[Job], slots: int, block_tokens: int = 16) -> float:
+    """An upper bound on the hit rate over all requests when the direct ones stay where their
+    sender put them (``Job.direct``) and only the proxied ones are routed, caches unbounded.
+
+    Each block alone: a job finds it on its slot only if an earlier job carrying it went
+    there; a dynamic programme over the set of slots holding the block (2^``slots`` states)
+    chooses the proxied jobs' slots best for that block, knowing the future. Each block
+    choosing its own slots relaxes "a job goes to one slot", and the sum of the blocks' bests
+    bounds what any routing of whole jobs reaches."""
+    hits = 0
+    for shown in _presentations(jobs, block_tokens).values():
+        best: dict[int, int] = {0: 0}  # slots holding the block -> most hits so far
+        for t, counted in shown:
+            direct = jobs[t].direct
+            choices = range(slots) if direct is None else (direct,)
+            after: dict[int, int] = {}
+            for mask, got in best.items():
+                for slot in choices:
+                    bit = 1 << slot
+                    value = got + (counted and bool(mask & bit))
+                    if after.get(mask | bit, -1) < value:
+                        after[mask | bit] = value
+            best = after
+        hits += max(best.values())
+    total = sum(job.prompt_tokens for job in jobs)
+    return hits * block_tokens / total if total else 0.0
 
 
 def capacity(args: argparse.Namespace, config: EngineConfig) -> float:
@@ -758,13 +834,22 @@ def main(argv: list[str] | None = None) -> int:
                 if args.cache_share is not None else args.cache_blocks)
     pooled_blocks = per_rank * args.prefills * args.prefill_dp
     pooled = pooled_hit_rate(jobs, pooled_blocks)
+    bounded = bounded_ideal_hit_rate(jobs, pooled_blocks)
     print(f"the prefill ranks' caches pooled as one LRU of {pooled_blocks} blocks would hit "
-          f"{100 * pooled:.0f} % (a reference for bounded caches, not a bound)")
+          f"{100 * pooled:.0f} % (a reference for bounded caches, not a bound); no routing "
+          f"can pass {100 * bounded:.0f} % with {pooled_blocks} blocks in all (Belady's MIN "
+          f"on them pooled; the unbounded ideal is {100 * ideal:.0f} %)")
+    placed = (placed_ideal_hit_rate(jobs, args.prefills * args.prefill_dp)
+              if proxied_ideal is not None else None)
+    if placed is not None:
+        print(f"with the direct requests where they went and the proxied ones routed at best, "
+              f"caches unbounded: at most {100 * placed:.0f} % over all requests")
     print(f"estimated capacity {config_rate:.1f} requests/s; this process used {cpu:.0f} s of "
           "CPU (client, proxy and fakes share one event loop)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "ideal_hit_rate": ideal, "pooled_lru_hit_rate": pooled,
+                       "bounded_ideal_hit_rate": bounded, "placed_ideal_hit_rate": placed,
                        "proxied_ideal_hit_rate": proxied_ideal, "decisions_us": decisions}, f,
                       indent=1)
     if args.plot:

@@ -420,6 +420,109 @@ def test_the_pooled_reference_is_the_ideal_when_everything_fits_and_lru_when_not
     assert ideal_hit_rate(jobs) == pytest.approx(64 / 195)
 
 
+def _best_pooled(jobs: list, blocks: int, *, prefix: bool) -> int:
+    """Hit tokens of the best schedule of one cache of ``blocks`` blocks, by trying every
+    content after every job (any subset of what it held and what the job carried): hits
+    counted per block, or (``prefix``) only the leading ones, as vLLM does."""
+    from itertools import combinations
+
+    best = {frozenset(): 0}
+    for job in jobs:
+        limit = min(len(job.prefill_blocks), (job.prompt_tokens - 1) // 16)
+        after: dict[frozenset, int] = {}
+        for held, got in best.items():
+            counted = job.prefill_blocks[:limit]
+            if prefix:
+                hit = next((i for i, b in enumerate(counted) if b not in held), len(counted))
+            else:
+                hit = sum(b in held for b in counted)
+            pool = sorted(held | set(job.prefill_blocks))
+            for size in range(min(blocks, len(pool)) + 1):
+                for kept in combinations(pool, size):
+                    state = frozenset(kept)
+                    after[state] = max(after.get(state, -1), got + 16 * hit)
+        best = after
+    return max(best.values())
+
+
+def _lru_ranks(jobs: list, places: tuple[int, ...], ranks: int, per_rank: int) -> int:
+    """Hit tokens of ``jobs`` sent to ``places`` over LRU ranks of ``per_rank`` blocks, as
+    the simulated engine keeps them."""
+    from epd_trio.testing.prefix_cache import PrefixCache
+
+    caches = [PrefixCache(block_size=16, capacity=per_rank) for _ in range(ranks)]
+    for job, rank in zip(jobs, places, strict=True):
+        caches[rank].admit(job.prefill_blocks, job.prompt_tokens, hit_limit=job.prompt_tokens - 1)
+    return sum(cache.hits for cache in caches)
+
+
+def test_the_bounded_ideal_keeps_what_will_be_needed_soonest() -> None:
+    from bench.policies import Job, bounded_ideal_hit_rate, ideal_hit_rate, pooled_hit_rate
+    # Two blocks in all. Block 1 is needed again by job 2, block 3 by job 3; block 2 never
+    # counts (job 2 has 32 tokens: vLLM computes its last token, so its last block cannot hit).
+    # Keeping 1 then 3 hits twice; LRU keeps 2 and 3 after job 1 and then 1 and 2: no hit.
+    jobs = [Job(0.0, False, b"", chain, 4, tokens) for chain, tokens in (
+        ((1, 2), 33), ((3,), 17), ((1, 2), 32), ((3,), 17))]
+    assert bounded_ideal_hit_rate(jobs, 2) == pytest.approx(32 / 99) == ideal_hit_rate(jobs)
+    assert pooled_hit_rate(jobs, 2) == 0
+    # One block: block 1 from job 0 to job 2 and block 3 from job 1 to job 3 overlap at job 1.
+    assert bounded_ideal_hit_rate(jobs, 1) == pytest.approx(16 / 99)
+    assert bounded_ideal_hit_rate(jobs, 0) == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_bounded_ideal_is_the_best_schedule_and_no_routing_over_lru_ranks_passes_it(
+    seed: int,
+) -> None:
+    """Against exhaustive search on small sequences drawn from a tiny prefix tree: equal to the
+    best schedule counting hits block by block, at least the best counting leading blocks, and
+    at least every placement of the jobs over two LRU ranks sharing the blocks."""
+    import itertools
+    import random
+
+    from bench.policies import Job, bounded_ideal_hit_rate
+    rng = random.Random(seed)
+    paths = [(1, 2, 3), (1, 2, 4), (1, 5), (6, 7), (8,)]
+    jobs = []
+    for _ in range(6):
+        chain = rng.choice(paths)[:rng.randint(1, 3)]
+        jobs.append(Job(0.0, False, b"", chain, 4, 16 * len(chain) + rng.choice((0, 1))))
+    total = sum(job.prompt_tokens for job in jobs)
+    for blocks in (1, 2, 3, 4):
+        bound = bounded_ideal_hit_rate(jobs, blocks) * total
+        assert bound == pytest.approx(_best_pooled(jobs, blocks, prefix=False))
+        assert bound >= _best_pooled(jobs, blocks, prefix=True)
+    # Ranks of 3 blocks, as large as the longest prompt (as in the bench: a rank's cache keeps
+    # a larger prompt's blocks whole, past its capacity).
+    bound = bounded_ideal_hit_rate(jobs, 6) * total
+    assert bound >= max(_lru_ranks(jobs, places, 2, 3)
+                        for places in itertools.product((0, 1), repeat=len(jobs)))
+
+
+def test_the_placed_ideal_routes_the_proxied_requests_for_the_direct_ones() -> None:
+    import itertools
+
+    from bench.policies import Job, ideal_hit_rate, placed_ideal_hit_rate
+
+    def job(chain: tuple[int, ...], direct: int | None) -> Job:
+        return Job(0.0, False, b"", chain, 4, 16 * len(chain) + 1, direct=direct)
+
+    # A proxied prompt, then the same prompt sent directly to slot 1 and to slot 0: the proxied
+    # one can warm only one of them. One cache over everything would have had both hit.
+    jobs = [job((1,), None), job((1,), 1), job((1,), 0)]
+    assert placed_ideal_hit_rate(jobs, 2) == pytest.approx(16 / 51)
+    assert ideal_hit_rate(jobs) == pytest.approx(32 / 51)
+    # Direct requests to one slot find each other; the proxied one goes where the blocks are.
+    jobs = [job((1, 2), 0), job((1, 3), 0), job((1, 2), None), job((1, 2), 1)]
+    assert placed_ideal_hit_rate(jobs, 2) == pytest.approx((16 + 32) / 132)
+    # The best placement of the proxied job over two large ranks reaches it, and none passes.
+    reached = []
+    for (place,) in itertools.product((0, 1), repeat=1):
+        chosen = tuple(place if j.direct is None else j.direct for j in jobs)
+        reached.append(_lru_ranks(jobs, chosen, 2, 64))
+    assert max(reached) == 48
+
+
 async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     report_path = tmp_path / "policies.json"
     with trio.fail_after(120):
@@ -433,6 +536,8 @@ async def test_policies_bench_runs_two_sets(tmp_path: Path) -> None:
     report = json.loads(report_path.read_text())
     rows = report["rows"]
     assert 0 < report["pooled_lru_hit_rate"] <= report["ideal_hit_rate"]
+    assert report["pooled_lru_hit_rate"] <= report["bounded_ideal_hit_rate"]
+    assert report["placed_ideal_hit_rate"] is None  # no direct traffic
     assert "caches pooled as one LRU of 1024 blocks" in out  # 4 ranks x 256 blocks
     assert [row["policy"] for row in rows] == ["round_robin", "round_robin/cache_aware/least_loaded"]
     assert all(row["failed"] == 0 and row["requests"] > 0 for row in rows)
@@ -610,6 +715,10 @@ async def test_policies_bench_runs_precise_with_replicas_direct_traffic_and_a_sm
     assert all(row["kv"]["decisions_total"] == row["requests"] for row in rows[2:])
     assert all(0 <= row["proxied_hit_rate"] <= 1 for row in rows)
     assert 0 < report["ideal_hit_rate"] < 1 and 0 < report["proxied_ideal_hit_rate"] < 1
+    assert 0 <= report["pooled_lru_hit_rate"] <= report["bounded_ideal_hit_rate"]
+    assert report["bounded_ideal_hit_rate"] <= report["ideal_hit_rate"]
+    assert 0 < report["placed_ideal_hit_rate"] <= report["ideal_hit_rate"]
+    assert "no routing can pass" in out and "with the direct requests where they went" in out
     assert "proxied prefix hit (ideal" in out
     assert "more requests went straight to the prefill engines" in out
     assert "cache: " in err and "blocks per rank" in err
