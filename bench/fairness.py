@@ -25,7 +25,8 @@ Modes: ``fair``: two tenants (``interactive`` at priority 0, ``batch`` at priori
 a large ``requests_per_minute`` so that, with Redis, every admission runs the shared script);
 ``fifo``: no tenants, today's single cap and line (the reference). Requests are non-stream
 chat completions: the interactive tenant's of ``--max-tokens`` tokens, the batch tenant's of
-``--batch-max-tokens`` (one count, or a range ``LOW-HIGH`` drawn uniformly per request).
+``--batch-max-tokens`` (one count, or a range ``LOW-HIGH`` drawn uniformly per request;
+by default 5-15, the interactive length's mean; 10 gives the lockstep case below).
 
 Why a range for the batch: the fake answers exactly ``max_tokens`` tokens, and its engine steps
 every stream at once, as vLLM's does. Batch requests of one length that started together then
@@ -329,7 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--max-tokens", type=int, default=10,
                    help="the interactive tenant's completion length")
-    p.add_argument("--batch-max-tokens", type=token_range, default=(10, 10),
+    p.add_argument("--batch-max-tokens", type=token_range, default=(5, 15),
                    metavar="N|LOW-HIGH",
                    help="the batch tenant's completion length: one count, or a uniform range "
                         "(see the module docstring for why a range)")
