@@ -46,11 +46,32 @@ async def serving(
     try:
         assert process.stderr is not None
         url = await read_url(process.stderr, SERVING)
-        yield process, url
+        try:
+            yield process, url
+        except BaseException:
+            await _print_what_it_said(process)
+            raise
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def _print_what_it_said(process: trio.Process) -> None:
+    """When a test fails, its server's exit status and the rest of its stderr (the workers'
+    too): pytest shows them beside the failure, so a failure on a CI machine names its cause."""
+    status = process.returncode  # None: still running when the test failed
+    said = bytearray()
+    with trio.CancelScope(shield=True):
+        if status is None:
+            process.kill()
+        await process.wait()
+        assert process.stderr is not None
+        with trio.move_on_after(5):  # orphaned workers hold the pipe until their lifeline ends
+            async for chunk in process.stderr:
+                said.extend(chunk)
+    print(f"\nserve's exit status when the test failed: {status}; the rest of its stderr:\n"
+          f"{said.decode(errors='replace')}")
 
 
 async def test_flags_configure_the_proxy_and_sigterm_stops_it(nursery: trio.Nursery) -> None:
