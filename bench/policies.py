@@ -237,7 +237,7 @@ def pooled_hit_rate(jobs: Sequence[Job], blocks: int, block_tokens: int = 16) ->
     for job in jobs:
         total += job.prompt_tokens
         hits += _cached_tokens(job, cache, block_tokens)
-        for block in job.prefill_blocks:
+        for block in reversed(job.prefill_blocks):  # tail first, as the engines' caches do
             cache[block] = None
             cache.move_to_end(block)
         while len(cache) > blocks:

@@ -12,8 +12,9 @@ built as vLLM fills them for a plain decoder model (medium ``"GPU"``, group 0), 
 The hashes are seeded per instance so nobody outside can recompute them (vLLM's are as opaque
 to a proxy: a random ``NONE_HASH`` or a hash of CBOR it does not reproduce); Python's ``hash``
 of int tuples keeps this cheap for the bench. Simplifications: one physical block per hash (vLLM
-may cache a duplicate and later remove it twice), and eviction is plain LRU over blocks as they
-are touched in prompt order (vLLM frees a request's blocks tail first).
+may cache a duplicate and later remove it twice), and eviction is LRU over requests' blocks,
+each request's touched tail first (vLLM frees a finished request's blocks tail first, so its
+tail is evicted before its head), at admission rather than when the request ends.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class PrefixCache:
     def _store(self, hashes: Sequence[int], hit: int, token_ids: Sequence[int],
                extra_keys: Sequence[ExtraKeys] | None) -> None:
         blocks = self.blocks
-        for block in hashes[:hit]:
+        for block in hashes[:hit]:  # out of eviction's way: this request holds them
             blocks.move_to_end(block)
         new = [block for block in hashes[hit:] if block not in blocks]
         mine = set(hashes)
@@ -96,7 +97,10 @@ class PrefixCache:
                 break
             blocks.popitem(last=False)
             removed.append(oldest)
-        for block in hashes[hit:]:
+        # Touched tail first, so the request's first block is its most recent: eviction takes a
+        # request's tail before its head, as vLLM's free queue does (it frees a finished
+        # request's blocks in reverse), and a shared prefix outlives the prompts behind it.
+        for block in reversed(hashes):
             if block in blocks:
                 blocks.move_to_end(block)
             else:

@@ -14,6 +14,7 @@ from epd_trio._kv.wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEve
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.fake_kv import KVConfig
 from epd_trio.testing.kv_publisher import KVEventPublisher
+from epd_trio.testing.prefix_cache import PrefixCache
 from epd_trio.testing.render import render_chat
 from epd_trio.testing.sim_engine import EngineConfig, SimEngine
 from epd_trio.testing.zmq_peer import subscriber
@@ -97,13 +98,26 @@ async def test_eviction_reset_and_the_hashes_are_per_instance(nursery: trio.Nurs
         assert r.status_code == 200
     stored_a, removed, stored_b, cleared = sinks[0].events()
     assert isinstance(stored_a, BlockStored) and isinstance(stored_b, BlockStored)
-    # The second prompt needed the room: the first one's blocks go, reported before the store.
-    assert removed == BlockRemoved(stored_a.block_hashes, "GPU", 0)
+    # The second prompt needed the room: the first one's blocks go, reported before the store,
+    # tail first as vLLM evicts them.
+    assert removed == BlockRemoved(stored_a.block_hashes[::-1], "GPU", 0)
     assert stored_b.parent_block_hash is None and len(stored_b.block_hashes) == 2
     assert cleared == AllBlocksCleared() and len(fakes[0].kv_state.caches[0]) == 0  # type: ignore[union-attr]
     other = sinks[1].events()[0]
     assert isinstance(other, BlockStored) and other.token_ids == stored_a.token_ids
     assert other.block_hashes != stored_a.block_hashes  # seeded per instance: opaque to a proxy
+
+
+def test_eviction_takes_a_prompts_tail_before_its_head() -> None:
+    """A one-block prompt after a two-block one evicts the tail: the head, which every prompt
+    with that prefix needs first, stays (vLLM frees a request's blocks in reverse)."""
+    cache = PrefixCache(block_size=4, capacity=2, record_events=True)
+    head, tail, other = 1, 2, 3
+    cache.admit([head, tail], 8)
+    cache.take_events()
+    cache.admit([other], 4)
+    assert cache.take_events()[0] == BlockRemoved([tail], "GPU", 0)
+    assert cache.admit([head, 4], 8, store=False) == 4  # the shared head still hits
 
 
 async def test_media_blocks_carry_vllms_extra_keys_and_decode_stores_pulled_kv(
