@@ -288,7 +288,7 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
     try:
         sub.connect(f"tcp://127.0.0.1:{server.kv_events_port}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        await trio.sleep(1.0)  # the subscription reaches the publisher (no message is lost then)
+        await until_subscribed(sub, client, url)
         found = []
         for salt in (None, f"salt-{secrets.token_hex(4)}"):
             body = chat(new_prefix(), **({"cache_salt": salt} if salt else {}))
@@ -310,6 +310,24 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
         sub.close(linger=0)
         context.term()
     observe(f"render keys == BlockStored keys: {found} (blocks, salt, block 0's extra keys)")
+
+
+async def until_subscribed(sub: zmq.Socket[bytes], client: httpx.AsyncClient, url: str) -> None:
+    """Return once ``sub`` receives what the engine publishes: a PUB socket drops what it sends
+    before a new subscription reaches it (ZMQ's slow joiner), and no wait is known to be long
+    enough. So send prompts of fresh blocks until one's events arrive."""
+    with trio.fail_after(EVENTS_DEADLINE):
+        while True:
+            r = await client.post(url + CHAT, json=chat(new_prefix()))
+            assert r.status_code == 200, r.text
+            with trio.move_on_after(2.0):  # lost if sent before the subscription: send another
+                while True:
+                    try:
+                        sub.recv_multipart(zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        await trio.sleep(0.05)  # pyzmq has no trio integration: poll the socket
+                return
 
 
 async def stored_events(sub: zmq.Socket[bytes], token_ids: Sequence[int],
