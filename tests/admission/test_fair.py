@@ -4,6 +4,7 @@ and what a ticket settles. The buckets' clock is a list the test moves."""
 from __future__ import annotations
 
 from contextlib import AsyncExitStack
+from functools import partial
 
 import pytest
 import trio
@@ -42,17 +43,22 @@ def test_the_tenant_comes_from_the_key_else_the_header_else_default() -> None:
     assert admission.tenant_of([(b"authorization", b"Bearer sk-nobody")]).name == "default"
 
 
+async def hold_a_place(admission: FairAdmission, admitted: list[tuple[str, trio.Event]],
+                       name: str) -> None:
+    """One request of tenant ``name``: admitted, it appends itself to ``admitted`` with the
+    event that ends it, and holds its place until that is set."""
+    async with AsyncExitStack() as resources:
+        await admission.enter(tenant(admission, name), resources)
+        done = trio.Event()
+        admitted.append((name, done))
+        await done.wait()
+
+
 async def served_in_order(admission: FairAdmission, arrivals: list[str]) -> list[str]:
     """With the one place taken, ``arrivals`` queue in that order; then each admitted request
     finishes in turn. The order they were admitted in."""
     admitted: list[tuple[str, trio.Event]] = []
-
-    async def request(name: str) -> None:
-        async with AsyncExitStack() as resources:
-            await admission.enter(tenant(admission, name), resources)
-            done = trio.Event()
-            admitted.append((name, done))
-            await done.wait()
+    request = partial(hold_a_place, admission, admitted)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(request, "batch")
@@ -182,13 +188,7 @@ async def test_under_an_aged_flood_each_interactive_request_takes_the_next_freed
     now = [0.0]
     admission = gate(max_inflight=2, aging=0.5, now=now)
     admitted: list[tuple[str, trio.Event]] = []
-
-    async def request(name: str) -> None:
-        async with AsyncExitStack() as resources:
-            await admission.enter(tenant(admission, name), resources)
-            done = trio.Event()
-            admitted.append((name, done))
-            await done.wait()
+    request = partial(hold_a_place, admission, admitted)
 
     async def finish_one() -> str:
         """The oldest request in flight ends; who took its place."""
