@@ -111,22 +111,23 @@ def create_app(
     tenants = TenantTable(settings.tenants)
     client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
+    shared_limits = (None if proxy.state is None else
+                     SharedLimits(proxy.state, proxy.metrics,
+                                  timeout=settings.state_limits_timeout))
     admission: Admission | FairAdmission = (
         FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
                       table=tenants, aging=settings.priority_aging,
                       tenant_header=settings.tenant_header,
-                      shared=(SharedLimits(proxy.state, proxy.metrics,
-                                           timeout=settings.state_limits_timeout)
-                              if proxy.state is not None
+                      shared=(shared_limits if shared_limits is not None
                               else None if shared is None else shared.buckets),
                       places=(shared.places
                               if shared is not None and proxy.state is None else None),
-                      observer=proxy.metrics)
+                      leases=shared_limits, observer=proxy.metrics)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
     if isinstance(admission, FairAdmission) and proxy.state is not None:
         proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
-        proxy.state.on_loads = admission.dispatch  # the others' counts may free a tenant
+        proxy.state.on_loads = admission.refresh  # the others' counts may free a tenant
     accounting = proxy.pipeline.accounting
     # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
     drain = Drain(settings.shutdown_grace,
@@ -178,6 +179,8 @@ def create_app(
             if isinstance(admission, FairAdmission) and admission.across_workers:
                 watchdog.append(await nursery.start(
                     named("admission's look at the other workers", admission.follow_workers)))
+            if shared_limits is not None and any(t.max_inflight for t in settings.tenants):
+                await nursery.start(named("tenants' place leases", shared_limits.keep_places))
 
         # Every per-process task under one owner, with one policy (``_state/tasks.py``).
         await app.nursery.start(proxy.tasks.run, start)

@@ -11,8 +11,9 @@ Order of checks: a place (a free one, or a wait in the queue up to ``EPD_ADMISSI
 503, or 429 naming ``max_inflight`` when the tenant's own cap is what held it), then, on the
 parsed body, ``requests_per_minute`` and ``tokens_per_minute`` together, all or nothing (429
 naming the first that does not fit). Together, because with ``EPD_STATE_URL`` the buckets
-live in Redis and an admission costs one round trip at most (one script); when Redis does not
-answer, each replica enforces its share of each limit (``limit / live replicas``) on its own,
+live in Redis and an admission costs one round trip at most (one script, which also takes the
+tenant's place among its places at every replica: ``leases``); when Redis does not answer,
+each replica enforces its share of each limit (``limit / live replicas``) on its own,
 counted, and no request fails for it.
 
 Release: the place (and the tenant's count) is held until the request's resources close, then
@@ -20,11 +21,13 @@ the queue is asked who gets it (``FairQueue.pop``), skipping tenants at their ow
 place stays idle while someone who may use it waits. A ticket settles its token reservation
 on its usage when the request ends, however it ends.
 
-Workers: the places (``EPD_MAX_INFLIGHT``) and the queue are this process's; a tenant's
-``max_inflight`` is counted by every worker of ``epd-trio serve --workers N`` (``places``: one
-locked take-if-below-the-cap), or by every replica (``shared``: their published counts). No
-event crosses processes, so ``follow_workers`` looks at the shared counts every
-``WORKERS_RECHECK`` seconds while anyone waits here.
+Workers and replicas: the places (``EPD_MAX_INFLIGHT``) and the queue are this process's; a
+tenant's ``max_inflight`` is counted by every worker of ``epd-trio serve --workers N``
+(``places``: one locked take-if-below-the-cap), or by every replica (``leases``: the store's,
+exact; the others' published counts are only a hint that keeps futile waiters from asking).
+No event crosses processes, so ``follow_workers`` looks at the workers' counts every
+``WORKERS_RECHECK`` seconds while anyone waits here, and a replica's waiters held by the
+store ask again at its next read of the others' counts (``refresh``).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ Clock = Callable[[], float]
 WORKERS_RECHECK = 0.025
 #: One limit a request asks of: (its name, the tenant's per-minute value, the amount).
 Want = tuple[str, int, int]
+#: What ``SharedBuckets.take`` answers in place of a want's index when the tenant holds all
+#: its places across the replicas.
+PLACES_HELD = -1
 
 
 class AdmissionObserver(Protocol):
@@ -64,7 +70,7 @@ class AdmissionObserver(Protocol):
     def tenant_queued(self, tenant: str, priority: int, delta: int) -> None: ...
     def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None: ...
     def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None: ...
-    def tenant_settled(self, tenant: str, tokens: int) -> None: ...
+    def tenant_settled(self, tenant: str, priority: int, tokens: int) -> None: ...
 
 
 class SharedBuckets(Protocol):
@@ -77,9 +83,12 @@ class SharedBuckets(Protocol):
         """The tenant's requests in flight elsewhere (other replicas, as last published)."""
         ...
 
-    async def take(self, tenant: str, wants: Sequence[Want]) -> tuple[int, float] | None:
-        """All of ``wants`` taken at once: ``(0, 0.0)``; or the 1-based index of the first
-        that does not fit and its wait, nothing taken; None: the store did not answer."""
+    async def take(self, tenant: str, wants: Sequence[Want],
+                   place: tuple[int, bytes] | None = None) -> tuple[int, float] | None:
+        """All of ``wants`` taken at once, and with ``place`` (the tenant's ``max_inflight``
+        and this request's lease) one of the tenant's places: ``(0, 0.0)``; or
+        ``(PLACES_HELD, held)``; or the 1-based index of the first want that does not fit and
+        its wait; nothing taken unless all is; None: the store did not answer."""
         ...
 
     def settle(self, tenant: str, limit: str, per_minute: int, delta: int) -> bool:
@@ -88,6 +97,24 @@ class SharedBuckets(Protocol):
 
     def fell_back(self) -> None:
         """Counts one decision taken on the local share."""
+        ...
+
+
+class PlaceLeases(Protocol):
+    """The capped tenants' places held at every replica, as leases in the shared store
+    (``_replicas/limits``), taken by ``SharedBuckets.take`` with ``place``."""
+
+    @property
+    def up(self) -> bool:
+        """Whether the store answers (else each replica decides on its share)."""
+        ...
+
+    def new_lease(self) -> bytes:
+        """A lease no other request of any replica holds."""
+        ...
+
+    def give(self, tenant: str, lease: bytes) -> None:
+        """The lease's place is free again (or was never taken), without waiting."""
         ...
 
 
@@ -113,12 +140,21 @@ class Ticket:
     reservation (``admitted``), and the settlement of what it used (``settle``)."""
 
     __slots__ = ("_admission", "_events", "_prompt", "_reserved", "_settled", "_usage",
-                 "priority", "tenant")
+                 "deadline", "holds_place", "lease", "priority", "tenant")
 
-    def __init__(self, admission: FairAdmission, tenant: Tenant) -> None:
+    def __init__(self, admission: FairAdmission, tenant: Tenant, deadline: float) -> None:
         self._admission = admission
         self.tenant = tenant
         self.priority = tenant.priority
+        #: When its wait for a place ends (``EPD_ADMISSION_TIMEOUT`` after it came, on trio's
+        #: clock), however
+        #: many times it waits: once for this process's place, again if the shared store
+        #: finds its tenant's places all held.
+        self.deadline = deadline
+        #: Whether it holds one of this process's places (given back when it closes).
+        self.holds_place = False
+        #: Its place among its tenant's places at every replica (``PlaceLeases``), once taken.
+        self.lease: bytes | None = None
         self._reserved = 0
         self._prompt = 0
         self._events = 0
@@ -142,8 +178,8 @@ class Ticket:
         if tenant.tokens_per_minute is not None:
             reserved = token_reservation(body)
             wants.append(("tokens_per_minute", tenant.tokens_per_minute, reserved))
-        if wants:
-            await self._admission.take(tenant, wants)
+        if wants or self._admission.leases_places(tenant):
+            await self._admission.take(self, wants)
             self._reserved, self._prompt = reserved, prompt_estimate(body)
         return with_priority(body, self.priority)
 
@@ -156,14 +192,22 @@ class Ticket:
         """Stream bytes sent to the client: what a stream without ``usage`` used."""
         self._events += chunk.count(b"data: {")
 
-    def settle(self) -> None:
-        """The request is over: its reservation settled on what it used (once)."""
+    def close(self) -> None:
+        """The request is over: its reservation settled on what it used, its places given
+        back (once)."""
         if self._settled:
             return
         self._settled = True
+        admission = self._admission
         if self._reserved:
             used = tokens_used(self._prompt, self._usage, self._events)
-            self._admission.settle_tokens(self.tenant, self._reserved, used)
+            admission.settle_tokens(self.tenant, self.priority, self._reserved, used)
+        if self.lease is not None:
+            admission.give_lease(self.tenant, self.lease)
+            self.lease = None
+        if self.holds_place:
+            self.holds_place = False
+            admission.release(self.tenant)
 
 
 class FairAdmission:
@@ -172,7 +216,7 @@ class FairAdmission:
     def __init__(self, *, max_inflight: int, timeout: float, table: TenantTable,
                  aging: float, tenant_header: str | None = None,
                  clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
-                 places: SharedPlaces | None = None,
+                 places: SharedPlaces | None = None, leases: PlaceLeases | None = None,
                  observer: AdmissionObserver | None = None) -> None:
         self._max = max_inflight
         self._timeout = timeout
@@ -185,6 +229,11 @@ class FairAdmission:
         self._buckets: dict[tuple[str, str, float], TokenBucket] = {}
         self._shared = shared
         self._places = places
+        self._leases = leases
+        #: Capped tenants the shared store found holding all their places since the others'
+        #: counts were last read: held here until the next read (``refresh``), so their
+        #: waiters do not ask the store again and again before anything may have changed.
+        self._held_elsewhere: set[str] = set()
         #: Set when a request starts to wait (``follow_workers`` sleeps on it while no one does).
         self._someone_waits = trio.Event()
         #: The tenants with a ``max_inflight``: the only ones a free place may skip.
@@ -219,11 +268,35 @@ class FairAdmission:
 
     async def enter(self, tenant: Tenant, resources: AsyncExitStack) -> Ticket:
         """Admit a request of ``tenant`` (released when ``resources`` close); its ticket."""
-        await self._take_place(tenant)
-        resources.callback(self._release, tenant)
-        ticket = Ticket(self, tenant)
-        resources.callback(ticket.settle)
+        ticket = Ticket(self, tenant, trio.current_time() + self._timeout)
+        await self._take_place(tenant, ticket.deadline)
+        ticket.holds_place = True
+        resources.callback(ticket.close)
         return ticket
+
+    def leases_places(self, tenant: Tenant) -> bool:
+        """Whether ``tenant``'s places are leased in the shared store (its ``max_inflight``,
+        with ``EPD_STATE_URL``)."""
+        return self._leases is not None and tenant.max_inflight is not None
+
+    def _cap_here(self, tenant: Tenant) -> int:
+        """The tenant's ``max_inflight`` as this process enforces it: whole, or while the
+        shared store does not answer, this replica's share of it (at least 1: a tenant is
+        never shut out, so with more live replicas than places the fleet may hold up to one
+        per replica)."""
+        leases = self._leases
+        if leases is None or leases.up:
+            return tenant.max_inflight or 0
+        return self._share_of(tenant)
+
+    def _share_of(self, tenant: Tenant) -> int:
+        return max(1, (tenant.max_inflight or 0) // self._share())
+
+    def _at_cap(self, tenant: Tenant) -> bool:
+        name = tenant.name
+        if name in self._held_elsewhere and self._leases is not None and self._leases.up:
+            return True
+        return self._tenant_inflight(name) >= self._cap_here(tenant)
 
     def _try_start(self, tenant: Tenant) -> bool:
         """Start a request of ``tenant`` if this process has a place and its tenant is under
@@ -236,15 +309,16 @@ class FairAdmission:
             if self._places is not None:
                 if not self._places.take(name, cap):
                     return False
-            elif self._tenant_inflight(name) >= cap:
+            elif self._at_cap(tenant):
                 return False
         self._start(name)
         return True
 
     def _tenant_inflight(self, name: str) -> int:
         """The tenant's requests in flight: in every worker (``places``); or here, and at
-        the other replicas as they last published them (``EPD_STATE_LOAD_INTERVAL``: a
-        burst may overshoot by what arrives at several replicas within one interval)."""
+        the other replicas as they last published them (``EPD_STATE_LOAD_INTERVAL``): a hint
+        that keeps futile waiters from asking the store, whose leases decide
+        (``Ticket.admitted``)."""
         if self._places is not None:
             return self._places.count(name)
         here = self._per_tenant.get(name, 0)
@@ -258,12 +332,15 @@ class FairAdmission:
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
 
-    async def _take_place(self, tenant: Tenant) -> None:
+    async def _take_place(self, tenant: Tenant, deadline: float, *, again: bool = False) -> None:
+        """One of this process's places for ``tenant`` by ``deadline`` (trio's clock); ``again``: its
+        request was admitted once already (counted then), and lost the place to the shared
+        store's leases."""
         observer, name, band = self._observer, tenant.name, tenant.priority
         # Every release hands its place to the queue first, so a free place means that every
         # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
         if self._try_start(tenant):
-            if observer is not None:
+            if observer is not None and not again:
                 observer.tenant_admitted(name, band, 0.0)
             return
         admitted = trio.Event()
@@ -275,23 +352,23 @@ class FairAdmission:
         if observer is not None:
             observer.tenant_queued(name, band, 1)
         try:
-            with trio.move_on_after(self._timeout):
+            with trio.move_on_at(deadline):
                 await admitted.wait()
         except BaseException:
             if admitted.is_set():  # the place came, but so did a cancellation: give it on
-                self._release(tenant)
+                self.release(tenant)
             else:
                 waiter.cancelled = True
                 if observer is not None:
                     observer.tenant_queued(name, band, -1)
             raise
         if admitted.is_set():
-            if observer is not None:  # its queue count was taken down when it was woken
+            if observer is not None and not again:  # its queue count went down at its wake
                 observer.tenant_admitted(name, band, self._clock() - enqueued)
             return
         waiter.cancelled = True
         cap = tenant.max_inflight
-        held = cap is not None and self._tenant_inflight(name) >= cap
+        held = cap is not None and self._at_cap(tenant)
         if observer is not None:
             observer.tenant_queued(name, band, -1)
             observer.tenant_rejected(name, band, "max_inflight" if held else "deadline")
@@ -304,10 +381,10 @@ class FairAdmission:
 
     def _blocked(self) -> set[str]:
         """Tenants at their own ``max_inflight``."""
-        return {tenant.name for tenant in self._capped
-                if self._tenant_inflight(tenant.name) >= (tenant.max_inflight or 0)}
+        return {tenant.name for tenant in self._capped if self._at_cap(tenant)}
 
-    def _release(self, tenant: Tenant) -> None:
+    def release(self, tenant: Tenant) -> None:
+        """One of this process's places, held by a request of ``tenant``, is free again."""
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
         if self._places is not None and tenant.max_inflight is not None:
@@ -316,8 +393,7 @@ class FairAdmission:
 
     def dispatch(self) -> None:
         """Give the free places to the queue (``FairQueue.pop``): after a release here, and
-        when the other replicas' counts change (a tenant they held at its ``max_inflight``
-        may start again)."""
+        when the other replicas' counts change (``refresh``)."""
         if not len(self._queue):
             return
         now = self._clock()
@@ -336,6 +412,12 @@ class FairAdmission:
             waiter.token.set()
             if self._observer is not None:
                 self._observer.tenant_queued(waiter.tenant, waiter.priority, -1)
+
+    def refresh(self) -> None:
+        """The other replicas' counts were read again (or are lost with the store): a tenant
+        the store found holding all its places may have one now, and its waiters try again."""
+        self._held_elsewhere.clear()
+        self.dispatch()
 
     async def follow_workers(
         self, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED
@@ -364,21 +446,57 @@ class FairAdmission:
             bucket = self._buckets[key] = TokenBucket.full(per_minute, self._clock())
         return bucket
 
-    async def take(self, tenant: Tenant, wants: Sequence[Want]) -> None:
-        """Take every one of ``wants`` from the tenant's buckets, or none: ``RateLimited``
-        naming the first that does not fit, with its bucket's ``Retry-After``."""
-        shared = self._shared
-        answer = None if shared is None else await shared.take(tenant.name, wants)
-        if answer is None:
-            if shared is not None:
-                shared.fell_back()
-            answer = self._take_locally(tenant.name, wants, self._share())
-        index, wait = answer
-        if index:
+    async def take(self, ticket: Ticket, wants: Sequence[Want]) -> None:
+        """Take every one of ``wants`` from the tenant's buckets, and with leased places
+        (``leases_places``) one of the tenant's places, or none: ``RateLimited`` naming the
+        first want that does not fit, with its bucket's ``Retry-After``. A tenant whose
+        places are all held elsewhere gives this process's place back and waits for one
+        again, up to the ticket's deadline (then 429 ``max_inflight``)."""
+        tenant, shared, leases = ticket.tenant, self._shared, self._leases
+        cap = tenant.max_inflight if leases is not None else None
+        while True:
+            lease = None if leases is None or cap is None else leases.new_lease()
+            answer = None if shared is None else await shared.take(
+                tenant.name, wants, None if lease is None else (cap or 0, lease))
+            if answer is None:
+                if shared is not None:
+                    shared.fell_back()
+                if lease is not None and self._per_tenant[tenant.name] > self._share_of(tenant):
+                    # The store is up but slow: the place is decided on this replica's share
+                    # (gone, the store's places already were: ``_cap_here``).
+                    self.give_lease(tenant, lease)
+                    await self._wait_again(ticket)
+                    continue
+                answer = self._take_locally(tenant.name, wants, self._share())
+            index, wait = answer
+            if index == 0:
+                ticket.lease = lease
+                return
+            if lease is not None:
+                self.give_lease(tenant, lease)
+            if index == PLACES_HELD:
+                await self._wait_again(ticket)
+                continue
             limit, per_minute, _ = wants[index - 1]
             if self._observer is not None:
                 self._observer.tenant_rejected(tenant.name, tenant.priority, limit)
             raise RateLimited(tenant.name, limit, per_minute, retry_after(wait))
+
+    async def _wait_again(self, ticket: Ticket) -> None:
+        """The shared store found ``ticket``'s tenant holding all its places, though the
+        counts here said otherwise (they lag by up to ``EPD_STATE_LOAD_INTERVAL``): this
+        process's place goes to someone who may use it, and the ticket waits for a place
+        again until its deadline."""
+        tenant = ticket.tenant
+        self._held_elsewhere.add(tenant.name)
+        ticket.holds_place = False
+        self.release(tenant)
+        await self._take_place(tenant, ticket.deadline, again=True)
+        ticket.holds_place = True
+
+    def give_lease(self, tenant: Tenant, lease: bytes) -> None:
+        assert self._leases is not None
+        self._leases.give(tenant.name, lease)
 
     def _share(self) -> int:
         return 1 if self._shared is None else max(1, self._shared.live_replicas)
@@ -396,9 +514,9 @@ class FairAdmission:
             bucket.take(amount, now)
         return 0, 0.0
 
-    def settle_tokens(self, tenant: Tenant, reserved: int, used: int) -> None:
+    def settle_tokens(self, tenant: Tenant, band: int, reserved: int, used: int) -> None:
         if self._observer is not None:
-            self._observer.tenant_settled(tenant.name, used)
+            self._observer.tenant_settled(tenant.name, band, used)
         per_minute = tenant.tokens_per_minute
         assert per_minute is not None
         shared = self._shared

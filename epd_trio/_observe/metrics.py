@@ -209,8 +209,8 @@ class ProxyMetrics:
             "deadline: no place within EPD_ADMISSION_TIMEOUT)", ["tenant", "priority", "reason"])
         self._tenant_tokens = tenant_metric(
             Counter, "epd_trio_tenant_tokens_settled",
-            "Tokens a tenant's requests used, as settled (tenants with tokens_per_minute)",
-            ["tenant"])
+            "Tokens a tenant's requests used, as settled, per tenant and band (tenants with "
+            "tokens_per_minute)", ["tenant", "priority"])
         kv_metric = metric if kv_index else (lambda *_, **__: _OFF)
         self._render = kv_metric(
             Histogram, "epd_trio_kv_render_seconds",
@@ -397,8 +397,8 @@ class ProxyMetrics:
     def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None:
         self._tenant_rejected.labels(tenant, str(priority), reason).inc()
 
-    def tenant_settled(self, tenant: str, tokens: int) -> None:
-        self._tenant_child(self._tenant_tokens, tenant).inc(max(0, tokens))
+    def tenant_settled(self, tenant: str, priority: int, tokens: int) -> None:
+        self._tenant_child(self._tenant_tokens, tenant, priority).inc(max(0, tokens))
 
     def _tenant_child(self, family: Any, tenant: str, priority: int | None = None) -> Any:
         """A family's child for (tenant, band), resolved once (``.labels()`` costs µs)."""

@@ -302,9 +302,10 @@ class StateLink:
                     cursor = await CursorLink.open(self._url, self._tls)
                 await nursery.start(cursor.run)
             limits = None
-            if any(t.requests_per_minute or t.tokens_per_minute
+            if any(t.requests_per_minute or t.tokens_per_minute or t.max_inflight
                    for t in self._settings.tenants):
-                # The tenants' buckets: one script per admission, on a lean link of its own.
+                # The tenants' buckets and places: one script per admission, on a lean link
+                # of its own.
                 with trio.fail_after(self._settings.state_timeout):
                     limits = await CursorLink.open(self._url, self._tls)
                 await nursery.start(limits.run)
@@ -331,6 +332,7 @@ class StateLink:
         self._loads.remote = {}  # the others' counts are unknown now: route on our own
         self._metrics.state_up(False)
         self._changed()
+        self.on_loads()  # admission: each replica on its share now
         self.problem = _described(exc)
         if was_up or self.problem != self._last_logged:
             log.warning("shared state %s unreachable (%s); routing on the last view and "

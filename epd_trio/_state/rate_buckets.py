@@ -93,8 +93,10 @@ class SharedRateBuckets:
         self._values[2 * index] = bucket.level
         self._values[2 * index + 1] = bucket.updated
 
-    async def take(self, tenant: str, wants: Sequence[tuple[str, int, int]]
-                   ) -> tuple[int, float] | None:
+    async def take(self, tenant: str, wants: Sequence[tuple[str, int, int]],
+                   place: tuple[int, bytes] | None = None) -> tuple[int, float] | None:
+        """``place`` is never given: the workers' places are ``_state/tenant_places``."""
+        assert place is None
         now = time.monotonic()
         with self._lock:
             slots = [self._locate(tenant, limit, per_minute) for limit, per_minute, _ in wants]

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from epd_trio._admission.fair import FairAdmission
+from epd_trio._admission.fair import PLACES_HELD, FairAdmission
 from epd_trio._core.errors import AtCapacity, RateLimited
 from epd_trio._core.tenants import Tenant, TenantTable, parse_tenants
 
@@ -210,3 +210,115 @@ async def test_under_an_aged_flood_each_interactive_request_takes_the_next_freed
             assert await finish_one() == "interactive"
             assert [await finish_one() for _ in range(2)] == ["batch", "batch"]
         nursery.cancel_scope.cancel()
+
+
+class Store:
+    """The shared store as fair admission sees it (``SharedBuckets`` and ``PlaceLeases``):
+    whether it is up, and its answer to a take, set by the test."""
+
+    def __init__(self, live_replicas: int = 1) -> None:
+        self.up = True
+        self.live_replicas = live_replicas
+        self.answer: tuple[int, float] | None = (0, 0.0)
+        self.asked: list[tuple[int, bytes] | None] = []
+        self.given: list[bytes] = []
+        self.fallbacks = 0
+
+    def others_inflight(self, tenant: str) -> int:
+        return 0
+
+    def new_lease(self) -> bytes:
+        return b"lease-%d" % len(self.asked)
+
+    async def take(self, tenant: str, wants: object,
+                   place: tuple[int, bytes] | None = None) -> tuple[int, float] | None:
+        self.asked.append(place)
+        return self.answer
+
+    def give(self, tenant: str, lease: bytes) -> None:
+        self.given.append(lease)
+
+    def settle(self, tenant: str, limit: str, per_minute: int, delta: int) -> bool:
+        return True
+
+    def fell_back(self) -> None:
+        self.fallbacks += 1
+
+
+LEASED = TenantTable(parse_tenants({"six": {"max_inflight": 6}}))
+SIX = LEASED.by_name["six"]
+
+
+def leased_gate(store: Store, timeout: float = 30.0) -> FairAdmission:
+    return FairAdmission(max_inflight=10, timeout=timeout, table=LEASED, aging=0.0,
+                         clock=lambda: 0.0, shared=store, leases=store)
+
+
+async def test_a_place_the_store_refuses_is_given_back_and_waited_for_again() -> None:
+    """The store finds the tenant's places all held (the counts here lagged): the request gives
+    this process's place back and waits; after the next read of the others' counts it asks
+    again, takes the place, and gives its lease back when it ends."""
+    store = Store()
+    admission = leased_gate(store)
+    store.answer = (PLACES_HELD, 6)
+    done = trio.Event()
+
+    async def request() -> None:
+        async with AsyncExitStack() as resources:
+            await (await admission.enter(SIX, resources)).admitted({"model": "m"})
+            await done.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.asked == [(6, b"lease-0")] and store.given == [b"lease-0"]
+        assert admission.inflight == 0 and admission.depth() == {("six", 0): 1}
+        admission.dispatch()  # a release here: the tenant stays held until the next read
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(store.asked) == 1
+        store.answer = (0, 0.0)
+        admission.refresh()
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.asked[-1] == (6, b"lease-1") and admission.inflight == 1
+        done.set()
+    assert store.given == [b"lease-0", b"lease-1"] and admission.inflight == 0
+
+
+async def test_a_request_the_store_keeps_refusing_gets_429_max_inflight_at_its_deadline(
+) -> None:
+    store = Store()
+    store.answer = (PLACES_HELD, 6)
+    admission = leased_gate(store, timeout=0.05)
+    async with AsyncExitStack() as resources:
+        ticket = await admission.enter(SIX, resources)
+        with pytest.raises(RateLimited, match="max_inflight") as refused:
+            await ticket.admitted({"model": "m"})
+    assert refused.value.status == 429 and admission.inflight == 0
+
+
+async def test_a_store_too_slow_to_answer_leaves_each_replica_its_share() -> None:
+    """Up but slow (no answer in time), with 3 live replicas: 2 of the tenant's 6 places here,
+    each decision counted; the third waits for the store."""
+    store = Store(live_replicas=3)
+    store.answer = None
+    admission = leased_gate(store, timeout=0.05)
+    async with AsyncExitStack() as resources:
+        for _ in range(2):
+            await (await admission.enter(SIX, resources)).admitted({"model": "m"})
+        third = await admission.enter(SIX, resources)
+        with pytest.raises(RateLimited, match="max_inflight"):
+            await third.admitted({"model": "m"})
+        assert admission.inflight == 2 and store.fallbacks == 3
+
+
+async def test_with_the_store_gone_a_tenant_waits_past_its_share() -> None:
+    """Gone: the share (6 / 3 = 2) holds before the body is read, as the whole cap would."""
+    store = Store(live_replicas=3)
+    store.up, store.answer = False, None
+    admission = leased_gate(store, timeout=0.05)
+    async with AsyncExitStack() as resources:
+        for _ in range(2):
+            await (await admission.enter(SIX, resources)).admitted({"model": "m"})
+        with pytest.raises(RateLimited, match="max_inflight"):
+            await admission.enter(SIX, resources)
+        assert store.fallbacks == 2

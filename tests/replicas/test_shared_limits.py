@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from epd_trio import Instance, Settings
-from epd_trio._core.tenants import parse_tenants
+from epd_trio._core.tenants import parse_tenants, token_reservation
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
 
@@ -30,9 +30,35 @@ TABLES = {"team": {"keys": ["sk-team"], "requests_per_minute": 30},
           "metered": {"keys": ["sk-tpm"], "tokens_per_minute": 1200},
           "bulk": {"keys": ["sk-bulk"], "requests_per_minute": 1_000_000},
           "capped": {"keys": ["sk-capped"], "max_inflight": 2},
+          "wide": {"keys": ["sk-wide"], "max_inflight": 20},
           "trio": {"keys": ["sk-trio"], "requests_per_minute": 3}}
 TEAM = {"authorization": "Bearer sk-team"}
 METERED = {"authorization": "Bearer sk-tpm"}
+WIDE = {"authorization": "Bearer sk-wide"}
+CAPPED = {"authorization": "Bearer sk-capped"}
+
+
+class Engine:
+    """A gate for the fake engine: counts the requests it holds (and the most at once), holds
+    them until ``release`` is set, then gives each ``work`` seconds of engine time."""
+
+    def __init__(self, work: float = 0.0) -> None:
+        self.now = self.peak = 0
+        self.release = trio.Event()
+        self._work = work
+
+    async def __call__(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+        try:
+            await self.release.wait()
+            await trio.sleep(self._work)  # the engine's time, not a synchronisation
+        finally:
+            self.now -= 1
+
+
+def queued(proxy: Proxy, tenant: str) -> float:
+    return metric(proxy, "epd_trio_tenant_queue_depth", tenant=tenant, priority="0")
 
 
 @asynccontextmanager
@@ -221,6 +247,162 @@ async def test_a_waiter_held_by_other_replicas_starts_when_they_release(
             with trio.fail_after(10):
                 await decode.wait_until(lambda: len(decode.requests()) == 3)
         assert answers == [200]
+
+
+async def test_a_tenants_max_inflight_holds_exactly_across_three_replicas(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """60 requests of a tenant capped at 20, all at once through three replicas: exactly 20
+    reach the engine and the 40 others wait, though each replica's view of the others' counts
+    lags (the store's leases decide); released with 20 ms of engine time each, the engine
+    never holds more than 20 of them, and every request is answered 200."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    engine = Engine(work=0.02)
+    decode.behaviour.gate = engine
+    # Every decision the store's (none on a replica's share, as under a store too slow).
+    async with fleet(redis_server, decode, admission_timeout=60,
+                     state_limits_timeout=10.0) as replicas:
+        statuses: list[int] = []
+
+        async def one(url: str) -> None:
+            r = await client.post(url + CHAT, json=chat_body(), headers=WIDE)
+            statuses.append(r.status_code)
+
+        async with trio.open_nursery() as requests:
+            for n in range(60):
+                requests.start_soon(one, replicas[n % 3][0])
+            with trio.fail_after(20):
+                await decode.wait_until(lambda: len(decode.requests()) >= 20)
+                while sum(queued(p, "wide") for _, p in replicas) < 40:
+                    for _, proxy in replicas:
+                        await proxy.state.next_load_read()
+                for _ in range(3):  # every replica has read the others' counts again since
+                    for _, proxy in replicas:
+                        await proxy.state.next_load_read()
+            assert len(decode.requests()) == 20 and engine.now == 20
+            engine.release.set()
+    assert statuses == [200] * 60
+    assert engine.peak == 20
+
+
+async def test_with_redis_gone_each_replica_holds_its_share_of_max_inflight(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Redis killed under three replicas: a tenant capped at 20 gets 6 places at each (20 / 3),
+    10 requests at each put 18 on the engine and queue 12, every decision counted; released,
+    all 30 are answered 200."""
+    redis = RedisServer().start()
+    try:
+        (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+        engine = Engine()
+        decode.behaviour.gate = engine
+        async with fleet(redis, decode, state_timeout=1.0, admission_timeout=60) as replicas:
+            redis.kill()
+            for _, proxy in replicas:
+                with trio.fail_after(10):
+                    while proxy.state.up:
+                        await proxy.state.next_change()
+            statuses: list[int] = []
+
+            async def one(url: str) -> None:
+                r = await client.post(url + CHAT, json=chat_body(), headers=WIDE)
+                statuses.append(r.status_code)
+
+            async with trio.open_nursery() as requests:
+                for n in range(30):
+                    requests.start_soon(one, replicas[n % 3][0])
+                with trio.fail_after(10):
+                    await decode.wait_until(lambda: len(decode.requests()) >= 18)
+                    while any(queued(p, "wide") < 4 for _, p in replicas):  # noqa: ASYNC110
+                        await trio.sleep(0.01)  # requests still arriving: no event to wait on
+                assert len(decode.requests()) == 18
+                assert [metric(p, "epd_trio_state_local_limits_total") for _, p in replicas] \
+                    == [6, 6, 6]
+                engine.release.set()
+            assert statuses == [200] * 30
+    finally:
+        redis.kill()
+
+
+async def test_a_store_that_lost_the_places_gets_them_back_from_the_replicas(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Two requests of a capped tenant held at r0; the store loses every key and r0's
+    connections (a restart without persistence): r0 writes its two leases back as soon as it
+    reconnects, so the store counts them again."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    engine = Engine()
+    decode.behaviour.gate = engine
+    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+        key = f"{proxy.state.keys.prefix}limit:capped:max_inflight"
+        async with trio.open_nursery() as held:
+            for _ in range(2):
+                held.start_soon(partial(client.post, url + CHAT, json=chat_body(),
+                                        headers=CAPPED))
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 2)
+            assert int(redis_server.command("ZCARD", key)) == 2
+            redis_server.command("FLUSHALL")
+            redis_server.command("CLIENT", "KILL", "TYPE", "normal")
+            with trio.fail_after(10):
+                while proxy.state.up:
+                    await proxy.state.next_change()
+                while not proxy.state.up:
+                    await proxy.state.next_change()
+                while int(redis_server.command("ZCARD", key)) < 2:  # noqa: ASYNC110
+                    await trio.sleep(0.01)  # the store is another process: nothing to wait on
+            engine.release.set()
+        with trio.fail_after(5):  # both given back when they ended (unawaited)
+            while int(redis_server.command("ZCARD", key)):  # noqa: ASYNC110
+                await trio.sleep(0.01)
+
+
+async def test_a_lease_its_replica_stopped_renewing_frees_its_place(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Two places of a tenant capped at 2 held by leases that ended (a replica killed
+    without giving them back): the next request takes a place; two live leases in their
+    stead, and it waits, then gets 429 ``max_inflight``."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    async with fleet(redis_server, decode, count=1, admission_timeout=0.3) as [(url, proxy)]:
+        key = f"{proxy.state.keys.prefix}limit:capped:max_inflight"
+        redis_server.command("ZADD", key, "1", "dead:1", "2", "dead:2")
+        r = await client.post(url + CHAT, json=chat_body(), headers=CAPPED)
+        assert r.status_code == 200, r.text
+        forever = str(2**50)
+        redis_server.command("ZADD", key, forever, "alive:1", forever, "alive:2")
+        r = await client.post(url + CHAT, json=chat_body(), headers=CAPPED)
+        assert r.status_code == 429 and r.json()["error"]["param"] == "max_inflight", r.text
+        assert len(decode.requests()) == 1
+
+
+async def test_tokens_per_minute_holds_across_three_replicas_under_a_burst(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """30 requests at once through three replicas, each reserving more than 100 tokens of a
+    tenant's 1,200 a minute and using about as many: what they used stays within 5 % of the
+    limit (and its refill while they ran), and at least as many pass as the limit holds
+    reservations."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    decode.behaviour.tokens = 100
+    async with fleet(redis_server, decode) as replicas:
+        answers: list[httpx.Response] = []
+
+        async def one(url: str) -> None:
+            answers.append(await client.post(url + CHAT, json=chat_body(max_tokens=100),
+                                             headers=METERED))
+
+        started = trio.current_time()
+        async with trio.open_nursery() as requests:
+            for n in range(30):
+                requests.start_soon(one, replicas[n % 3][0])
+        elapsed = trio.current_time() - started
+    passed = [r for r in answers if r.status_code == 200]
+    assert {r.status_code for r in answers} == {200, 429}
+    used = sum(r.json()["usage"]["total_tokens"] for r in passed)
+    # Each reservation is at least what it used, and every one is settled now.
+    assert used <= 1.05 * (1200 + 20 * elapsed), (used, elapsed)
+    assert len(passed) >= 1200 // token_reservation(chat_body(max_tokens=100))
 
 
 def command_calls(redis: RedisServer, name: str) -> int:
