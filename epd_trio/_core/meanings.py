@@ -97,8 +97,8 @@ MEANINGS: dict[str, Meaning] = {
     "max_inflight": Meaning("client requests in flight at once, streams included", "requests"),
     "tenants": Meaning("tenants, as [tenants.NAME] tables in the config file or the same "
                        "tables as a JSON object here"),
-    "tenant_header": Meaning("the request header that names a tenant when the request presents "
-                             "no tenant's key", metavar="HEADER"),
+    "tenant_header": Meaning("the request header that names a tenant without keys when the "
+                             "request presents no tenant's key", metavar="HEADER"),
     "priority_aging": Meaning("seconds of waiting in the admission queue that move a request up "
                               "one priority step", "seconds"),
     "shutdown_grace": Meaning("seconds the requests in flight get to end when epd-trio serve is "

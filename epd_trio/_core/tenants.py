@@ -136,14 +136,16 @@ class TenantTable:
 
     def resolve(self, api_key: str | None, named: str | None) -> Tenant:
         """The tenant whose key the request presents, else the one its header names, else
-        ``default``."""
+        ``default``. A tenant with keys is reached by its keys only: a header naming it is
+        ignored, or any client of a plain ``EPD_API_KEYS`` key could take its band and spend
+        its limits."""
         if api_key is not None:
             tenant = self.by_key.get(api_key)
             if tenant is not None:
                 return tenant
         if named is not None:
             tenant = self.by_name.get(named.strip())
-            if tenant is not None:
+            if tenant is not None and not tenant.keys:
                 return tenant
         return self.by_name[DEFAULT_TENANT]
 

@@ -59,13 +59,21 @@ def test_a_malformed_table_is_refused_with_one_line_naming_it(raw: object, line:
 
 
 def test_a_request_is_its_keys_tenant_else_its_headers_else_default() -> None:
-    table = TenantTable(parse_tenants(TABLES))
-    assert table.resolve("sk-int-1", "batch").name == "interactive"  # the key wins
-    assert table.resolve(None, "batch").name == "batch"
-    assert table.resolve("sk-unknown", " batch ").name == "batch"
+    table = TenantTable(parse_tenants({**TABLES, "bulk": {"priority": 2}}))
+    assert table.resolve("sk-int-1", "bulk").name == "interactive"  # the key wins
+    assert table.resolve(None, "bulk").name == "bulk"
+    assert table.resolve("sk-unknown", " bulk ").name == "bulk"
     assert table.resolve(None, "nobody").name == DEFAULT_TENANT
     assert table.resolve(None, None).name == DEFAULT_TENANT
     assert sorted(table.keys) == ["sk-batch", "sk-int-1"]
+
+
+def test_a_header_cannot_name_a_tenant_that_has_keys() -> None:
+    """Else any client of a plain key could take that tenant's band and spend its limits."""
+    table = TenantTable(parse_tenants(TABLES))
+    assert table.resolve(None, "batch").name == DEFAULT_TENANT
+    assert table.resolve("sk-plain", "interactive").name == DEFAULT_TENANT
+    assert table.resolve("sk-batch", "interactive").name == "batch"
 
 
 def test_default_takes_a_table_of_its_own() -> None:

@@ -16,7 +16,7 @@ from epd_trio._core.config import ConfigError, settings_from
 from epd_trio._core.tenants import parse_tenants
 from epd_trio.testing import run_cluster
 
-from helpers import CHAT, Samples, chat_body
+from helpers import CHAT, Samples, chat_body, image
 
 TENANTS = parse_tenants({
     "interactive": {"keys": ["sk-int-1"], "requests_per_minute": 2},
@@ -63,21 +63,26 @@ async def test_over_requests_per_minute_a_tenant_gets_a_429_naming_the_limit(
     (key("sk-batch-1"), -3, 1),         # raising above its tenant's: the tenant's
     (key("sk-batch-1"), 4, 4),          # lowering: allowed
     (key("sk-batch-1"), None, 1),
-    ({**key("sk-plain"), "x-tenant": "batch"}, None, 1),  # no tenant's key: the header
+    ({**key("sk-plain"), "x-tenant": "bulk"}, None, 2),  # no tenant's key: the header
+    ({**key("sk-plain"), "x-tenant": "batch"}, None, None),  # not a tenant with keys: default
     (key("sk-plain"), -2, None),        # default (0): nothing sent, as vLLM's default
 ])
 async def test_the_effective_priority_goes_on_every_leg(
     client: httpx.AsyncClient, headers: dict[str, str], asked: int | None, sent: int | None,
 ) -> None:
-    tenants = parse_tenants({"batch": {"keys": ["sk-batch-1"], "priority": 1}})
-    async with run_cluster(prefills=1, decodes=1, tenants=tenants, api_keys=("sk-plain",),
-                           tenant_header="x-tenant") as c:
+    """Encode (one sub-request per image), prefill and decode all get the effective priority."""
+    tenants = parse_tenants({"batch": {"keys": ["sk-batch-1"], "priority": 1},
+                             "bulk": {"priority": 2}})
+    async with run_cluster(encoders=1, prefills=1, decodes=1, tenants=tenants,
+                           api_keys=("sk-plain",), tenant_header="x-tenant") as c:
         extra = {} if asked is None else {"priority": asked}
-        r = await client.post(c.proxy_url + CHAT, json=chat_body(**extra), headers=headers)
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(image(0), image(1), **extra),
+                              headers=headers)
         assert r.status_code == 200, r.text
-        for server in (*c.prefills, *c.decodes):
-            (received,) = server.requests()
-            assert received.body.get("priority") == sent
+        assert c.encoders[0].requests()
+        for server in (*c.encoders, *c.prefills, *c.decodes):
+            for received in server.requests():
+                assert received.body.get("priority") == sent
 
 
 async def used_in_full(client: httpx.AsyncClient, url: str, **extra: object) -> None:
