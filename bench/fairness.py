@@ -244,11 +244,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def admission_cost(args: argparse.Namespace) -> dict[str, Any]:
-    """CPU per admission (place, priority and per-minute limits, release and settlement), in
-    process, without a server: today's single cap, the fair gate with its limits local, and the
-    fair gate with its limits in a local ``redis-server`` (its wall time: one round trip)."""
+    """CPU per admission (place, priority, the tenant's own cap and per-minute limits, release
+    and settlement), in process, without a server: today's single cap, the fair gate with its
+    limits local, and the fair gate with its limits in a local ``redis-server``: the cap's
+    lease and both buckets taken in its one script (its wall time: one round trip)."""
     n = args.cost_requests
-    tables = {"t": {"keys": ["k"], "requests_per_minute": PER_MINUTE,
+    tables = {"t": {"keys": ["k"], "max_inflight": 10_000, "requests_per_minute": PER_MINUTE,
                     "tokens_per_minute": PER_MINUTE}}
     table = TenantTable(parse_tenants(tables))
     tenant = table.by_name["t"]
@@ -284,9 +285,10 @@ async def admission_cost(args: argparse.Namespace) -> dict[str, Any]:
             with trio.fail_after(10):
                 while link.limits_link is None:
                     await link.next_change()
+            limits = SharedLimits(link, metrics, timeout=settings.state_limits_timeout)
             shared = await fair_loop(FairAdmission(
                 max_inflight=10_000, timeout=1.0, table=table, aging=0.5, observer=metrics,
-                shared=SharedLimits(link, metrics, timeout=settings.state_limits_timeout)))
+                shared=limits, leases=limits))
             nursery.cancel_scope.cancel()
     return {"requests": n, "single_cap_cpu_us": round(single, 1),
             "fair_local_cpu_us": round(local[0], 1), "fair_redis_cpu_us": round(shared[0], 1),
