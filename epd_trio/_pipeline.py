@@ -215,8 +215,14 @@ class RequestRun:
         """Parse and validate the body, then decode with failover: each attempt on its own
         decode slot (``attempt``)."""
         request = parse_request(raw_body, kind)
-        if self.ticket is not None:  # its tenant's priority and token limit, on the body
-            request = replace(request, body=await self.ticket.admitted(request.body))
+        ticket = self.ticket
+        if ticket is not None:  # its tenant's priority and token limit, on the body
+            trace = self.account.trace
+            trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
+            try:
+                request = replace(request, body=await ticket.admitted(request.body))
+            finally:  # a request its limits refuse is logged at its priority too
+                trace.priority = ticket.priority
         self.request = request
         if request.dropped:
             log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",

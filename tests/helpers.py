@@ -73,17 +73,19 @@ def slug(heading: str) -> str:
 
 
 @asynccontextmanager
-async def hold_admission_places(url: str, count: int) -> AsyncIterator[None]:
-    """``count`` chat requests at ``url`` that send their headers and never their body: each
-    holds an admission place (taken before the body is read) until the block ends and its
-    connection closes."""
+async def hold_admission_places(url: str, count: int, api_key: str | None = None
+                                ) -> AsyncIterator[None]:
+    """``count`` chat requests at ``url`` (with ``api_key``, if given) that send their headers
+    and never their body: each holds an admission place (taken before the body is read) until
+    the block ends and its connection closes."""
+    auth = b"" if api_key is None else f"authorization: Bearer {api_key}\r\n".encode()
     parts = urlsplit(url)
     async with AsyncExitStack() as held:
         for _ in range(count):
             stream = await held.enter_async_context(
                 await trio.open_tcp_stream(parts.hostname, parts.port))
-            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                                  b"content-type: application/json\r\ncontent-length: 100"
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n" + auth
+                                  + b"content-type: application/json\r\ncontent-length: 100"
                                   b"\r\n\r\n{")
         yield
 

@@ -140,7 +140,7 @@ class Ticket:
     reservation (``admitted``), and the settlement of what it used (``settle``)."""
 
     __slots__ = ("_admission", "_events", "_prompt", "_reserved", "_settled", "_usage",
-                 "deadline", "holds_place", "lease", "priority", "tenant")
+                 "deadline", "holds_place", "lease", "priority", "queued", "tenant")
 
     def __init__(self, admission: FairAdmission, tenant: Tenant, deadline: float) -> None:
         self._admission = admission
@@ -155,6 +155,9 @@ class Ticket:
         self.holds_place = False
         #: Its place among its tenant's places at every replica (``PlaceLeases``), once taken.
         self.lease: bytes | None = None
+        #: Seconds it waited in the queue for a place, every wait summed (the request log's
+        #: ``queued_s``: its trace starts when it is admitted).
+        self.queued = 0.0
         self._reserved = 0
         self._prompt = 0
         self._events = 0
@@ -269,7 +272,7 @@ class FairAdmission:
     async def enter(self, tenant: Tenant, resources: AsyncExitStack) -> Ticket:
         """Admit a request of ``tenant`` (released when ``resources`` close); its ticket."""
         ticket = Ticket(self, tenant, trio.current_time() + self._timeout)
-        await self._take_place(tenant, ticket.deadline)
+        ticket.queued = await self._take_place(tenant, ticket.deadline)
         ticket.holds_place = True
         resources.callback(ticket.close)
         return ticket
@@ -332,17 +335,18 @@ class FairAdmission:
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
 
-    async def _take_place(self, tenant: Tenant, deadline: float, *, again: bool = False) -> None:
-        """One of this process's places for ``tenant`` by ``deadline`` (trio's clock); ``again``: its
-        request was admitted once already (counted then), and lost the place to the shared
-        store's leases."""
+    async def _take_place(self, tenant: Tenant, deadline: float, *, again: bool = False
+                          ) -> float:
+        """One of this process's places for ``tenant`` by ``deadline`` (trio's clock), and
+        how long it waited in the queue for it; ``again``: its request was admitted once
+        already (counted then), and lost the place to the shared store's leases."""
         observer, name, band = self._observer, tenant.name, tenant.priority
         # Every release hands its place to the queue first, so a free place means that every
         # waiter is held by its own tenant's cap: a newcomer that may start jumps no one.
         if self._try_start(tenant):
             if observer is not None and not again:
                 observer.tenant_admitted(name, band, 0.0)
-            return
+            return 0.0
         admitted = trio.Event()
         enqueued = self._clock()
         waiter = Waiter(tenant=name, priority=band, weight=tenant.weight, enqueued=enqueued,
@@ -363,9 +367,10 @@ class FairAdmission:
                     observer.tenant_queued(name, band, -1)
             raise
         if admitted.is_set():
+            waited = self._clock() - enqueued
             if observer is not None and not again:  # its queue count went down at its wake
-                observer.tenant_admitted(name, band, self._clock() - enqueued)
-            return
+                observer.tenant_admitted(name, band, waited)
+            return waited
         waiter.cancelled = True
         cap = tenant.max_inflight
         held = cap is not None and self._at_cap(tenant)
@@ -491,7 +496,7 @@ class FairAdmission:
         self._held_elsewhere.add(tenant.name)
         ticket.holds_place = False
         self.release(tenant)
-        await self._take_place(tenant, ticket.deadline, again=True)
+        ticket.queued += await self._take_place(tenant, ticket.deadline, again=True)
         ticket.holds_place = True
 
     def give_lease(self, tenant: Tenant, lease: bytes) -> None:

@@ -143,6 +143,12 @@ class RequestTrace:
     #: ``(prompt_tokens, completion_tokens)`` when the answer reported them and it was read
     #: for a sampled trace.
     usage: tuple[int, int] | None = None
+    #: Fair admission: the request's tenant, its effective priority, and the seconds it
+    #: waited for a place before its trace started (None without tenants; a request refused
+    #: at admission has its tenant only, its wait being its whole duration).
+    tenant: str | None = None
+    priority: int | None = None
+    queued: float | None = None
 
 
 def outcome_of(error: ProxyError) -> str:
@@ -219,6 +225,12 @@ def request_fields(trace: RequestTrace, finished: float) -> dict[str, Any]:
             for stage, (trust, tokens) in trace.kv_decisions.items()}}
     if trace.prefill_bypassed:
         fields["prefill_bypassed"] = True
+    if trace.tenant is not None:
+        fields["tenant"] = trace.tenant
+    if trace.priority is not None:
+        fields["priority"] = trace.priority
+    if trace.queued is not None:
+        fields["queued_s"] = round(trace.queued, 6)
     if trace.cancelled_stage is not None:
         fields["cancelled_stage"] = trace.cancelled_stage
     if trace.error is not None:

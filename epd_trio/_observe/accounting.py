@@ -64,14 +64,15 @@ class Accounting:
                               self.tracing.begin(endpoint, trace_context, started))
 
     def refused(self, endpoint: str, request_id: str, started: float,
-                error: ProxyError) -> None:
+                error: ProxyError, tenant: str | None = None) -> None:
         """A request refused before its body reached the pipeline (a bad key, the admission
         cap, a body over the limit or too slow, another method): counted under its outcome and
         logged like any other request, so a refusal is as visible as an answer. No span:
-        nothing went upstream. ``started``: its ``perf_counter()`` on arrival."""
+        nothing went upstream. ``started``: its ``perf_counter()`` on arrival; ``tenant``:
+        its tenant, when fair admission named it (its wait is then the line's duration)."""
         self.metrics.rejected(endpoint, error)
         if self.request_log:
-            trace = RequestTrace(request_id, endpoint, started)
+            trace = RequestTrace(request_id, endpoint, started, tenant=tenant)
             trace.outcome, trace.status, trace.error = (outcome_of(error), error.status,
                                                         error.message)
             log_request(trace, time.perf_counter())

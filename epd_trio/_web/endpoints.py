@@ -106,9 +106,10 @@ class CompletionEndpoints:
             self.drain.discard(entry)
 
     async def _refuse(self, path: str, request_id: str, started: float, send: Send,
-                      error: ProxyError) -> None:
-        """Answer ``error`` before the pipeline ran: counted and logged like any request."""
-        self._proxy.pipeline.accounting.refused(path, request_id, started, error)
+                      error: ProxyError, tenant: str | None = None) -> None:
+        """Answer ``error`` before the pipeline ran: counted and logged like any request
+        (``tenant``: its tenant, once fair admission named it)."""
+        self._proxy.pipeline.accounting.refused(path, request_id, started, error, tenant)
         await _send_error(send, error, {"x-request-id": request_id})
 
     async def _handle(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
@@ -118,6 +119,7 @@ class CompletionEndpoints:
         task that cancels it on ``http.disconnect`` (no ``ClientGone`` to do it)."""
         headers = scope["headers"]
         ticket: Ticket | None = None
+        tenant: str | None = None
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(scope["method"])
@@ -125,7 +127,9 @@ class CompletionEndpoints:
                 self._client_keys.check(_header(headers, b"authorization"))
             admission = self._admission  # before reading it too: the cap bounds memory
             if isinstance(admission, FairAdmission):
-                ticket = await admission.enter(admission.tenant_of(headers), resources)
+                named = admission.tenant_of(headers)
+                tenant = named.name
+                ticket = await admission.enter(named, resources)
             elif admission is not None:
                 await admission.enter(resources)
             with trio.move_on_after(self._body_timeout) as reading:
@@ -137,7 +141,7 @@ class CompletionEndpoints:
             return
         except ProxyError as exc:
             entry.started = True
-            await self._refuse(scope["path"], request_id, started, send, exc)
+            await self._refuse(scope["path"], request_id, started, send, exc, tenant)
             return
         traceparent = _header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None

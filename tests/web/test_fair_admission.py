@@ -4,6 +4,7 @@ cancelled); a malformed table refused at start."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -14,9 +15,9 @@ import trio.testing
 
 from epd_trio._core.config import ConfigError, settings_from
 from epd_trio._core.tenants import parse_tenants
-from epd_trio.testing import run_cluster
+from epd_trio.testing import Cluster, run_cluster
 
-from helpers import CHAT, Samples, chat_body, image
+from helpers import CHAT, Samples, chat_body, hold_admission_places, image, metric
 
 TENANTS = parse_tenants({
     "interactive": {"keys": ["sk-int-1"], "requests_per_minute": 2},
@@ -27,6 +28,15 @@ TENANTS = parse_tenants({
 
 def key(value: str) -> dict[str, str]:
     return {"authorization": f"Bearer {value}"}
+
+
+def queued(c: Cluster, tenant: str) -> float:
+    return metric(c.proxy, "epd_trio_tenant_queue_depth", tenant=tenant, priority="0")
+
+
+def admitted(c: Cluster, tenant: str, priority: int) -> float:
+    return metric(c.proxy, "epd_trio_tenant_admitted_total", tenant=tenant,
+                  priority=str(priority))
 
 
 async def test_over_requests_per_minute_a_tenant_gets_a_429_naming_the_limit(
@@ -137,6 +147,75 @@ async def test_a_cancelled_stream_settles_what_it_used(client: httpx.AsyncClient
         r = await client.post(c.proxy_url + CHAT, json=chat_body(max_tokens=1000),
                               headers=key("sk-tpm-1"))
         assert r.status_code == 200, r.text
+
+
+async def test_the_request_log_names_the_tenant_its_priority_and_its_wait(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The request's trace starts once it is admitted, so its wait for a place is a field of
+    its own; a refusal at admission names its tenant."""
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    async with run_cluster(decodes=1, tenants=TENANTS, max_inflight=1, admission_timeout=10,
+                           request_log=True) as c:
+        (decode,) = c.decodes
+        decode.behaviour.hang = True
+        async with trio.open_nursery() as nursery:
+            holder = trio.CancelScope()
+
+            async def hold() -> None:
+                with holder:
+                    await client.post(c.proxy_url + CHAT, json=chat_body(),
+                                      headers={**key("sk-batch-1"), "x-request-id": "holder"})
+
+            nursery.start_soon(hold)
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 1)
+            waited: list[float] = []
+
+            async def wait() -> None:
+                start = trio.current_time()
+                r = await client.post(c.proxy_url + CHAT, json=chat_body(priority=2),
+                                      headers={**key("sk-int-1"), "x-request-id": "waiter"})
+                waited.append(trio.current_time() - start)
+                assert r.status_code == 200, r.text
+
+            nursery.start_soon(wait)
+            with trio.fail_after(10):
+                while not queued(c, "interactive"):  # noqa: ASYNC110
+                    await trio.sleep(0.005)  # the request is on its way: no event to wait on
+            decode.behaviour.hang = False
+            holder.cancel()
+        # Over its requests_per_minute (2), refused once its body is read.
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={**key("sk-int-1"), "x-request-id": "limited"})
+        assert r.status_code == 200
+        r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                              headers={**key("sk-int-1"), "x-request-id": "refused"})
+        assert r.status_code == 429
+    # Refused before its body, for want of a place: its tenant is all the line knows.
+    async with run_cluster(decodes=1, tenants=TENANTS, max_inflight=1, admission_timeout=0,
+                           request_log=True) as c:
+        async with hold_admission_places(c.proxy_url, 1, api_key="sk-batch-1"):
+            with trio.fail_after(10):
+                while not admitted(c, "batch", priority=1):  # noqa: ASYNC110
+                    await trio.sleep(0.005)  # its headers are on their way
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(),
+                                  headers={**key("sk-batch-1"), "x-request-id": "full"})
+        assert r.status_code == 503
+    lines = {f["request_id"]: f for rec in caplog.records if rec.name == "epd_trio.requests"
+             for f in [rec.fields]}  # type: ignore[attr-defined]
+    holder_line, waiter_line = lines["holder"], lines["waiter"]
+    assert (holder_line["tenant"], holder_line["priority"]) == ("batch", 1)
+    assert holder_line["queued_s"] == 0.0 and holder_line["outcome"] == "cancelled"
+    assert (waiter_line["tenant"], waiter_line["priority"]) == ("interactive", 2)
+    assert 0 < waiter_line["queued_s"] <= waited[0]  # its wait, outside its duration
+    assert waiter_line["queued_s"] + waiter_line["duration_s"] <= waited[0]
+    refused = lines["refused"]
+    assert (refused["tenant"], refused["priority"], refused["status"]) == ("interactive", 0, 429)
+    assert refused["outcome"] == "rate_limited"
+    full = lines["full"]
+    assert (full["tenant"], full["outcome"]) == ("batch", "overloaded")
+    assert "priority" not in full and "queued_s" not in full
 
 
 def test_a_malformed_table_is_refused_with_one_line_naming_it() -> None:
