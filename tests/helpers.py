@@ -90,6 +90,14 @@ async def hold_admission_places(url: str, count: int, api_key: str | None = None
         yield
 
 
+async def post_until_cancelled(client: httpx.AsyncClient, url: str, scope: trio.CancelScope,
+                               **request: Any) -> None:
+    """POST to ``url`` (``request``: httpx's arguments) until ``scope`` is cancelled: a
+    request that holds its place while its decode hangs."""
+    with scope:
+        await client.post(url, **request)
+
+
 class Samples:
     """A parsed ``/metrics`` scrape: sample values by name and labels."""
 

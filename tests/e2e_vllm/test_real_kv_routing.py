@@ -312,6 +312,16 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
     observe(f"render keys == BlockStored keys: {found} (blocks, salt, block 0's extra keys)")
 
 
+async def next_message(sub: zmq.Socket[bytes]) -> list[bytes]:
+    """The next message on ``sub``, its frames: pyzmq has no trio integration, so the socket
+    is polled."""
+    while True:
+        try:
+            return sub.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            await trio.sleep(0.05)
+
+
 async def until_subscribed(sub: zmq.Socket[bytes], client: httpx.AsyncClient, url: str) -> None:
     """Return once ``sub`` receives what the engine publishes: a PUB socket drops what it sends
     before a new subscription reaches it (ZMQ's slow joiner), and no wait is known to be long
@@ -321,12 +331,7 @@ async def until_subscribed(sub: zmq.Socket[bytes], client: httpx.AsyncClient, ur
             r = await client.post(url + CHAT, json=chat(new_prefix()))
             assert r.status_code == 200, r.text
             with trio.move_on_after(2.0):  # lost if sent before the subscription: send another
-                while True:
-                    try:
-                        sub.recv_multipart(zmq.NOBLOCK)
-                        break
-                    except zmq.Again:
-                        await trio.sleep(0.05)  # pyzmq has no trio integration: poll the socket
+                await next_message(sub)
                 return
 
 
@@ -339,12 +344,7 @@ async def stored_events(sub: zmq.Socket[bytes], token_ids: Sequence[int],
     offset = 0
     with trio.fail_after(EVENTS_DEADLINE):
         while sum(len(event.block_hashes) for event in stored) < blocks:
-            try:
-                frames = sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                await trio.sleep(0.05)  # pyzmq has no trio integration: poll the socket
-                continue
-            _topic, _seq, payload = split_message(frames)
+            _topic, _seq, payload = split_message(await next_message(sub))
             for event in decode_batch(payload).events:
                 tokens = list(event.token_ids) if isinstance(event, BlockStored) else []
                 if tokens and tokens == list(token_ids[offset:offset + len(tokens)]):

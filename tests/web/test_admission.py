@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -14,7 +15,7 @@ import trio.testing
 
 from epd_trio.testing import Cluster, FakeVLLM, run_cluster
 
-from helpers import CHAT, Samples, chat_body
+from helpers import CHAT, Samples, chat_body, post_until_cancelled
 
 
 @asynccontextmanager
@@ -29,12 +30,8 @@ async def one_place_taken(
         decode.behaviour.hang = True
         async with trio.open_nursery() as nursery:
             holder = trio.CancelScope()
-
-            async def hold() -> None:
-                with holder:
-                    await client.post(c.proxy_url + CHAT, json=chat_body())
-
-            nursery.start_soon(hold)
+            nursery.start_soon(partial(post_until_cancelled, client, c.proxy_url + CHAT, holder,
+                                       json=chat_body()))
             with trio.fail_after(10):
                 await decode.wait_until(lambda: len(decode.requests()) == 1)
             yield c, decode, holder

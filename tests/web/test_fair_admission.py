@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from functools import partial
 
 import httpx
 import pytest
@@ -17,7 +18,7 @@ from epd_trio._core.config import ConfigError, settings_from
 from epd_trio._core.tenants import parse_tenants
 from epd_trio.testing import Cluster, run_cluster
 
-from helpers import CHAT, Samples, chat_body, hold_admission_places, image, metric
+from helpers import CHAT, Samples, chat_body, hold_admission_places, image, metric, post_until_cancelled
 
 TENANTS = parse_tenants({
     "interactive": {"keys": ["sk-int-1"], "requests_per_minute": 2},
@@ -161,13 +162,9 @@ async def test_the_request_log_names_the_tenant_its_priority_and_its_wait(
         decode.behaviour.hang = True
         async with trio.open_nursery() as nursery:
             holder = trio.CancelScope()
-
-            async def hold() -> None:
-                with holder:
-                    await client.post(c.proxy_url + CHAT, json=chat_body(),
-                                      headers={**key("sk-batch-1"), "x-request-id": "holder"})
-
-            nursery.start_soon(hold)
+            nursery.start_soon(partial(
+                post_until_cancelled, client, c.proxy_url + CHAT, holder, json=chat_body(),
+                headers={**key("sk-batch-1"), "x-request-id": "holder"}))
             with trio.fail_after(10):
                 await decode.wait_until(lambda: len(decode.requests()) == 1)
             waited: list[float] = []
