@@ -97,7 +97,8 @@ def replica_env(args: argparse.Namespace, mode: str, state_url: str | None, pref
                EPD_ADMISSION_TIMEOUT=str(args.admission_timeout))
     if mode == "fair":
         env.update(EPD_TENANTS=orjson.dumps(TENANTS).decode(),
-                   EPD_PRIORITY_AGING=str(args.aging))
+                   EPD_PRIORITY_AGING=str(args.aging),
+                   EPD_PRIORITY_HEADROOM=str(args.headroom))
     else:
         env["EPD_API_KEYS"] = ",".join(KEYS.values())
     if state_url is not None:
@@ -329,6 +330,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share", type=float, default=0.1,
                    help="the interactive tenant's rate, as a fraction of capacity")
     p.add_argument("--aging", type=float, default=0.5, help="EPD_PRIORITY_AGING")
+    p.add_argument("--headroom", type=int, default=0, help="EPD_PRIORITY_HEADROOM")
     p.add_argument("--admission-timeout", type=float, default=30.0)
     p.add_argument("--max-tokens", type=int, default=10,
                    help="the interactive tenant's completion length")

@@ -122,7 +122,8 @@ def create_app(
                               else None if shared is None else shared.buckets),
                       places=(shared.places
                               if shared is not None and proxy.state is None else None),
-                      leases=shared_limits, observer=proxy.metrics)
+                      leases=shared_limits, observer=proxy.metrics,
+                      headroom=settings.priority_headroom)
         if settings.tenants or settings.tenant_header is not None
         else Admission(settings.max_inflight, settings.admission_timeout))
     if isinstance(admission, FairAdmission) and proxy.state is not None:

@@ -32,6 +32,7 @@ store ask again at its next read of the others' counts (``refresh``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
@@ -220,8 +221,13 @@ class FairAdmission:
                  aging: float, tenant_header: str | None = None,
                  clock: Clock = trio.current_time, shared: SharedBuckets | None = None,
                  places: SharedPlaces | None = None, leases: PlaceLeases | None = None,
-                 observer: AdmissionObserver | None = None) -> None:
+                 observer: AdmissionObserver | None = None, headroom: int = 0) -> None:
         self._max = max_inflight
+        #: Places above ``max_inflight`` that only a band better than one in flight may take
+        #: (``EPD_PRIORITY_HEADROOM``, ``_has_place``).
+        self._headroom = headroom
+        #: This process's requests in flight per band (a band with none has no entry).
+        self._per_band: dict[int, int] = {}
         self._timeout = timeout
         self._table = table
         self._header = None if tenant_header is None else tenant_header.encode("latin-1")
@@ -305,7 +311,7 @@ class FairAdmission:
         """Start a request of ``tenant`` if this process has a place and its tenant is under
         its cap; with ``places``, the cap's place is taken in one locked step, so two
         workers never both take the last one."""
-        if self._inflight >= self._max:
+        if not self._has_place(tenant.priority):
             return False
         cap, name = tenant.max_inflight, tenant.name
         if cap is not None:
@@ -314,8 +320,28 @@ class FairAdmission:
                     return False
             elif self._at_cap(tenant):
                 return False
-        self._start(name)
+        self._start(tenant)
         return True
+
+    def _has_place(self, band: int) -> bool:
+        """Whether a request of ``band`` may start here: in one of the ``max_inflight``
+        places, or in the headroom above them, which only a band better than one in flight
+        may take. Without it a request of the best band waits outside the engine until a
+        place frees, however the engine schedules (``--scheduling-policy priority`` can only
+        preempt for a request it holds); with it the engine holds it at once, and the band
+        it outranks refills only once the total is back under the cap."""
+        if self._inflight < self._max:
+            return True
+        return self._inflight < self._max + self._headroom and band < self._worst_band()
+
+    def _worst_band(self) -> int | float:
+        return max(self._per_band, default=-math.inf)
+
+    def _outranking_none(self) -> set[str]:
+        """The tenants that may not take the headroom now: none of their band's better than
+        every band in flight."""
+        worst = self._worst_band()
+        return {name for name, tenant in self._table.by_name.items() if tenant.priority >= worst}
 
     def _tenant_inflight(self, name: str) -> int:
         """The tenant's requests in flight: in every worker (``places``); or here, and at
@@ -331,9 +357,11 @@ class FairAdmission:
         """This process's requests in flight per tenant (published to the other replicas)."""
         return {name: n for name, n in self._per_tenant.items() if n}
 
-    def _start(self, name: str) -> None:
+    def _start(self, tenant: Tenant) -> None:
+        name, band = tenant.name, tenant.priority
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
+        self._per_band[band] = self._per_band.get(band, 0) + 1
 
     async def _take_place(self, tenant: Tenant, deadline: float, *, again: bool = False
                           ) -> float:
@@ -392,6 +420,12 @@ class FairAdmission:
         """One of this process's places, held by a request of ``tenant``, is free again."""
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
+        band = tenant.priority
+        left = self._per_band[band] - 1
+        if left:
+            self._per_band[band] = left
+        else:
+            del self._per_band[band]
         if self._places is not None and tenant.max_inflight is not None:
             self._places.give(tenant.name)
         self.dispatch()
@@ -403,8 +437,11 @@ class FairAdmission:
             return
         now = self._clock()
         lost: set[str] = set()
-        while self._inflight < self._max:
-            waiter = self._queue.pop(now, self._blocked() | lost)
+        while self._inflight < self._max + self._headroom:
+            blocked = self._blocked() | lost
+            if self._inflight >= self._max:  # only the headroom is left
+                blocked |= self._outranking_none()
+            waiter = self._queue.pop(now, blocked)
             if waiter is None:
                 return
             if not self._try_start(self._table.by_name[waiter.tenant]):

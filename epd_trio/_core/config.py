@@ -184,6 +184,9 @@ class Settings:
     #: Seconds of waiting that move a queued request up one priority step
     #: (``_core/fair_queue.py``; 0: strict bands, a lower one may starve).
     priority_aging: float = 0.5
+    #: Places above ``max_inflight`` that only a band better than one in flight may take, so
+    #: that the engines' priority scheduling holds it (``_admission/fair.py``; 0: none).
+    priority_headroom: int = 0
     #: The key sent upstream as ``Authorization: Bearer <key>`` on every call to vLLM (its
     #: ``--api-key``), probes and profiling included.
     upstream_api_key: str | None = field(default=None, repr=False)
@@ -626,6 +629,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "tenants": parse_tenants,
     "tenant_header": _header_name,
     "priority_aging": _non_negative_seconds,
+    "priority_headroom": _non_negative_int,
     "upstream_api_key": _secret,
     "metrics": _bool,
     "request_log": _bool,

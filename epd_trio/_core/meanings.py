@@ -101,6 +101,8 @@ MEANINGS: dict[str, Meaning] = {
                              "request presents no tenant's key", metavar="HEADER"),
     "priority_aging": Meaning("seconds of waiting in the admission queue that move a request up "
                               "one priority step", "seconds"),
+    "priority_headroom": Meaning("places above EPD_MAX_INFLIGHT that only a request of a better "
+                                 "priority band than one in flight may take", "places"),
     "shutdown_grace": Meaning("seconds the requests in flight get to end when epd-trio serve is "
                               "told to stop", "seconds"),
     "admission_timeout": Meaning("seconds a request over EPD_MAX_INFLIGHT waits for a place",

@@ -24,11 +24,11 @@ TENANTS = parse_tenants({
 
 
 def gate(max_inflight: int = 1, timeout: float = 30.0, aging: float = 0.0,
-         now: list[float] | None = None) -> FairAdmission:
+         now: list[float] | None = None, headroom: int = 0) -> FairAdmission:
     clock = now if now is not None else [0.0]
     return FairAdmission(max_inflight=max_inflight, timeout=timeout,
                          table=TenantTable(TENANTS), aging=aging,
-                         tenant_header="x-tenant", clock=lambda: clock[0])
+                         tenant_header="x-tenant", clock=lambda: clock[0], headroom=headroom)
 
 
 def tenant(admission: FairAdmission, name: str) -> Tenant:
@@ -90,6 +90,61 @@ async def test_inside_a_band_tenants_take_turns() -> None:
     order = await served_in_order(gate(), ["interactive"] * 4 + ["default"] * 2)
     assert order == ["interactive", "default", "interactive", "default", "interactive",
                      "interactive"]
+
+
+async def test_the_headroom_takes_a_better_band_at_once_and_the_worse_refills_under_the_cap(
+) -> None:
+    """Two places and one of headroom, both places batch's: an interactive request starts at
+    once, a second one waits for the headroom; a batch one waits until the total is under
+    the cap again, never in the headroom."""
+    admission = gate(max_inflight=2, headroom=1)
+    admitted: list[tuple[str, trio.Event]] = []
+    request = partial(hold_a_place, admission, admitted)
+
+    def running() -> list[str]:
+        return sorted(name for name, done in admitted if not done.is_set())
+
+    def finish(name: str) -> None:
+        next(done for who, done in admitted if who == name and not done.is_set()).set()
+
+    async with trio.open_nursery() as nursery:
+        for name in ("batch", "batch", "interactive", "interactive", "batch"):
+            nursery.start_soon(request, name)
+            await trio.testing.wait_all_tasks_blocked()
+        assert running() == ["batch", "batch", "interactive"] and admission.inflight == 3
+        assert admission.depth() == {("interactive", 0): 1, ("batch", 1): 1}
+        finish("batch")  # 2 in flight: the headroom, still outranking a batch in flight
+        await trio.testing.wait_all_tasks_blocked()
+        assert running() == ["batch", "interactive", "interactive"]
+        finish("interactive")  # 2 in flight, at the cap: the batch waiter may not exceed it
+        await trio.testing.wait_all_tasks_blocked()
+        assert running() == ["batch", "interactive"] and admission.depth() == {("batch", 1): 1}
+        finish("interactive")  # under the cap
+        await trio.testing.wait_all_tasks_blocked()
+        assert running() == ["batch", "batch"] and admission.depth() == {}
+        for _ in range(2):
+            finish("batch")
+    assert admission.inflight == 0
+
+
+async def test_the_headroom_is_not_for_a_band_no_better_than_every_one_in_flight() -> None:
+    """One place, one of headroom: behind a batch request another batch one waits; behind an
+    interactive one, so does another interactive one (nothing in flight to outrank)."""
+    for holder, newcomer in (("batch", "batch"), ("interactive", "interactive"),
+                             ("interactive", "batch")):
+        admission = gate(max_inflight=1, headroom=1, timeout=0.05)
+        async with AsyncExitStack() as held:
+            await admission.enter(tenant(admission, holder), held)
+            with pytest.raises(AtCapacity):
+                await admission.enter(tenant(admission, newcomer), AsyncExitStack())
+            assert admission.inflight == 1
+    admission = gate(max_inflight=1, headroom=1, timeout=0.05)
+    async with AsyncExitStack() as held:
+        await admission.enter(tenant(admission, "tpm"), held)  # band 2
+        await admission.enter(tenant(admission, "batch"), held)  # band 1: outranks it
+        with pytest.raises(AtCapacity):  # the headroom is full
+            await admission.enter(tenant(admission, "interactive"), AsyncExitStack())
+        assert admission.inflight == 2
 
 
 async def test_a_waiter_gets_a_503_with_retry_after_at_its_deadline() -> None:

@@ -215,6 +215,30 @@ async def test_the_request_log_names_the_tenant_its_priority_and_its_wait(
     assert "priority" not in full and "queued_s" not in full
 
 
+async def test_with_headroom_a_better_band_reaches_the_engine_past_a_full_cap(
+    client: httpx.AsyncClient,
+) -> None:
+    """``EPD_PRIORITY_HEADROOM=1`` over one place held by a batch request: an interactive
+    request is answered at once, a second batch one is not let past the cap."""
+    async with run_cluster(decodes=1, tenants=TENANTS, max_inflight=1, admission_timeout=0,
+                           priority_headroom=1) as c:
+        (decode,) = c.decodes
+        decode.behaviour.hang = True
+        async with trio.open_nursery() as nursery:
+            holder = trio.CancelScope()
+            nursery.start_soon(partial(post_until_cancelled, client, c.proxy_url + CHAT, holder,
+                                       json=chat_body(), headers=key("sk-batch-1")))
+            with trio.fail_after(10):
+                await decode.wait_until(lambda: len(decode.requests()) == 1)
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers=key("sk-batch-1"))
+            assert r.status_code == 503  # the cap holds for its own band
+            decode.behaviour.hang = False
+            r = await client.post(c.proxy_url + CHAT, json=chat_body(), headers=key("sk-int-1"))
+            assert r.status_code == 200, r.text
+            assert len(decode.requests()) == 2
+            holder.cancel()
+
+
 def test_a_malformed_table_is_refused_with_one_line_naming_it() -> None:
     with pytest.raises(ConfigError) as env:
         settings_from({"EPD_DECODE_URLS": "http://d:1",
