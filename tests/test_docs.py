@@ -332,6 +332,7 @@ async def test_metrics_page_lists_what_tenants_add(client: httpx.AsyncClient) ->
         metrics.tenant_queued("default", 0, 1)
         metrics.tenant_admitted("default", 0, 0.5)
         metrics.tenant_rejected("default", 0, "deadline")
+        metrics.tenant_headroom("default", 0)
         metrics.tenant_settled("default", 0, 10)
         text = (await client.get(c.proxy_url + "/metrics")).text
     check_family_rows(text, TENANT_METRICS)

@@ -70,6 +70,7 @@ class AdmissionObserver(Protocol):
 
     def tenant_queued(self, tenant: str, priority: int, delta: int) -> None: ...
     def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None: ...
+    def tenant_headroom(self, tenant: str, priority: int) -> None: ...
     def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None: ...
     def tenant_settled(self, tenant: str, priority: int, tokens: int) -> None: ...
 
@@ -359,6 +360,8 @@ class FairAdmission:
 
     def _start(self, tenant: Tenant) -> None:
         name, band = tenant.name, tenant.priority
+        if self._inflight >= self._max and self._observer is not None:
+            self._observer.tenant_headroom(name, band)
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
         self._per_band[band] = self._per_band.get(band, 0) + 1

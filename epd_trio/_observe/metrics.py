@@ -203,6 +203,10 @@ class ProxyMetrics:
         self._tenant_admitted = tenant_metric(
             Counter, "epd_trio_tenant_admitted", "Requests admitted, per tenant and band",
             ["tenant", "priority"])
+        self._tenant_headroom = tenant_metric(
+            Counter, "epd_trio_tenant_headroom_admitted",
+            "Requests started above EPD_MAX_INFLIGHT, in EPD_PRIORITY_HEADROOM, per tenant and "
+            "band", ["tenant", "priority"])
         self._tenant_rejected = tenant_metric(
             Counter, "epd_trio_tenant_rejected",
             "Requests refused by admission, per tenant, band and reason (the limit's name, or "
@@ -393,6 +397,9 @@ class ProxyMetrics:
     def tenant_admitted(self, tenant: str, priority: int, waited: float) -> None:
         self._tenant_child(self._tenant_admitted, tenant, priority).inc()
         self._tenant_child(self._tenant_wait, tenant, priority).observe(waited)
+
+    def tenant_headroom(self, tenant: str, priority: int) -> None:
+        self._tenant_child(self._tenant_headroom, tenant, priority).inc()
 
     def tenant_rejected(self, tenant: str, priority: int, reason: str) -> None:
         self._tenant_rejected.labels(tenant, str(priority), reason).inc()

@@ -237,6 +237,9 @@ async def test_with_headroom_a_better_band_reaches_the_engine_past_a_full_cap(
             assert r.status_code == 200, r.text
             assert len(decode.requests()) == 2
             holder.cancel()
+        assert [metric(c.proxy, "epd_trio_tenant_headroom_admitted_total", tenant=name,
+                       priority=band) for name, band in (("interactive", "0"), ("batch", "1"))
+                ] == [1, 0]
 
 
 def test_a_malformed_table_is_refused_with_one_line_naming_it() -> None:
