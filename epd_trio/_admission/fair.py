@@ -227,8 +227,6 @@ class FairAdmission:
         #: Places above ``max_inflight`` that only a band better than one in flight may take
         #: (``EPD_PRIORITY_HEADROOM``, ``_has_place``).
         self._headroom = headroom
-        #: This process's requests in flight per band (a band with none has no entry).
-        self._per_band: dict[int, int] = {}
         self._timeout = timeout
         self._table = table
         self._header = None if tenant_header is None else tenant_header.encode("latin-1")
@@ -336,7 +334,11 @@ class FairAdmission:
         return self._inflight < self._max + self._headroom and band < self._worst_band()
 
     def _worst_band(self) -> int | float:
-        return max(self._per_band, default=-math.inf)
+        """The largest priority number among this process's requests in flight (read only at
+        the cap, so derived from the per-tenant counts rather than kept per band)."""
+        by_name = self._table.by_name
+        return max((by_name[name].priority for name, n in self._per_tenant.items() if n),
+                   default=-math.inf)
 
     def _outranking_none(self) -> set[str]:
         """The tenants that may not take the headroom now: none of their band's better than
@@ -359,12 +361,11 @@ class FairAdmission:
         return {name: n for name, n in self._per_tenant.items() if n}
 
     def _start(self, tenant: Tenant) -> None:
-        name, band = tenant.name, tenant.priority
+        name = tenant.name
         if self._inflight >= self._max and self._observer is not None:
-            self._observer.tenant_headroom(name, band)
+            self._observer.tenant_headroom(name, tenant.priority)
         self._inflight += 1
         self._per_tenant[name] = self._per_tenant.get(name, 0) + 1
-        self._per_band[band] = self._per_band.get(band, 0) + 1
 
     async def _take_place(self, tenant: Tenant, deadline: float, *, again: bool = False
                           ) -> float:
@@ -423,12 +424,6 @@ class FairAdmission:
         """One of this process's places, held by a request of ``tenant``, is free again."""
         self._inflight -= 1
         self._per_tenant[tenant.name] -= 1
-        band = tenant.priority
-        left = self._per_band[band] - 1
-        if left:
-            self._per_band[band] = left
-        else:
-            del self._per_band[band]
         if self._places is not None and tenant.max_inflight is not None:
             self._places.give(tenant.name)
         self.dispatch()
