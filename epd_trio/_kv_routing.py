@@ -184,9 +184,10 @@ class KvRouting:
         salt = body.get("cache_salt")
         keys = prompt.keys(self.events.index.block_size,
                            cache_salt=salt if isinstance(salt, str) else None)
-        held = self.events.match(keys)
+        cached = CachedPrefix.reusable(len(prompt.token_ids), self.events.match(keys),
+                                       self.events.index.block_size)
         self._metrics.looked_up(time.perf_counter() - started)
-        return KvLookup(CachedPrefix(len(prompt.token_ids), held), keys)
+        return KvLookup(cached, keys)
 
     async def _render(self, path: str, body: dict[str, Any], request_id: str,
                       account: Decisions) -> Any:

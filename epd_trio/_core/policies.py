@@ -197,6 +197,17 @@ class CachedPrefix:
     prompt_tokens: int
     held: Mapping[SlotKey, int]
 
+    @classmethod
+    def reusable(cls, prompt_tokens: int, matched: Mapping[SlotKey, int],
+                 block_size: int) -> CachedPrefix:
+        """What each slot will reuse of its ``matched`` tokens: a vLLM engine computes at
+        least the prompt's last token to get its logits, so it reuses no more than the full
+        blocks before that token. A prompt of exactly N cached blocks reuses N - 1; counting
+        N would skip a prefill leg whose last block decode then computes anyway."""
+        cap = (prompt_tokens - 1) // block_size * block_size if prompt_tokens else 0
+        held = {slot: min(tokens, cap) for slot, tokens in matched.items() if min(tokens, cap)}
+        return cls(prompt_tokens, held)
+
     def uncached(self, slot: SlotKey) -> int:
         """The prompt's tokens ``slot`` would have to compute (the prefill bypass reads it)."""
         return self.prompt_tokens - self.held.get(slot, 0)

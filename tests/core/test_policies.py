@@ -435,6 +435,16 @@ def test_precise_cache_aware_routes_on_what_the_engines_hold_else_like_cache_awa
     assert CachedPrefix(128, {A: 96}).uncached(B) == 128
 
 
+def test_an_engine_reuses_no_block_holding_the_prompts_last_token() -> None:
+    # vLLM computes the last token for its logits: 4 cached blocks of a 128-token prompt give
+    # 3 reused, so the bypass sees 32 tokens to compute; a 129-token prompt reuses all 4.
+    exact = CachedPrefix.reusable(128, {A: 128, B: 96, C: 0}, 32)
+    assert exact.held == {A: 96, B: 96} and exact.uncached(A) == 32
+    assert CachedPrefix.reusable(129, {A: 128}, 32).held == {A: 128}
+    assert CachedPrefix.reusable(32, {A: 32}, 32).held == {}
+    assert CachedPrefix.reusable(0, {}, 32).held == {}
+
+
 def test_the_encode_stage_takes_no_precise_policy() -> None:
     assert "precise_cache_aware" in POLICIES and "precise_cache_aware" not in ENCODE_POLICIES
     with pytest.raises(ConfigError, match="EPD_ENCODE_POLICY"):

@@ -27,7 +27,7 @@ import zmq
 from epd_trio import Proxy, Settings
 from epd_trio._core.routing import parse_instance
 from epd_trio._kv.keys import ROOT_KEY, chain_keys, request_keys
-from epd_trio._kv.prompt import rendered_prompt
+from epd_trio._kv.prompt import RenderedPrompt, rendered_prompt
 from epd_trio._kv.wire import BlockStored, decode_batch, split_message
 from epd_trio.testing import serve_proxy
 
@@ -133,14 +133,27 @@ def sent(proxy: Proxy, servers: Cluster) -> dict[str, int]:
             for name in ("prefill0", "prefill1")}
 
 
-async def rendered_keys(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
-    """The index keys of ``body``'s prompt, from ``url``'s render endpoint."""
+async def rendered(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RenderedPrompt:
+    """``body``'s prompt, from ``url``'s render endpoint."""
     response = await client.post(url + CHAT + "/render", json=body)
     assert response.status_code == 200, response.text
     prompt = rendered_prompt(response.json())
     assert prompt is not None
-    salt = body.get("cache_salt")
-    return prompt.keys(KV_BLOCK_SIZE, cache_salt=salt)
+    return prompt
+
+
+async def rendered_keys(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[int]:
+    """The index keys of ``body``'s prompt, from ``url``'s render endpoint."""
+    prompt = await rendered(client, url, body)
+    return prompt.keys(KV_BLOCK_SIZE, cache_salt=body.get("cache_salt"))
+
+
+def reusable_tokens(prompt: RenderedPrompt) -> int:
+    """The cached tokens vLLM reports for ``prompt`` when every full block of it is cached.
+    vLLM recomputes at least the last token to get its logits, so a prompt of exactly N
+    blocks reuses N - 1 of them (the prompts' random tags make either length happen)."""
+    full = len(prompt.keys(KV_BLOCK_SIZE))
+    return min(full, (len(prompt.token_ids) - 1) // KV_BLOCK_SIZE) * KV_BLOCK_SIZE
 
 
 # -- tests -----------------------------------------------------------------------------------------
@@ -229,7 +242,8 @@ async def test_a_decode_publishes_the_blocks_it_pulled_over_nixl(
         r = await client.post(url + CHAT, json=chat(prefix))
         assert r.status_code == 200, r.text
         (prefill,) = [name for name, count in sent(proxy, kv_servers).items() if count == 1]
-        keys = await rendered_keys(client, kv_servers.url(prefill), chat(prefix))
+        prompt = await rendered(client, kv_servers.url(prefill), chat(prefix))
+        keys = prompt.keys(KV_BLOCK_SIZE)
         await until(proxy, lambda: proxy.kv is not None and proxy.kv.events.match(keys).get(
             (decode, None), 0) >= len(keys) * KV_BLOCK_SIZE)
         held = proxy.kv.events.match(keys) if proxy.kv is not None else {}
@@ -241,11 +255,31 @@ async def test_a_decode_publishes_the_blocks_it_pulled_over_nixl(
     hits = await vllm_metric(client, decode, PREFIX_HITS)
     again = await client.post(decode + CHAT, json=chat(prefix))
     cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == len(keys) * KV_BLOCK_SIZE
+    assert cached == reusable_tokens(prompt)
     assert await vllm_metric(client, decode, PREFIX_HITS) - hits == cached
     observe(f"decode published the {len(keys)} blocks it pulled over NIXL from {prefill} "
             f"(its prompt tokens counted +{counted:g}); a direct request then had {cached} "
             "cached tokens")
+
+
+def holds_all(proxy: Proxy, slot: str, keys: list[int]) -> bool:
+    """Whether the proxy's index has every block of ``keys`` on ``slot``."""
+    return proxy.kv is not None and proxy.kv.events.match(keys).get(
+        (slot, None), 0) >= len(keys) * KV_BLOCK_SIZE
+
+
+async def sized_prefix(client: httpx.AsyncClient, url: str, *,
+                       whole_blocks: bool) -> tuple[str, RenderedPrompt]:
+    """A new prefix whose prompt is (or is not) a whole number of blocks: vLLM reuses one
+    block less of the former, so the bypass test takes one of each, not whichever it drew."""
+    text = new_prefix()
+    for _ in range(4 * KV_BLOCK_SIZE):
+        prompt = await rendered(client, url, chat(text))
+        if (len(prompt.token_ids) % KV_BLOCK_SIZE == 0) == whole_blocks:
+            return text, prompt
+        text += " z"
+    raise AssertionError(f"no prompt of whole_blocks={whole_blocks} within {4 * KV_BLOCK_SIZE} "
+                         "appended words")
 
 
 async def test_the_prefill_leg_is_skipped_when_decode_holds_the_pulled_prompt(
@@ -253,26 +287,30 @@ async def test_the_prefill_leg_is_skipped_when_decode_holds_the_pulled_prompt(
 ) -> None:
     """The bypass on real vLLM: a request's blocks, pulled by decode, let the next request with
     the same prompt skip its prefill leg (EPD_PD_UNCACHED_TOKEN_THRESHOLD covers the partial
-    last block), and decode serves it from its prefix cache."""
-    prefix = new_prefix()
+    last block, or the last whole block, which vLLM computes again), and decode serves it from
+    its prefix cache."""
     decode = kv_servers.url("decode")
+    seen = []
     async with proxy_over(kv_servers, decode_policy="precise_cache_aware",
                           pd_uncached_token_threshold=KV_BLOCK_SIZE) as (url, proxy):
-        r = await client.post(url + CHAT, json=chat(prefix))
-        assert r.status_code == 200, r.text
-        keys = await rendered_keys(client, decode, chat(prefix))
-        await until(proxy, lambda: proxy.kv is not None and proxy.kv.events.match(keys).get(
-            (decode, None), 0) >= len(keys) * KV_BLOCK_SIZE)
-        before, hits = sent(proxy, kv_servers), await vllm_metric(client, decode, PREFIX_HITS)
-        again = await client.post(url + CHAT, json=chat(prefix))
-        assert again.status_code == 200, again.text
-        assert sent(proxy, kv_servers) == before  # no prefill leg
-        assert proxy_metric(proxy, "epd_trio_prefill_bypassed_total") == 1
-        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == \
-            len(keys) * KV_BLOCK_SIZE
-        assert await vllm_metric(client, decode, PREFIX_HITS) - hits == len(keys) * KV_BLOCK_SIZE
-    observe(f"second request of a {len(keys)}-block prompt went to decode alone, "
-            f"{len(keys) * KV_BLOCK_SIZE} tokens from its prefix cache")
+        for bypassed, whole_blocks in enumerate((False, True), start=1):
+            prefix, prompt = await sized_prefix(client, decode, whole_blocks=whole_blocks)
+            keys = prompt.keys(KV_BLOCK_SIZE)
+            r = await client.post(url + CHAT, json=chat(prefix))
+            assert r.status_code == 200, r.text
+            await until(proxy, partial(holds_all, proxy, decode, keys))
+            before = sent(proxy, kv_servers)
+            hits = await vllm_metric(client, decode, PREFIX_HITS)
+            again = await client.post(url + CHAT, json=chat(prefix))
+            assert again.status_code == 200, again.text
+            assert sent(proxy, kv_servers) == before  # no prefill leg
+            assert proxy_metric(proxy, "epd_trio_prefill_bypassed_total") == bypassed
+            cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == reusable_tokens(prompt)
+            assert cached == (len(keys) - whole_blocks) * KV_BLOCK_SIZE
+            assert await vllm_metric(client, decode, PREFIX_HITS) - hits == cached
+            seen.append(f"{len(prompt.token_ids)} tokens: {cached} from decode's prefix cache")
+    observe("second request of a prompt went to decode alone; " + ", ".join(seen))
 
 
 async def test_the_render_keys_match_the_blocks_vllm_published(
@@ -292,10 +330,8 @@ async def test_the_render_keys_match_the_blocks_vllm_published(
         found = []
         for salt in (None, f"salt-{secrets.token_hex(4)}"):
             body = chat(new_prefix(), **({"cache_salt": salt} if salt else {}))
-            rendered = await client.post(url + CHAT + "/render", json=body)
-            assert rendered.status_code == 200, rendered.text
-            prompt = rendered_prompt(rendered.json())
-            assert prompt is not None and prompt.media == ()
+            prompt = await rendered(client, url, body)
+            assert prompt.media == ()
             expected = request_keys(prompt.token_ids, KV_BLOCK_SIZE, cache_salt=salt)
             r = await client.post(url + CHAT, json=body)
             assert r.status_code == 200, r.text
