@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 import trio
@@ -72,6 +73,49 @@ def _send(reply: Reply) -> Response:
     return Response(reply.body, status=reply.status, headers=reply.headers)
 
 
+@dataclass(frozen=True, slots=True)
+class _AdmissionWiring:
+    """The admission gate of one app, and what it needs running: a plain cap without tenants,
+    else the fair gate with its limits in Redis (``EPD_STATE_URL``), in the workers' shared
+    memory (``--workers N``), or in this process."""
+
+    admission: Admission | FairAdmission
+    #: The tenants' buckets and place leases in Redis, with ``EPD_STATE_URL``.
+    shared_limits: SharedLimits | None
+    #: Whether some tenant has a ``max_inflight``: only then are places leased in Redis.
+    leases_places: bool
+
+    @classmethod
+    def build(cls, settings: Settings, tenants: TenantTable, proxy: Proxy,
+              shared: SharedRoutingState | None) -> _AdmissionWiring:
+        if not settings.tenants and settings.tenant_header is None:
+            return cls(Admission(settings.max_inflight, settings.admission_timeout), None, False)
+        limits = (None if proxy.state is None else
+                  SharedLimits(proxy.state, proxy.metrics, timeout=settings.state_limits_timeout))
+        fair = FairAdmission(
+            max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
+            table=tenants, aging=settings.priority_aging, tenant_header=settings.tenant_header,
+            shared=(limits if limits is not None else None if shared is None else shared.buckets),
+            places=shared.places if shared is not None and proxy.state is None else None,
+            leases=limits, observer=proxy.metrics, headroom=settings.priority_headroom)
+        if proxy.state is not None:
+            proxy.state.tenant_inflight = fair.per_tenant  # published with its loads
+            proxy.state.on_loads = fair.refresh  # the others' counts may free a tenant
+        return cls(fair, limits, any(t.max_inflight for t in settings.tenants))
+
+    async def start(self, nursery: trio.Nursery) -> list[trio.CancelScope]:
+        """Start the gate's tasks in ``nursery``; the scopes to cancel before the proxy
+        closes (the lease keeper renews until the proxy's task nursery ends, so leases stay
+        held while requests drain)."""
+        scopes = []
+        if isinstance(self.admission, FairAdmission) and self.admission.across_workers:
+            scopes.append(await nursery.start(named(
+                "admission's look at the other workers", self.admission.follow_workers)))
+        if self.shared_limits is not None and self.leases_places:
+            await nursery.start(named("tenants' place leases", self.shared_limits.keep_places))
+        return scopes
+
+
 def create_app(
     settings: Settings, shared: SharedRoutingState | None = None, *, moriio_listener: bool = True,
     discovery: bool | None = None, clock: Callable[[], float] = time.monotonic,
@@ -111,31 +155,14 @@ def create_app(
     tenants = TenantTable(settings.tenants)
     client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
-    shared_limits = (None if proxy.state is None else
-                     SharedLimits(proxy.state, proxy.metrics,
-                                  timeout=settings.state_limits_timeout))
-    admission: Admission | FairAdmission = (
-        FairAdmission(max_inflight=settings.max_inflight, timeout=settings.admission_timeout,
-                      table=tenants, aging=settings.priority_aging,
-                      tenant_header=settings.tenant_header,
-                      shared=(shared_limits if shared_limits is not None
-                              else None if shared is None else shared.buckets),
-                      places=(shared.places
-                              if shared is not None and proxy.state is None else None),
-                      leases=shared_limits, observer=proxy.metrics,
-                      headroom=settings.priority_headroom)
-        if settings.tenants or settings.tenant_header is not None
-        else Admission(settings.max_inflight, settings.admission_timeout))
-    if isinstance(admission, FairAdmission) and proxy.state is not None:
-        proxy.state.tenant_inflight = admission.per_tenant  # published with its loads
-        proxy.state.on_loads = admission.refresh  # the others' counts may free a tenant
+    gate = _AdmissionWiring.build(settings, tenants, proxy, shared)
     accounting = proxy.pipeline.accounting
     # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
     drain = Drain(settings.shutdown_grace,
                   on_cut=lambda: setattr(accounting, "shutting_down", True))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
                      endpoints=CompletionEndpoints(
-                         proxy, settings.max_body_bytes, client_keys, admission,
+                         proxy, settings.max_body_bytes, client_keys, gate.admission,
                          body_timeout=settings.body_timeout, drain=drain))
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
@@ -177,11 +204,7 @@ def create_app(
             await proxy.start(nursery)
             watchdog.append(await nursery.start(
                 named("stalled-send watchdog", asgi.watch_stalled_sends)))
-            if isinstance(admission, FairAdmission) and admission.across_workers:
-                watchdog.append(await nursery.start(
-                    named("admission's look at the other workers", admission.follow_workers)))
-            if shared_limits is not None and any(t.max_inflight for t in settings.tenants):
-                await nursery.start(named("tenants' place leases", shared_limits.keep_places))
+            watchdog.extend(await gate.start(nursery))
 
         # Every per-process task under one owner, with one policy (``_state/tasks.py``).
         await app.nursery.start(proxy.tasks.run, start)
