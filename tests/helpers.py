@@ -145,6 +145,11 @@ def metric(proxy: Any, name: str, **labels: str) -> float:
     return 0.0 if registry is None else registry.get_sample_value(name, labels) or 0.0
 
 
+def queued(proxy: Any, tenant: str, priority: int = 0) -> float:
+    """How many of ``tenant``'s requests wait for an admission place at ``proxy``."""
+    return metric(proxy, "epd_trio_tenant_queue_depth", tenant=tenant, priority=str(priority))
+
+
 def by_stage(proxy: Any, name: str) -> dict[str, float]:
     """A per-stage counter's non-zero values, e.g. ``by_stage(p, "epd_trio_retries_total")``."""
     values = {stage: metric(proxy, name, stage=stage) for stage in STAGES}

@@ -22,7 +22,7 @@ from epd_trio._core.tenants import parse_tenants, token_reservation
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
 
-from helpers import CHAT, chat_body, metric, server_process, start_fakes
+from helpers import CHAT, chat_body, metric, queued, server_process, start_fakes
 from real_servers import RedisServer
 
 SERVE = [sys.executable, "-m", "epd_trio", "serve", "--port", "0"]
@@ -61,10 +61,6 @@ async def wide(client: httpx.AsyncClient, url: str, statuses: list[int]) -> None
     """One request of the capped tenant ``wide`` at ``url``; its status goes to ``statuses``."""
     r = await client.post(url + CHAT, json=chat_body(), headers=WIDE)
     statuses.append(r.status_code)
-
-
-def queued(proxy: Proxy, tenant: str) -> float:
-    return metric(proxy, "epd_trio_tenant_queue_depth", tenant=tenant, priority="0")
 
 
 @asynccontextmanager

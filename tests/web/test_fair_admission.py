@@ -18,7 +18,16 @@ from epd_trio._core.config import ConfigError, settings_from
 from epd_trio._core.tenants import parse_tenants
 from epd_trio.testing import Cluster, run_cluster
 
-from helpers import CHAT, Samples, chat_body, hold_admission_places, image, metric, post_until_cancelled
+from helpers import (
+    CHAT,
+    Samples,
+    chat_body,
+    hold_admission_places,
+    image,
+    metric,
+    post_until_cancelled,
+    queued,
+)
 
 TENANTS = parse_tenants({
     "interactive": {"keys": ["sk-int-1"], "requests_per_minute": 2},
@@ -29,10 +38,6 @@ TENANTS = parse_tenants({
 
 def key(value: str) -> dict[str, str]:
     return {"authorization": f"Bearer {value}"}
-
-
-def queued(c: Cluster, tenant: str) -> float:
-    return metric(c.proxy, "epd_trio_tenant_queue_depth", tenant=tenant, priority="0")
 
 
 def admitted(c: Cluster, tenant: str, priority: int) -> float:
@@ -178,7 +183,7 @@ async def test_the_request_log_names_the_tenant_its_priority_and_its_wait(
 
             nursery.start_soon(wait)
             with trio.fail_after(10):
-                while not queued(c, "interactive"):  # noqa: ASYNC110
+                while not queued(c.proxy, "interactive"):  # noqa: ASYNC110
                     await trio.sleep(0.005)  # the request is on its way: no event to wait on
             decode.behaviour.hang = False
             holder.cancel()
