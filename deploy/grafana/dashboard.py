@@ -172,6 +172,11 @@ def build() -> dict[str, Any]:
         f"sum by (tenant, reason) ({rate('epd_trio_tenant_rejected_total')})",
         "{{tenant}} {{reason}}")], unit="reqps",
         description="429 (reason: the limit's name) and 503 (deadline: no place in time).")
+    g.panel("Started in headroom per tenant", [(
+        f"sum by (tenant, priority) ({rate('epd_trio_tenant_headroom_admitted_total')})",
+        "{{tenant}} (priority {{priority}})")], unit="reqps",
+        description="Requests started above EPD_MAX_INFLIGHT in EPD_PRIORITY_HEADROOM: a band "
+                    "better than one in flight. Steady use: the cap is too low for that band.")
     g.panel("Tokens settled per tenant", [(
         f"sum by (tenant) ({rate('epd_trio_tenant_tokens_settled_total')})", "{{tenant}}")],
         description="Tokens per second used by tenants with tokens_per_minute.")

@@ -95,11 +95,14 @@ async def test_a_real_prometheus_scrapes_the_proxy_with_the_rules(tmp_path: Path
     binary = require_binary("prometheus")
     # The admission cap at 2, refusing at once: two requests that never finish sending their
     # body hold both places (tests/helpers.hold_admission_places).
-    # Fair admission on (one tenant, every request in it, with a token limit never reached),
-    # so the Tenants row's panels have data too.
+    # Fair admission on, so the Tenants row's panels have data too: every request in the
+    # default tenant (a token limit never reached, band 1) but one an interactive tenant (band
+    # 0, by header) sends at the cap, which starts in the one place of headroom.
     async with run_cluster(encoders=1, prefills=2, decodes=2, health_interval=0.2,
                            health_threshold=1, max_inflight=2, admission_timeout=0,
-                           tenants=(Tenant("default", tokens_per_minute=10**9),)) as c:
+                           tenants=(Tenant("default", priority=1, tokens_per_minute=10**9),
+                                    Tenant("interactive", priority=0)),
+                           tenant_header="x-tenant", priority_headroom=1) as c:
         # Fails every call it gets (a 500 does not evict): failovers and errors keep coming,
         # their rates stay above 0. The traffic also fails its probes now and then (below).
         failing = c.prefills[1]
@@ -140,12 +143,18 @@ scrape_configs:
 
                 async def refused_at_the_cap(n: int) -> None:
                     """Requests until one is refused at the admission cap, while two others
-                    hold its places."""
+                    hold its places; then one of a better band, started in the headroom."""
                     async with hold_admission_places(c.proxy_url, 2):
                         for _ in range(100):  # until the proxy has read both held headers
                             r = await client.post(c.proxy_url + CHAT, json=chat_body(image(n)))
                             if r.status_code == 503:
                                 assert r.json()["error"]["type"] == "proxy_overloaded", r.text
+                                r = await client.post(c.proxy_url + CHAT,
+                                                      json=chat_body(image(n)),
+                                                      headers={"x-tenant": "interactive"})
+                                # Admitted (no 503); it may fail upstream once the checks
+                                # below have killed the decodes.
+                                assert r.status_code != 503, r.text
                                 return
                     raise AssertionError("no request refused at the admission cap")
 
