@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from epd_trio import Instance, Proxy, Settings
 from epd_trio._core.ec_handoff import EncoderReport, consumer_body, match_reports
 from epd_trio._core.engine_load import engine_loads
 from epd_trio._core.rewrite import build_encoder_body, parse_request, with_item_uuids
+from epd_trio._core.tenants import Tenant
 from epd_trio._upstream.load_scraper import scrape_once
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.media import png_data_url
@@ -346,6 +348,38 @@ async def test_image_request_through_e_p_d_equals_decode_direct_answer(
     observe(f"answer {want!r} (stream and non-stream, = decode direct); encoder cache file "
             f"{item[:12]}.../encoder_cache.safetensors written; decode NIXL pulls "
             f"+{after - pulls:g}")
+
+
+async def test_a_tenants_priority_is_taken_by_every_real_leg(
+    cluster: Cluster, client: httpx.AsyncClient, observe: Observe,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Fair admission's wire (issue 32): every leg carries the effective priority, and real
+    vLLM's encoder, prefill and decode all take a non-zero ``priority`` on their default
+    ``fcfs`` policy (vLLM's field description warns that a server without priority scheduling
+    may refuse one): the answer is decode's own, stream and not. A client's lower priority (3)
+    is kept; a better one (-1) is held to its tenant's band (2), as the request log says."""
+    caplog.set_level(logging.INFO, logger="epd_trio.requests")
+    image = image_part(seed=1003)
+    body = chat(image, text="Describe the image.")
+    want = await direct_answer(client, cluster, CHAT, body)
+    async with proxy_for(cluster, tenants=(Tenant("default", priority=2),),
+                         request_log=True) as (url, proxy):
+        for stream in (False, True):
+            for asked in (3, -1):
+                response = await client.post(
+                    url + CHAT, json=salted(body, stream=stream, priority=asked),
+                    headers={"x-request-id": f"asked{asked}-{stream}"})
+                assert generated_text(response, stream) == want, (stream, asked)
+        assert proxy_metric(proxy, "epd_trio_tenant_admitted_total", tenant="default",
+                            priority="2") == 4
+        assert kv_missing(proxy) == 0
+    logged = {rec.fields["request_id"]: rec.fields["priority"]  # type: ignore[attr-defined]
+              for rec in caplog.records if rec.name == "epd_trio.requests"}
+    assert logged == {f"asked{asked}-{stream}": effective for stream in (False, True)
+                      for asked, effective in ((3, 3), (-1, 2))}
+    observe(f"4 requests at priorities 3 and 2 (a client's -1 held to its tenant's 2) through "
+            f"E -> P -> D: answer {want!r} each time (= decode direct)")
 
 
 async def test_text_requests_through_p_d_equal_decode_direct_answer(
