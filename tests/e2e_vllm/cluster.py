@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -465,8 +465,9 @@ def start_cluster(layout: str = "epd", model: str = "vision", *, home: Home | No
 
 
 def start_single(home: Home | None = None, model: str = "vision", *, name: str = "single",
-                 log: Log = print) -> Cluster:
-    """One plain vLLM server (no connector, no traces) on a free port, started and healthy.
+                 log: Log = print, args: Sequence[str] = ()) -> Cluster:
+    """One plain vLLM server (no connector, no traces) on a free port, started and healthy;
+    ``args`` go last on its command line, so they override the cluster's defaults.
 
     It runs beside the home's cluster: not recorded in ``cluster.json`` (``stop()`` leaves the
     cluster's record alone), its log is ``run/NAME.log``, and its lifeline ties it to this
@@ -478,7 +479,7 @@ def start_single(home: Home | None = None, model: str = "vision", *, name: str =
         ensure_model(home, model, log)
     home.run.mkdir(parents=True, exist_ok=True)
     (port,) = free_ports(1)
-    server = Server(name, port, [], log=str(home.run / f"{name}.log"),
+    server = Server(name, port, list(args), log=str(home.run / f"{name}.log"),
                     tmpdir=str(home.run / "tmp" / name))
     single = Cluster(home, "single", model, {name: server}, None, owned=True, recorded=False)
     try:

@@ -25,7 +25,7 @@ import pytest
 
 from . import amx
 from .cluster import ClusterError, recorded_cluster, start_cluster, start_single
-from .conftest import FIRST
+from .conftest import EARLY, FIRST
 from .processes import alive, stop_tree
 from .provision import (
     NIXL_PINS,
@@ -366,12 +366,14 @@ def test_a_server_killed_by_a_signal_is_named_by_its_log_or_its_exit_status(home
 
 
 def test_the_suite_starts_with_the_one_token_first_forwards() -> None:
-    """The real suite's order (conftest.FIRST), as pytest collects it: the plain server's
-    one-token prompt, then the cluster's first request (a P -> D pull, so decode's first
-    forward is one token), before every test that would send decode a prefill first."""
+    """The real suite's order (conftest.EARLY), as pytest collects it: the plain server's
+    one-token prompt, the tests with a server of their own, then the cluster's first request
+    (a P -> D pull, so decode's first forward is one token), before every test that would send
+    decode a prefill first."""
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "vllm_e2e",
          "tests/e2e_vllm"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     names = [line.split("::")[-1] for line in collected.splitlines() if "::" in line]
-    assert len(names) > len(FIRST) + 5
-    assert tuple(names[:len(FIRST)]) == FIRST
+    assert len(names) > len(EARLY) + 5
+    assert tuple(names[:len(EARLY)]) == EARLY
+    assert EARLY[0] == FIRST[0] and EARLY[-1] == FIRST[-1]

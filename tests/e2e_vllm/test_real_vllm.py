@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -45,7 +46,7 @@ from epd_trio.testing.media import png_data_url
 from . import amx
 from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster, start_single
 from .provision import VLLM_CLI
-from helpers import client_cancels
+from helpers import client_cancels, queued
 from helpers import metric as proxy_metric
 
 pytestmark = pytest.mark.vllm_e2e
@@ -263,6 +264,88 @@ async def test_a_one_token_prompt_as_a_plain_servers_first_request(
     observe(f"prompt {one_token} (1 token) as a fresh server's first: 200 "
             f"{first.json()['choices'][0]['text']!r}; its {processes} Python processes (engine "
             f"core included) asked for AMX; CPU {'with' if amx.cpu_has_amx() else 'without'} AMX")
+
+
+def counted(tokens: int) -> dict[str, Any]:
+    """A completion of exactly ``tokens`` tokens (``ignore_eos``): its length is its run time."""
+    return {"model": MODEL_NAME, "prompt": "Count on: one two three", "max_tokens": tokens,
+            "temperature": 0, "ignore_eos": True}
+
+
+async def until_true(check: Callable[[], bool], what: str,
+                     deadline: float = METRICS_DEADLINE) -> None:
+    """Poll the proxy's own state (a gauge it has no event for) until ``check()``."""
+    with trio.move_on_after(deadline):
+        while not check():  # noqa: ASYNC110
+            await trio.sleep(0.02)  # the request is on its way over a socket: no event
+        return
+    pytest.fail(f"not within {deadline:g} s: {what}")
+
+
+async def served_in_turn(client: httpx.AsyncClient, engine: str, headroom: int,
+                         long_tokens: int) -> list[str]:
+    """The order in which four requests end, behind a proxy of 2 places with ``headroom``:
+    batch A (long) runs in the engine, batch B waits there, batch C waits in the proxy, then
+    interactive I (a better band) comes."""
+    config = Settings(decode_urls=(Instance(engine),), max_inflight=2, admission_timeout=120,
+                      tenants=(Tenant("batch", priority=1), Tenant("interactive", priority=0)),
+                      tenant_header="x-tenant", priority_headroom=headroom)
+    ended: list[str] = []
+    async with serve_proxy(config) as (url, proxy):
+
+        async def send(name: str, tenant: str, tokens: int) -> None:
+            r = await client.post(url + COMPLETIONS, json=counted(tokens),
+                                  headers={"x-tenant": tenant})
+            assert r.status_code == 200, r.text
+            ended.append(name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, "A", "batch", long_tokens)
+            await wait_metric(client, engine, "vllm:num_requests_running", lambda v: v == 1)
+            nursery.start_soon(send, "B", "batch", 16)
+            await wait_metric(client, engine, "vllm:num_requests_waiting", lambda v: v == 1)
+            nursery.start_soon(send, "C", "batch", 16)
+            await until_true(lambda: queued(proxy, "batch", 1) == 1, "C queued in the proxy")
+            nursery.start_soon(send, "I", "interactive", 16)
+            if headroom:
+                await wait_metric(client, engine, "vllm:num_requests_waiting", lambda v: v == 2)
+            else:
+                await until_true(lambda: queued(proxy, "interactive", 0) == 1,
+                                 "I queued in the proxy")
+            assert ended == [], f"{ended} ended before I came: A's {long_tokens} tokens too few"
+        assert proxy_metric(proxy, "epd_trio_tenant_headroom_admitted_total",
+                            tenant="interactive", priority="0") == headroom
+    return ended
+
+
+async def test_priority_scheduling_serves_the_request_in_the_headroom_first(
+    client: httpx.AsyncClient, observe: Observe, say: Callable[[str], None]
+) -> None:
+    """What ``EPD_PRIORITY_HEADROOM`` is for, on a real engine with ``--scheduling-policy
+    priority`` that runs one sequence at a time (``--max-num-seqs 1``), behind a proxy of 2
+    places. With one place of headroom, interactive I reaches the engine while batch A runs,
+    and the engine serves it before batch B, which was waiting there first. Without, I waits in
+    the proxy until A ends, and the engine has started B by then: it can only order the
+    requests it holds."""
+    single = await trio.to_thread.run_sync(partial(
+        start_single, log=say, name="priority",
+        args=["--scheduling-policy", "priority", "--max-num-seqs", "1"]))
+    try:
+        engine = single.url("priority")
+        # A must outlast the set-up of B, C and I (a few polls): about 4 s of its tokens.
+        started = time.perf_counter()
+        r = await client.post(engine + COMPLETIONS, json=counted(64))
+        assert r.status_code == 200, r.text
+        per_token = (time.perf_counter() - started) / 64
+        long_tokens = min(3500, max(256, int(4 / per_token)))
+        orders = {headroom: await served_in_turn(client, engine, headroom, long_tokens)
+                  for headroom in (1, 0)}
+    finally:
+        await trio.to_thread.run_sync(single.stop)
+    assert orders == {1: ["A", "I", "B", "C"], 0: ["A", "B", "I", "C"]}
+    observe(f"--scheduling-policy priority, --max-num-seqs 1, 2 proxy places (A: {long_tokens} "
+            f"tokens, {per_token * 1000:.1f} ms each): ended {' '.join(orders[1])} with one "
+            f"place of headroom, {' '.join(orders[0])} without")
 
 
 async def test_a_text_request_as_the_clusters_first_request_pulls_its_kv(
