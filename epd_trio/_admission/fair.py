@@ -142,7 +142,8 @@ class Ticket:
     reservation (``admitted``), and the settlement of what it used (``settle``)."""
 
     __slots__ = ("_admission", "_events", "_prompt", "_reserved", "_settled", "_usage",
-                 "deadline", "holds_place", "lease", "priority", "queued", "tenant")
+                 "deadline", "holds_place", "lease", "local_share", "priority", "queued",
+                 "tenant")
 
     def __init__(self, admission: FairAdmission, tenant: Tenant, deadline: float) -> None:
         self._admission = admission
@@ -160,6 +161,9 @@ class Ticket:
         #: Seconds it waited in the queue for a place, every wait summed (the request log's
         #: ``queued_s``: its trace starts when it is admitted).
         self.queued = 0.0
+        #: Where its per-minute amounts were taken: None, the shared store; else this
+        #: process's buckets of ``limit / local_share`` (settled there, ``settle_tokens``).
+        self.local_share: int | None = None
         self._reserved = 0
         self._prompt = 0
         self._events = 0
@@ -206,7 +210,8 @@ class Ticket:
         admission = self._admission
         if self._reserved:
             used = tokens_used(self._prompt, self._usage, self._events)
-            admission.settle_tokens(self.tenant, self.priority, self._reserved, used)
+            admission.settle_tokens(self.tenant, self.priority, self._reserved, used,
+                                    self.local_share)
         if self.lease is not None:
             admission.give_lease(self.tenant, self.lease)
             self.lease = None
@@ -250,14 +255,17 @@ class FairAdmission:
 
     # -- who ---------------------------------------------------------------------------------
     def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
-        """The tenant of a request's head: its key's, else its header's, else ``default``."""
+        """The tenant of a request's head: its key's, else its header's, else ``default``.
+        The first ``authorization`` header is the one the key check read, so it is the one
+        read here: a second one naming no key must not take the request out of its tenant."""
         key = named = None
         for name, value in headers:
             if name == b"authorization":
-                key = bearer_token(value.decode("latin-1"))
-            elif name == self._header:
+                if key is None:
+                    key = bearer_token(value.decode("latin-1")) or ""
+            elif name == self._header and named is None:
                 named = value.decode("latin-1")
-        return self._table.resolve(key, named)
+        return self._table.resolve(key or None, named)
 
     # -- places ------------------------------------------------------------------------------
     @property
@@ -496,8 +504,17 @@ class FairAdmission:
         cap = tenant.max_inflight if leases is not None else None
         while True:
             lease = None if leases is None or cap is None else leases.new_lease()
-            answer = None if shared is None else await shared.take(
-                tenant.name, wants, None if lease is None else (cap or 0, lease))
+            try:
+                answer = None if shared is None else await shared.take(
+                    tenant.name, wants, None if lease is None else (cap or 0, lease))
+            except BaseException:
+                # Cancelled mid round trip (the client left, the drain cut it): the lease is
+                # held from the take on, and renewed until given back, whether or not the
+                # store's script ran; given back here, it cannot hold a place for ever.
+                if lease is not None:
+                    self.give_lease(tenant, lease)
+                raise
+            local_share = None
             if answer is None:
                 if shared is not None:
                     shared.fell_back()
@@ -507,10 +524,12 @@ class FairAdmission:
                     self.give_lease(tenant, lease)
                     await self._wait_again(ticket)
                     continue
-                answer = self._take_locally(tenant.name, wants, self._share())
+                local_share = self._share()
+                answer = self._take_locally(tenant.name, wants, local_share)
             index, wait = answer
             if index == 0:
                 ticket.lease = lease
+                ticket.local_share = local_share
                 return
             if lease is not None:
                 self.give_lease(tenant, lease)
@@ -554,14 +573,20 @@ class FairAdmission:
             bucket.take(amount, now)
         return 0, 0.0
 
-    def settle_tokens(self, tenant: Tenant, band: int, reserved: int, used: int) -> None:
+    def settle_tokens(self, tenant: Tenant, band: int, reserved: int, used: int,
+                      local_share: int | None) -> None:
+        """Settle in the bucket that took the reservation: the shared store's
+        (``local_share`` None), else this process's bucket of that share. A store that went
+        away since keeps the whole reservation, which errs on the side of the limit;
+        settling here instead would credit a bucket that was never charged."""
         if self._observer is not None:
             self._observer.tenant_settled(tenant.name, band, used)
         per_minute = tenant.tokens_per_minute
         assert per_minute is not None
-        shared = self._shared
-        if shared is not None and shared.settle(tenant.name, "tokens_per_minute", per_minute,
-                                                reserved - used):
+        if local_share is None:
+            if self._shared is not None:
+                self._shared.settle(tenant.name, "tokens_per_minute", per_minute,
+                                    reserved - used)
             return
-        self.bucket(tenant.name, "tokens_per_minute", per_minute / self._share()).settle(
+        self.bucket(tenant.name, "tokens_per_minute", per_minute / local_share).settle(
             reserved, used, self._clock())

@@ -47,6 +47,11 @@ def test_the_tenant_comes_from_the_key_else_the_header_else_default() -> None:
     # A tenant with keys is reached by them only (tests/core/test_tenants.py).
     assert admission.tenant_of([(b"x-tenant", b"interactive")]).name == "default"
     assert admission.tenant_of([(b"authorization", b"Bearer sk-nobody")]).name == "default"
+    # The first authorization header is the one the key check reads: a second one naming no
+    # key does not take the request out of its tenant (nor a second tenant header).
+    assert admission.tenant_of([(b"authorization", b"Bearer sk-batch"),
+                                (b"authorization", b"Bearer x")]).name == "batch"
+    assert admission.tenant_of([(b"x-tenant", b"capped"), (b"x-tenant", b"rpm")]).name == "capped"
 
 
 async def hold_a_place(admission: FairAdmission, admitted: list[tuple[str, trio.Event]],
@@ -284,6 +289,11 @@ class Store:
         self.asked: list[tuple[int, bytes] | None] = []
         self.given: list[bytes] = []
         self.fallbacks = 0
+        #: A take that never answers (until cancelled).
+        self.hang = False
+        #: The store's answer to a settlement (False: gone), and the deltas it took.
+        self.settles = True
+        self.settled: list[int] = []
 
     def others_inflight(self, tenant: str) -> int:
         return 0
@@ -294,13 +304,17 @@ class Store:
     async def take(self, tenant: str, wants: object,
                    place: tuple[int, bytes] | None = None) -> tuple[int, float] | None:
         self.asked.append(place)
+        if self.hang:
+            await trio.sleep_forever()
         return self.answer
 
     def give(self, tenant: str, lease: bytes) -> None:
         self.given.append(lease)
 
     def settle(self, tenant: str, limit: str, per_minute: int, delta: int) -> bool:
-        return True
+        if self.settles:
+            self.settled.append(delta)
+        return self.settles
 
     def fell_back(self) -> None:
         self.fallbacks += 1
@@ -383,3 +397,53 @@ async def test_with_the_store_gone_a_tenant_waits_past_its_share() -> None:
         with pytest.raises(RateLimited, match="max_inflight"):
             await admission.enter(SIX, resources)
         assert store.fallbacks == 2
+
+
+async def test_a_request_cancelled_in_the_stores_round_trip_gives_its_lease_back() -> None:
+    """The client left while the store was asked: the lease, held (and renewed) from the
+    take on, is given back, else the tenant would lose that place at every replica."""
+    store = Store()
+    store.hang = True
+    admission = leased_gate(store)
+    async with trio.open_nursery() as nursery:
+
+        async def request() -> None:
+            async with AsyncExitStack() as resources:
+                await (await admission.enter(SIX, resources)).admitted({"model": "m"})
+
+        nursery.start_soon(request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert store.asked == [(6, b"lease-0")]
+        nursery.cancel_scope.cancel()
+    assert store.given == [b"lease-0"] and admission.inflight == 0
+
+
+TPM = TenantTable(parse_tenants({"tpm": {"tokens_per_minute": 600}})).by_name["tpm"]
+
+
+async def test_tokens_are_settled_in_the_bucket_that_reserved_them() -> None:
+    """Reserved on this replica's share while the store was slow, settled there though the
+    store answers again; reserved in the store, settled there, or (the store gone since) not
+    at all: a bucket that was never charged is never credited."""
+    store = Store(live_replicas=2)
+    admission = FairAdmission(max_inflight=10, timeout=1.0, table=TenantTable((TPM,)),
+                              aging=0.0, clock=lambda: 0.0, shared=store)
+    body = {"model": "m", "prompt": "x" * 40, "max_tokens": 90}  # 10 + 90 reserved
+    usage = b'{"usage": {"prompt_tokens": 10, "completion_tokens": 20}}'
+    store.answer = None  # slow: this replica's share, 600 / 2
+    async with AsyncExitStack() as resources:
+        ticket = await admission.enter(TPM, resources)
+        await ticket.admitted(body)
+        ticket.answered(usage)
+        store.answer = (0, 0.0)
+    assert admission.bucket("tpm", "tokens_per_minute", 300).level == 300 - 30
+    assert store.settled == []
+    for settles in (True, False):
+        store.settles = settles
+        async with AsyncExitStack() as resources:
+            ticket = await admission.enter(TPM, resources)
+            await ticket.admitted(body)
+            ticket.answered(usage)
+    assert store.settled == [100 - 30]
+    assert admission.bucket("tpm", "tokens_per_minute", 300).level == 300 - 30
+    assert ("tpm", "tokens_per_minute", 600) not in admission._buckets
