@@ -50,7 +50,9 @@ if TYPE_CHECKING:
     from .._observe.metrics import ProxyMetrics
     from .sync import StateLink
 
-#: Milliseconds a bucket outlives its last use (one minute refills it whole).
+#: Milliseconds a bucket outlives its last use (one minute refills it whole), plus the time
+#: its debt takes to repay: a missing bucket reads full, so an expiry before then would
+#: forgive a tenant the debt of a request larger than its whole bucket.
 BUCKET_EXPIRY_MS = 120_000
 #: Seconds a request's place outlives its replica's last renewal: a replica that dies without
 #: giving its places back (killed, cut off) holds them this long at most.
@@ -91,9 +93,11 @@ for i = 2, #KEYS do
   end
 end
 for i = 2, #KEYS do
-  redis.call('hset', KEYS[i], 'level', string.format('%.17g', levels[i] - tonumber(ARGV[2 * i + 2])),
+  local limit = tonumber(ARGV[2 * i + 1])
+  local level = levels[i] - tonumber(ARGV[2 * i + 2])
+  redis.call('hset', KEYS[i], 'level', string.format('%.17g', level),
              'updated', string.format('%.17g', now))
-  redis.call('pexpire', KEYS[i], ARGV[4])
+  redis.call('pexpire', KEYS[i], tonumber(ARGV[4]) + math.ceil(math.max(0, -level) * 60000 / limit))
 end
 if cap >= 0 then
   redis.call('zadd', KEYS[1], now * 1000 + tonumber(ARGV[3]), ARGV[2])
@@ -126,7 +130,7 @@ if now > updated then level = math.min(cap, level + (now - updated) * cap / 60) 
 level = math.min(cap, level + tonumber(ARGV[2]))
 redis.call('hset', KEYS[1], 'level', string.format('%.17g', level),
            'updated', string.format('%.17g', now))
-redis.call('pexpire', KEYS[1], ARGV[3])
+redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + math.ceil(math.max(0, -level) * 60000 / cap))
 return 0
 """
 

@@ -108,6 +108,29 @@ async def test_one_limit_holds_across_three_replica_processes(nursery: trio.Nurs
         assert "epd_trio_state_local_limits_total 0.0" in text
 
 
+async def test_a_buckets_debt_outlives_its_expiry_until_repaid(
+    redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """A request larger than the whole bucket passes when it is full and leaves it in debt
+    (5002 of 1200 a minute: 3802 owed, 190 s to repay). A bucket Redis lets expire reads full
+    again, so its key lives until the debt is repaid, not the fixed 2 minutes."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    engine = Engine()
+    decode.behaviour.gate = engine
+    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+        key = f"{proxy.state.keys.prefix}limit:metered:tokens_per_minute"
+        async with trio.open_nursery() as held:
+            held.start_soon(partial(client.post, url + CHAT, json=chat_body(max_tokens=5000),
+                                    headers=METERED))
+            with trio.fail_after(5):
+                while not engine.now:  # noqa: ASYNC110
+                    await trio.sleep(0.01)  # its way is over sockets: no event to wait on
+            level = float(redis_server.command("HGET", key, "level"))
+            assert -3803 < level < -3800
+            assert int(redis_server.command("PTTL", key)) > 120_000 + 3800 * 60_000 / 1200
+            engine.release.set()
+
+
 async def test_tokens_reserved_at_one_replica_are_settled_for_all(
     redis_server: RedisServer, client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
