@@ -57,6 +57,17 @@ class Engine:
             self.now -= 1
 
 
+@asynccontextmanager
+async def held_replica(redis: RedisServer, nursery: trio.Nursery
+                       ) -> AsyncIterator[tuple[str, Proxy, FakeVLLM, Engine]]:
+    """One replica in front of a fake engine whose requests ``Engine`` holds until released."""
+    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
+    engine = Engine()
+    decode.behaviour.gate = engine
+    async with fleet(redis, decode, count=1) as [(url, proxy)]:
+        yield url, proxy, decode, engine
+
+
 async def wide(client: httpx.AsyncClient, url: str, statuses: list[int]) -> None:
     """One request of the capped tenant ``wide`` at ``url``; its status goes to ``statuses``."""
     r = await client.post(url + CHAT, json=chat_body(), headers=WIDE)
@@ -114,10 +125,7 @@ async def test_a_buckets_debt_outlives_its_expiry_until_repaid(
     """A request larger than the whole bucket passes when it is full and leaves it in debt
     (5002 of 1200 a minute: 3802 owed, 190 s to repay). A bucket Redis lets expire reads full
     again, so its key lives until the debt is repaid, not the fixed 2 minutes."""
-    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
-    engine = Engine()
-    decode.behaviour.gate = engine
-    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+    async with held_replica(redis_server, nursery) as (url, proxy, _, engine):
         key = f"{proxy.state.keys.prefix}limit:metered:tokens_per_minute"
         async with trio.open_nursery() as held:
             held.start_soon(partial(client.post, url + CHAT, json=chat_body(max_tokens=5000),
@@ -345,10 +353,7 @@ async def test_a_store_that_lost_the_places_gets_them_back_from_the_replicas(
     """Two requests of a capped tenant held at r0; the store loses every key and r0's
     connections (a restart without persistence): r0 writes its two leases back as soon as it
     reconnects, so the store counts them again."""
-    (decode,) = await start_fakes(nursery, FakeVLLM(role="prefill_decode"))
-    engine = Engine()
-    decode.behaviour.gate = engine
-    async with fleet(redis_server, decode, count=1) as [(url, proxy)]:
+    async with held_replica(redis_server, nursery) as (url, proxy, decode, engine):
         key = f"{proxy.state.keys.prefix}limit:capped:max_inflight"
         async with trio.open_nursery() as held:
             for _ in range(2):
