@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import trio
 
-from .._core.auth import bearer_token
+from .._core.auth import bearer_token, first_header
 from .._core.errors import AtCapacity, RateLimited
 from .._core.fair_queue import FairQueue, Waiter
 from .._core.tenants import (
@@ -255,17 +255,11 @@ class FairAdmission:
 
     # -- who ---------------------------------------------------------------------------------
     def tenant_of(self, headers: list[tuple[bytes, bytes]]) -> Tenant:
-        """The tenant of a request's head: its key's, else its header's, else ``default``.
-        The first ``authorization`` header is the one the key check read, so it is the one
-        read here: a second one naming no key must not take the request out of its tenant."""
-        key = named = None
-        for name, value in headers:
-            if name == b"authorization":
-                if key is None:
-                    key = bearer_token(value.decode("latin-1")) or ""
-            elif name == self._header and named is None:
-                named = value.decode("latin-1")
-        return self._table.resolve(key or None, named)
+        """The tenant of a request's head: its key's, else its header's, else ``default``
+        (each header's first value, as the key check reads it: ``first_header``)."""
+        key = bearer_token(first_header(headers, b"authorization"))
+        named = None if self._header is None else first_header(headers, self._header)
+        return self._table.resolve(key, named)
 
     # -- places ------------------------------------------------------------------------------
     @property

@@ -16,6 +16,17 @@ from collections.abc import Iterable
 from .errors import AdminDisabled, AdminUnauthorized, Unauthorized
 
 
+def first_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> str | None:
+    """The value of the first ``name`` header of an ASGI head, else None. Every reader of a
+    request's head reads a repeated header this way: the key check and the tenant lookup
+    must see the same ``authorization``, or a second one could move a checked request to
+    another tenant."""
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The key of an ``Authorization: Bearer <key>`` value (scheme case-insensitive), else None."""
     scheme, _, token = (authorization or "").strip().partition(" ")

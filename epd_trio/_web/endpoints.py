@@ -27,7 +27,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendEvent
 
 from .._admission.fair import FairAdmission, Ticket
 from .._admission.gate import Admission
-from .._core.auth import ClientKeys
+from .._core.auth import ClientKeys, first_header
 from .._core.errors import (
     INTERNAL_ERROR,
     BodyTimeout,
@@ -76,7 +76,7 @@ class CompletionEndpoints:
         started = time.perf_counter()
         headers = scope["headers"]
         # The id first: a refusal below carries it and is logged under it, like an answer.
-        request_id = new_request_id(_header(headers, b"x-request-id"))
+        request_id = new_request_id(first_header(headers, b"x-request-id"))
         if self.drain.draining:  # before anything else: the process is about to exit
             await self._refuse(scope["path"], request_id, started, send, self.drain.refusal())
             return
@@ -124,7 +124,7 @@ class CompletionEndpoints:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(scope["method"])
             if self._client_keys is not None:  # before reading the body: it may be 64 MB
-                self._client_keys.check(_header(headers, b"authorization"))
+                self._client_keys.check(first_header(headers, b"authorization"))
             admission = self._admission  # before reading it too: the cap bounds memory
             if isinstance(admission, FairAdmission):
                 named = admission.tenant_of(headers)
@@ -143,9 +143,9 @@ class CompletionEndpoints:
             entry.started = True
             await self._refuse(scope["path"], request_id, started, send, exc, tenant)
             return
-        traceparent = _header(headers, b"traceparent")
+        traceparent = first_header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
-                         else client_context(traceparent, _header(headers, b"tracestate")))
+                         else client_context(traceparent, first_header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
         entry.handed = True
         if not watch:
@@ -161,7 +161,7 @@ class CompletionEndpoints:
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
                          receive: ASGIReceiveCallable) -> bytes:
         limit = self._max_body_bytes
-        declared = _header(headers, b"content-length")
+        declared = first_header(headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(limit)
         parts: list[bytes] = []
@@ -252,8 +252,3 @@ def _asgi_headers(headers: Mapping[str, str],
     return out
 
 
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str | None:
-    for key, value in headers:
-        if key == name:
-            return value.decode("latin-1")
-    return None
