@@ -69,7 +69,15 @@ LEASE_MS = str(int(PLACE_LEASE * 1000)).encode()
 #: tenant holds all its places; else {index of the first bucket that does not fit (1-based),
 #: milliseconds until it would}; nothing taken unless all is. A request wanting more than a
 #: whole bucket needs it full (``_core/token_bucket.py``, the same rule).
-_TAKE = """
+#: Lua, in both scripts that write a bucket: its key's expiry from now, ``expiry`` ms plus
+#: the time its debt (a level below 0) takes to repay at ``limit`` a minute.
+_KEEP_BUCKET = """
+local function keep_bucket(key, level, limit, expiry)
+  redis.call('pexpire', key, tonumber(expiry) + math.ceil(math.max(0, -level) * 60000 / limit))
+end
+"""
+
+_TAKE = _KEEP_BUCKET + """
 local t = redis.call('time')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local cap = tonumber(ARGV[1])
@@ -97,7 +105,7 @@ for i = 2, #KEYS do
   local level = levels[i] - tonumber(ARGV[2 * i + 2])
   redis.call('hset', KEYS[i], 'level', string.format('%.17g', level),
              'updated', string.format('%.17g', now))
-  redis.call('pexpire', KEYS[i], tonumber(ARGV[4]) + math.ceil(math.max(0, -level) * 60000 / limit))
+  keep_bucket(KEYS[i], level, limit, ARGV[4])
 end
 if cap >= 0 then
   redis.call('zadd', KEYS[1], now * 1000 + tonumber(ARGV[3]), ARGV[2])
@@ -119,7 +127,7 @@ return #ARGV - 1
 
 #: KEYS[1]: the bucket. ARGV: its per-minute limit, the amount given back (negative: taken),
 #: the expiry.
-_SETTLE = """
+_SETTLE = _KEEP_BUCKET + """
 local t = redis.call('time')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local cap = tonumber(ARGV[1])
@@ -130,7 +138,7 @@ if now > updated then level = math.min(cap, level + (now - updated) * cap / 60) 
 level = math.min(cap, level + tonumber(ARGV[2]))
 redis.call('hset', KEYS[1], 'level', string.format('%.17g', level),
            'updated', string.format('%.17g', now))
-redis.call('pexpire', KEYS[1], tonumber(ARGV[3]) + math.ceil(math.max(0, -level) * 60000 / cap))
+keep_bucket(KEYS[1], level, cap, ARGV[3])
 return 0
 """
 
