@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import re
 import subprocess
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +143,18 @@ def metric(proxy: Any, name: str, **labels: str) -> float:
     """One sample's current value in ``proxy``'s registry (all workers'), 0 when absent."""
     registry = proxy.metrics.registry
     return 0.0 if registry is None else registry.get_sample_value(name, labels) or 0.0
+
+
+async def poll_until(check: Callable[[], bool], limit: float) -> float:
+    """Seconds until ``check()`` held (polled every 10 ms); fails after ``limit`` seconds.
+
+    Polling, not sleeping as synchronisation, for what has no event to wait on: the kernel's
+    socket table, another process's fds, a proxy's gauge while a request crosses a socket."""
+    began = trio.current_time()
+    with trio.fail_after(limit):
+        while not check():  # noqa: ASYNC110
+            await trio.sleep(0.01)
+    return trio.current_time() - began
 
 
 def queued(proxy: Any, tenant: str, priority: int = 0) -> float:

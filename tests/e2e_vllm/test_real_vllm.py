@@ -46,7 +46,7 @@ from epd_trio.testing.media import png_data_url
 from . import amx
 from .cluster import MAX_MODEL_LEN, MODEL_NAME, Cluster, start_single
 from .provision import VLLM_CLI
-from helpers import client_cancels, queued
+from helpers import client_cancels, poll_until, queued
 from helpers import metric as proxy_metric
 
 pytestmark = pytest.mark.vllm_e2e
@@ -272,16 +272,6 @@ def counted(tokens: int) -> dict[str, Any]:
             "temperature": 0, "ignore_eos": True}
 
 
-async def until_true(check: Callable[[], bool], what: str,
-                     deadline: float = METRICS_DEADLINE) -> None:
-    """Poll the proxy's own state (a gauge it has no event for) until ``check()``."""
-    with trio.move_on_after(deadline):
-        while not check():  # noqa: ASYNC110
-            await trio.sleep(0.02)  # the request is on its way over a socket: no event
-        return
-    pytest.fail(f"not within {deadline:g} s: {what}")
-
-
 async def served_in_turn(client: httpx.AsyncClient, engine: str, headroom: int,
                          long_tokens: int) -> list[str]:
     """The order in which four requests end, behind a proxy of 2 places with ``headroom``:
@@ -305,13 +295,13 @@ async def served_in_turn(client: httpx.AsyncClient, engine: str, headroom: int,
             nursery.start_soon(send, "B", "batch", 16)
             await wait_metric(client, engine, "vllm:num_requests_waiting", lambda v: v == 1)
             nursery.start_soon(send, "C", "batch", 16)
-            await until_true(lambda: queued(proxy, "batch", 1) == 1, "C queued in the proxy")
+            # C waits in the proxy (its gauge has no event to wait on)
+            await poll_until(lambda: queued(proxy, "batch", 1) == 1, METRICS_DEADLINE)
             nursery.start_soon(send, "I", "interactive", 16)
             if headroom:
                 await wait_metric(client, engine, "vllm:num_requests_waiting", lambda v: v == 2)
             else:
-                await until_true(lambda: queued(proxy, "interactive", 0) == 1,
-                                 "I queued in the proxy")
+                await poll_until(lambda: queued(proxy, "interactive", 0) == 1, METRICS_DEADLINE)
             assert ended == [], f"{ended} ended before I came: A's {long_tokens} tokens too few"
         assert proxy_metric(proxy, "epd_trio_tenant_headroom_admitted_total",
                             tenant="interactive", priority="0") == headroom

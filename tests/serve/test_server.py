@@ -34,6 +34,8 @@ from epd_trio._serve import server as _server
 from epd_trio._serve.serving import listening_sockets, quiet_config, serve_app
 from epd_trio.testing.process import read_url
 
+from helpers import poll_until
+
 #: How soon a closed connection must be released (the issue's bound).
 RELEASE_BOUND = 1.0
 #: Ceiling for waits that only fail when something hangs.
@@ -187,18 +189,6 @@ def socket_fds(pid: int | str = "self") -> int:
         except FileNotFoundError:
             pass  # closed meanwhile
     return count
-
-
-async def poll_until(check: Callable[[], bool], limit: float) -> float:
-    """Seconds until ``check()`` held (polled every 10 ms); fails after ``limit`` seconds.
-
-    Polling, not sleeping as synchronisation: the kernel's socket table and another process's
-    fds have no event to wait on."""
-    began = trio.current_time()
-    with trio.fail_after(limit):
-        while not check():  # noqa: ASYNC110
-            await trio.sleep(0.01)
-    return trio.current_time() - began
 
 
 async def churn(port: int, connections: int, *, batch: int = 100, every: int = 2,
