@@ -25,6 +25,7 @@ import trio
 import zmq
 
 from epd_trio import Proxy, Settings
+from epd_trio._core.policies import CachedPrefix
 from epd_trio._core.routing import parse_instance
 from epd_trio._kv.keys import ROOT_KEY, chain_keys, request_keys
 from epd_trio._kv.prompt import RenderedPrompt, rendered_prompt
@@ -149,11 +150,12 @@ async def rendered_keys(client: httpx.AsyncClient, url: str, body: dict[str, Any
 
 
 def reusable_tokens(prompt: RenderedPrompt) -> int:
-    """The cached tokens vLLM reports for ``prompt`` when every full block of it is cached.
-    vLLM recomputes at least the last token to get its logits, so a prompt of exactly N
-    blocks reuses N - 1 of them (the prompts' random tags make either length happen)."""
-    full = len(prompt.keys(KV_BLOCK_SIZE))
-    return min(full, (len(prompt.token_ids) - 1) // KV_BLOCK_SIZE) * KV_BLOCK_SIZE
+    """The proxy's prediction (``CachedPrefix.reusable``) of the cached tokens vLLM reports
+    for ``prompt`` when a slot holds every full block of it: vLLM recomputes at least the
+    last token to get its logits, so a prompt of exactly N blocks reuses N - 1 of them."""
+    held = {("slot", None): len(prompt.keys(KV_BLOCK_SIZE)) * KV_BLOCK_SIZE}
+    cached = CachedPrefix.reusable(len(prompt.token_ids), held, KV_BLOCK_SIZE)
+    return cached.held.get(("slot", None), 0)
 
 
 # -- tests -----------------------------------------------------------------------------------------
