@@ -63,6 +63,7 @@ from bench.burst import percentile
 from epd_trio import Settings
 from epd_trio._core.policies import PrefixHint, prefix_hint, prompt_text
 from epd_trio._core.rewrite import item_uuid
+from epd_trio._core.roster import Card
 from epd_trio._core.routing import Instance, parse_instance
 from epd_trio._proxy import Proxy
 from epd_trio._state.cursors import choose_slot
@@ -425,7 +426,8 @@ async def run_once(args: argparse.Namespace, label: str, policies: tuple[str, st
                 url, proxy = await stack.enter_async_context(serve_proxy(settings))
                 urls.append(url.removeprefix("http://").split(":"))
                 proxies.append(proxy)
-                for cursor in (proxy.encoders, proxy.prefills, proxy.decodes):
+                route = proxy.route()
+                for cursor in (route.encoders, route.prefills, route.decodes):
                     cursor.policy.placement = placement
             with trio.fail_after(30):  # every replica has read the shared state once
                 for proxy in proxies:
@@ -653,7 +655,10 @@ async def _decision_costs(rounds: int) -> dict[str, float]:
     clock = time.perf_counter
     for name in ("round_robin", "least_loaded", "power_of_two", "cache_aware"):
         proxy = Proxy(Settings(decode_urls=instances, decode_policy=name), moriio_listener=False)
-        cursor, loads = proxy.decodes, proxy.loads
+        # Not started, so nobody asks the instances: they say what they serve here.
+        proxy.membership.learned({inst.url: (Card("bench"),) for inst in instances})
+        proxy.sync()
+        cursor, loads = proxy.route("bench").decodes, proxy.loads
         usable = proxy.registry.usable("decode")
         held: deque[Any] = deque()
         elapsed = 0.0

@@ -9,13 +9,14 @@ may import only the rooms below it that its ``__init__`` names; ``tests/test_lay
     _discovery   instances found by DNS names and Kubernetes selectors
     _admission   whether a client request may start now
     _kv          the KV index fed by vLLM's KV cache events
+    _models      the model registry: which instances serve which model, and where a name leads
     _upstream    every call to vLLM and the connection pools under it
     _replicas    what replicas share through Redis
     _membership  who is in the roster: its one owner (registrations, discovery, MoRIIO, expiry)
     (top level)  the owner of the request path (_proxy, which pulls the roster from
-                 _membership), one request's pipeline (_pipeline) and its hand-offs
-                 (_handoff), the composition root (_app), settings (_environment), and the
-                 public modules below
+                 _membership), each model's routing state (_model_pools), one request's
+                 pipeline (_pipeline) and its hand-offs (_handoff), the composition root
+                 (_app), settings (_environment), and the public modules below
     _web         HTTP in, the owner's answers out
     _serve       processes and servers: ``epd-trio serve``, Hypercorn, logging
     testing      the test doubles: the fake vLLM, the demo cluster, the fake Kubernetes API

@@ -220,8 +220,13 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        client_keys.check(request.headers.get("authorization"))
-        return _send(await proxy.models())
+        authorization = request.headers.get("authorization")
+        client_keys.check(authorization)
+        # A tenant with a model list sees only what it may use (found as a request's is).
+        named = (request.headers.get(settings.tenant_header)
+                 if settings.tenant_header is not None else None)
+        tenant = tenants.resolve(bearer_token(authorization), named)
+        return _json(200, proxy.models_listing(tenant.models))
 
     @app.get("/health")
     async def health() -> Response:
@@ -245,6 +250,7 @@ def create_app(
     async def register_instance() -> Response:
         admin_key.check(request.headers.get("x-api-key"), required=True)
         created = proxy.register(await request.get_data(cache=False))
+        await proxy.ask_newcomers()  # what it serves, before it is told it is in
         return _json(200, {"registered": created})
 
     @app.delete("/instances")

@@ -43,6 +43,7 @@ from ._core.routing import Instance, KvEventEndpoints
 from ._kv.index import KvIndex, Trust
 from ._kv.prompt import rendered_prompt
 from ._kv.subscriber import KvEvents, SlotSource
+from ._models.pools import Pool
 from ._observe.metrics import ProxyMetrics
 from ._upstream.legs import post_json
 from ._upstream.pool import UpstreamPool
@@ -112,11 +113,12 @@ class KvRouting:
 
     def __init__(
         self, settings: Settings, *, pools: Callable[[Instance], UpstreamPool],
-        metrics: ProxyMetrics, render_targets: Callable[[], Sequence[Instance]],
+        metrics: ProxyMetrics, render_targets: Callable[[Pool], Sequence[Instance]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``render_targets``: the instances a render may go to now (``EPD_RENDER_URLS``, else
-        the live instances of the stages being routed); taken in turn."""
+        """``render_targets``: the instances a render of a request of a model's pool may go to
+        now (``EPD_RENDER_URLS``, else the pool's live instances: they have its tokenizer);
+        taken in turn."""
         self.settings = settings
         self.events = KvEvents(KvIndex(block_size=settings.kv_block_size,
                                        max_blocks_per_slot=settings.kv_index_blocks),
@@ -167,10 +169,11 @@ class KvRouting:
 
     # -- one request ---------------------------------------------------------------------------
     async def lookup(self, path: str, body: dict[str, Any], request_id: str,
-                     account: Decisions) -> KvLookup | None:
+                     account: Decisions, pool: Pool) -> KvLookup | None:
         """What the engines hold of this request's prompt, or None (no render to be had in
-        time, or a request the index cannot key): route it by ``cache_aware`` then."""
-        answer = await self._render(path, body, request_id, account)
+        time, or a request the index cannot key): route it by ``cache_aware`` then. ``pool``:
+        the request's model's, whose instances render it."""
+        answer = await self._render(path, body, request_id, account, pool)
         if answer is None:
             return None
         started = time.perf_counter()
@@ -190,8 +193,8 @@ class KvRouting:
         return KvLookup(cached, keys)
 
     async def _render(self, path: str, body: dict[str, Any], request_id: str,
-                      account: Decisions) -> Any:
-        targets = self._render_targets()
+                      account: Decisions, pool: Pool) -> Any:
+        targets = self._render_targets(pool)
         if not targets:
             return None
         instance = targets[self._render_turn % len(targets)]

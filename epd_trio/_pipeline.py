@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
-from ._core.errors import NoInstance
+from ._core.errors import ModelUnavailable, NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
 from ._core.moriio import MoriioPeer
@@ -50,9 +50,10 @@ from ._core.rewrite import parse_request, upstream_headers, with_item_uuids
 from ._core.routing import Instance
 from ._handoff import HandOff, choose_handoff
 from ._kv_routing import KvRouting
+from ._model_pools import ModelPools
 from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
-from ._state.cursors import EncoderCursor, SlotCursor, choose_slot
+from ._state.cursors import choose_slot
 from ._state.loads import DECODE_TOKENS, Loads
 from ._upstream.legs import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 from ._upstream.pool import UpstreamPool
@@ -77,18 +78,6 @@ class Reply:
     stream: StreamRelay | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Routes:
-    """The routing cursors of one proxy: the global encoder cursor and one slot cursor per
-    DP stage (their own counters: docs/discussion/protocol.md "Decision"), each with its stage's policy, and
-    the in-flight loads those policies read."""
-
-    encoders: EncoderCursor
-    prefills: SlotCursor
-    decodes: SlotCursor
-    loads: Loads
-
-
 def requested_tokens(body: dict[str, Any]) -> int:
     """The request's own bound on its answer (``max_tokens`` or ``max_completion_tokens``),
     0 when it gives none: the size estimate that breaks decode's load ties."""
@@ -103,14 +92,16 @@ def requested_tokens(body: dict[str, Any]) -> int:
 
 class Pipeline:
     """Runs each request through its stages (see the module docstring); what every request
-    shares: settings, pools, cursors, health, accounting and the MoRIIO roster views."""
+    shares: settings, pools, each model's routes, health, accounting and the MoRIIO roster
+    views."""
 
     def __init__(
         self,
         settings: Settings,
         *,
         pools: Callable[[Instance], UpstreamPool],
-        routes: Routes,
+        models: ModelPools,
+        loads: Loads,
         registry: Registry,
         accounting: Accounting,
         moriio_peer: PeerOf | None = None,
@@ -121,11 +112,11 @@ class Pipeline:
         self.settings = settings
         #: The KV index and the render call (``precise_cache_aware``, the prefill bypass).
         self.kv = kv
-        #: The stages routed on the index, and those whose policy wants a prompt hint.
-        policies = {"prefill": settings.prefill_policy, "decode": settings.decode_policy}
-        self.precise = frozenset(stage for stage, name in policies.items()
-                                 if name == "precise_cache_aware" and kv is not None)
-        self.hinted = bool(self.precise) or "cache_aware" in policies.values()
+        #: Each model's pool and its routes (cursors, policies): a request resolves its own.
+        self.models = models
+        #: In-flight requests per stage and slot, shared by every pool (an instance's load
+        #: counts once, whichever names it serves).
+        self.loads = loads
         #: Decode alone when its slot holds all but this many of the prompt's tokens (0: off).
         self.bypass_threshold = settings.pd_uncached_token_threshold
         #: A push (Mooncake) encoder-cache consumer's addresses, one per DP rank.
@@ -140,7 +131,6 @@ class Pipeline:
         #: known (the connector finds its peer in the request id); None: any.
         self.routable = None if peer is None else (lambda inst: peer(inst) is not None)
         self.pools = pools
-        self.routes = routes
         self.registry = registry
         self.accounting = accounting
         self.stage_failover = Failover(max_attempts=settings.max_attempts)
@@ -149,6 +139,7 @@ class Pipeline:
     async def run(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
         trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
+        session: str | None = None,
     ) -> Reply:
         """Run the request through its stages and produce the reply.
 
@@ -157,15 +148,16 @@ class Pipeline:
         ``trace_context``: the client's ``traceparent`` / ``tracestate``, which every leg
         carries on (or its tracing span's, with tracing on). ``ticket``: the request's
         tenant side (fair admission): its priority and token reservation, applied to the
-        parsed body, and the answer's usage reported back. Raises ``ProxyError`` for
-        anything the client must be told.
+        parsed body, and the answer's usage reported back. ``session``: the value of
+        ``EPD_ALIAS_STICKY_HEADER``, which keeps the client on one alias target. Raises
+        ``ProxyError`` for anything the client must be told.
         """
         path = PATH_OF_KIND[kind]
         account = self.accounting.begin(path, request_id, trace_context)
         run = RequestRun(self, account, path, request_id, ticket)
         resources.push_async_callback(run.close)
         try:
-            reply = await run.reply(kind, raw_body)
+            reply = await run.reply(kind, raw_body, resources, session)
         except BaseException as exc:
             account.failed(exc)  # a cancellation is counted by the stage the client waited on
             raise
@@ -187,7 +179,8 @@ class RequestRun:
 
     __slots__ = ("_decode_load", "_decode_size", "account", "attempts", "body", "committed",
                  "encode", "hint", "items", "kv", "path", "pipeline", "prefills_tried", "relay",
-                 "request", "request_id", "size", "stream_leg", "ticket", "with_prefill")
+                 "request", "request_id", "route", "size", "stream_leg", "ticket",
+                 "with_prefill")
 
     def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
                  request_id: str, ticket: Ticket | None = None) -> None:
@@ -211,13 +204,24 @@ class RequestRun:
         self._decode_load: Callable[[], None] | None = None
         self._decode_size: Callable[[], None] | None = None
 
-    async def reply(self, kind: RequestKind, raw_body: bytes) -> Reply:
-        """Parse and validate the body, then decode with failover: each attempt on its own
-        decode slot (``attempt``)."""
+    async def reply(self, kind: RequestKind, raw_body: bytes, resources: AsyncExitStack,
+                    session: str | None = None) -> Reply:
+        """Parse and validate the body, find its model's pool, then decode with failover:
+        each attempt on its own decode slot (``attempt``)."""
         request = parse_request(raw_body, kind)
+        pipeline = self.pipeline
         ticket = self.ticket
+        trace = self.account.trace
+        trace.model = asked = request.body.get("model")
+        route, leg_model = pipeline.models.resolve(
+            asked, session=session, allowed=None if ticket is None else ticket.tenant.models)
+        if leg_model is not None:  # an alias's target, or the one model: every leg names it
+            request = replace(request, body={**request.body, "model": leg_model})
+        self.route = route
+        trace.pool = route.model
+        if route.admission is not None:  # the model's own cap, beside the proxy's
+            await route.admission.enter(resources)
         if ticket is not None:  # its tenant's priority and token limit, on the body
-            trace = self.account.trace
             trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
             try:
                 request = replace(request, body=await ticket.admitted(request.body))
@@ -229,20 +233,16 @@ class RequestRun:
                       self.request_id, ", ".join(request.dropped))
         account = self.account
         account.trace.stream = request.stream
-        account.trace.model = request.body["model"]
         #: The client's body with each item's uuid (what decode gets after a prefill).
         self.body, self.items = body, items = with_item_uuids(request)
-        pipeline = self.pipeline
-        self.hint = prefix_hint(prompt_text(body)) if pipeline.hinted else None
+        self.with_prefill = route.needs("prefill")
+        self.encode = bool(items) and route.needs("encode")
+        self._check_pool()
+        self.hint = prefix_hint(prompt_text(body)) if route.hinted else None
         #: What the engines hold of this prompt (None: no index, or no render in time).
-        self.kv = (None if pipeline.kv is None
-                   else await pipeline.kv.lookup(self.path, body, self.request_id, account))
-        self.size = requested_tokens(body) if pipeline.settings.size_tiebreak else 0
-        registry = pipeline.registry
-        if not registry.has("decode"):
-            raise NoInstance("no decode instance is configured or registered yet")
-        self.with_prefill = registry.has("prefill")
-        self.encode = bool(items) and registry.has("encode")
+        self.kv = (None if pipeline.kv is None else
+                   await pipeline.kv.lookup(self.path, body, self.request_id, account, route.pool))
+        self.size = requested_tokens(body) if route.settings.size_tiebreak else 0
         handoff = pipeline.handoff(self.with_prefill)
         first = await self.next_slot("decode", ())
         if first is None:  # the last decode instance left while this request started
@@ -251,6 +251,21 @@ class RequestRun:
             pipeline.decode_failover, "decode", first, self.attempt,
             partial(self.next_slot, "decode", any_slot=True), account.retried,
             also_retry=handoff.also_retry)
+
+    def _check_pool(self) -> None:
+        """A 503 naming the model and the stage when its pool has no live instance of a stage
+        this request needs (vLLM is never asked what cannot be served)."""
+        route = self.route
+        if not route.needs("decode"):
+            raise NoInstance(f"model {route.model!r} has no decode instance configured or "
+                             "registered yet")
+        registry = self.pipeline.registry
+        for stage, needed in (("decode", True), ("prefill", self.with_prefill),
+                              ("encode", self.encode)):
+            if needed:
+                usable = registry.usable(stage)
+                if not any(usable(inst) for inst in route.pool.of(stage)):
+                    raise ModelUnavailable(route.model, stage)
 
     async def attempt(self, slot: Slot) -> Reply:
         """One attempt from the client's body on the decode ``slot``: encode (again, on a
@@ -261,7 +276,7 @@ class RequestRun:
         handoff = self.pipeline.handoff(self.with_prefill and not self._bypass(slot))
         # The decode slot is counted from its choice (this attempt starts right after it,
         # with no checkpoint between), through the prefill, until the stream ends.
-        loads, key = self.pipeline.routes.loads, (slot[0].url, slot[1])
+        loads, key = self.pipeline.loads, (slot[0].url, slot[1])
         self._decode_load = loads.take("decode", key)
         if self.size:
             self._decode_size = loads.take(DECODE_TOKENS, key, self.size)
@@ -277,10 +292,9 @@ class RequestRun:
     async def next_slot(self, stage: Stage, tried: Collection[Slot],
                         any_slot: bool = False) -> Slot | None:
         """``choose_slot`` on this stage's health view and the instances a leg may go to."""
-        pipeline = self.pipeline
-        routes = pipeline.routes
-        cursor = routes.decodes if stage == "decode" else routes.prefills
-        kv = self.kv if stage in pipeline.precise else None
+        pipeline, route = self.pipeline, self.route
+        cursor = route.decodes if stage == "decode" else route.prefills
+        kv = self.kv if stage in route.precise else None
         slot = await choose_slot(cursor, pipeline.registry.usable(stage),
                                  self.hint if kv is None else kv.cached, tried,
                                  routable=pipeline.routable, any_slot=any_slot)
@@ -335,10 +349,10 @@ class RequestRun:
         consumer_zmq = addrs[rank] if rank < len(addrs) else None
         transfer_ids = [uuid.uuid4().hex for _ in items] if consumer_zmq else []
         calls = await run_encoder_fanout(
-            pipeline.pools, pipeline.routes.encoders, body=body, items=items,
-            request_id=leg_id, max_batch=settings.encoder_max_batch,
+            pipeline.pools, self.route.encoders, body=body, items=items,
+            request_id=leg_id, max_batch=self.route.max_batch,
             deadline=settings.encode_timeout, usable=pipeline.registry.usable("encode"),
-            failover=pipeline.stage_failover, observer=account, loads=pipeline.routes.loads,
+            failover=pipeline.stage_failover, observer=account, loads=pipeline.loads,
             consumer_zmq=consumer_zmq, transfer_ids=transfer_ids)
         account.encoded(calls)
         handoff = match_reports(
@@ -355,7 +369,7 @@ class RequestRun:
         instance, rank = slot
         pipeline = self.pipeline
         prefill = stage == "prefill"
-        release = pipeline.routes.loads.take(stage, (instance.url, rank)) if prefill else None
+        release = pipeline.loads.take(stage, (instance.url, rank)) if prefill else None
         try:
             with self.account.leg(stage, slot, beside=beside) as leg:
                 answer = await post_json(

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -26,23 +28,26 @@ import trio
 
 from ._admission.fair import Ticket
 from ._core.config import Settings
-from ._core.counters import CursorCounters
-from ._core.errors import NoInstance, UpstreamError
+from ._core.counters import CursorCounters, LocalPoolCounters
+from ._core.errors import NoInstance, UpstreamStatusError, UpstreamTransportError
 from ._core.health import Registry
 from ._core.names import ROLES, STAGES, RequestKind
-from ._core.policies import Balance, StagePolicy
-from ._core.roster import Roster, layout_name
+from ._core.roster import Member, Roster, layout_name
 from ._core.routing import Instance
 from ._kv_routing import KvRouting
 from ._membership.roster_owner import Membership
+from ._model_pools import ModelPools, ModelRoute
+from ._models.learner import ModelLearner
+from ._models.pools import Pool
+from ._models.tables import Tables, parse_tables
 from ._observe.accounting import Accounting
 from ._observe.metrics import ProxyMetrics
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders, Tracing
-from ._pipeline import Pipeline, Reply, Routes
+from ._pipeline import Pipeline, Reply
 from ._replicas.identity import default_replica_id
 from ._replicas.roster import ReplicatedRoster
-from ._state.cursors import EncoderCursor, Follow, SlotCursor
-from ._state.loads import DECODE_TOKENS, Loads, LocalLoadTable
+from ._state.cursors import Follow
+from ._state.loads import Loads, LocalLoadTable
 from ._state.roster_store import RosterStore, SharedRoutingState, routing_state
 from ._state.tasks import Supervisor, named
 from ._upstream.legs import get, make_client, upstream_auth_headers
@@ -82,6 +87,8 @@ class Proxy:
         process binds the MoRIIO socket and runs the discovery loops; the MoRIIO clock).
         ``on_failure``: how a per-process task's death stops the process (``Supervisor``)."""
         self.settings = settings
+        #: The model and alias tables (``ConfigError`` for a bad one).
+        self.tables: Tables = parse_tables(settings)
         #: The owner of the per-process tasks, and the verdict when one of them dies.
         self.tasks = Supervisor(on_failure)
         self._clock = clock
@@ -90,6 +97,9 @@ class Proxy:
             if shared is not None:
                 raise ValueError("a shared state store replaces the workers' shared memory")
             counters, load_table = CursorCounters.local(), LocalLoadTable()
+            # Each replica's pools start their own rotation at a random place: replicas
+            # restarted together must not send their first requests in lockstep.
+            counters = replace(counters, pools=LocalPoolCounters(random.randrange(1 << 20)))
             self._replicated = ReplicatedRoster(counters, moriio_clock=clock)
             store: RosterStore = self._replicated
         else:
@@ -97,7 +107,7 @@ class Proxy:
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
         self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated,
-                                    kv_index=reads_kv_index(settings),
+                                    kv_index=reads_kv_index(settings, self.tables),
                                     tenants=bool(settings.tenants or settings.tenant_header))
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
@@ -112,32 +122,22 @@ class Proxy:
                                    replica_id=settings.replica_id or default_replica_id(),
                                    live=live_member(self.registry))
         take = self.state.take if self.state is not None and settings.global_cursor else None
-        cursor_of = {stage: None if take is None else partial(take, stage) for stage in STAGES}
         # After each counter step a cursor asks which roster version the value belongs to (what
         # the store recorded in that step) and, when its list is older, pulls that one.
         follow = Follow(version=lambda: store.seen.version, pull=partial(self.sync, look=False))
-        self.encoders = EncoderCursor((), counter=counters.encode,
-                                      policy=stage_policy(settings, "encode"),
-                                      loads=partial(self.loads.read, "encode"),
-                                      global_cursor=cursor_of["encode"], follow=follow)
-        self.prefills = SlotCursor((), counter=counters.prefill,
-                                   policy=stage_policy(settings, "prefill"),
-                                   loads=partial(self.loads.read, "prefill"),
-                                   global_cursor=cursor_of["prefill"], follow=follow)
-        self.decodes = SlotCursor((), counter=counters.decode,
-                                  policy=stage_policy(settings, "decode"),
-                                  loads=partial(self.loads.read, "decode"),
-                                  sizes=(partial(self.loads.read, DECODE_TOKENS)
-                                         if settings.size_tiebreak else None),
-                                  global_cursor=cursor_of["decode"], follow=follow)
         #: The KV index and the render call, when a policy or the prefill bypass reads them.
         self.kv: KvRouting | None = None
-        if reads_kv_index(settings):
+        if reads_kv_index(settings, self.tables):
             self.kv = KvRouting(settings, pools=self.client, metrics=self.metrics,
                                 render_targets=self._render_targets)
+        #: Each model's pool and its routing state (cursors, policies, cap).
+        self.models = ModelPools(settings, self.tables, counters.pools, loads=self.loads,
+                                 registry=self.registry, follow=follow, take=take,
+                                 kv=self.kv is not None)
+        self.models.on_pick = self.metrics.alias_picked
+        self.registry.on_change.append(lambda state: self._publish_pools())
         self.pipeline = Pipeline(
-            settings, pools=self.client, kv=self.kv,
-            routes=Routes(self.encoders, self.prefills, self.decodes, self.loads),
+            settings, pools=self.client, kv=self.kv, models=self.models, loads=self.loads,
             registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log,
                                   tracing=tracing),
@@ -149,7 +149,16 @@ class Proxy:
         self._prober: trio.CancelScope | None = None
         #: Who is in the roster (registrations, discovery, MoRIIO, expiry): pulled by ``sync``.
         self.membership = Membership(settings, store, moriio_listener=moriio_listener,
-                                     discovery=discovery, clock=clock)
+                                     discovery=discovery, clock=clock,
+                                     pool_tables=self.tables.pools, pool_counters=counters.pools)
+        #: What each instance serves: asked every interval by the process that discovers (for
+        #: those sharing its roster), and by any process that takes a registration, at once.
+        self.learner = ModelLearner(
+            ask=self._ask_models, roster=lambda: self.membership.current(),
+            apply=self._learned, changed=self.membership.wait_change,
+            interval=settings.models_interval, timeout=settings.health_timeout,
+            tables=self.tables.pools)
+        self._learns = discovery
         self.sync()
 
     # -- the roster ------------------------------------------------------------------------------
@@ -170,28 +179,57 @@ class Proxy:
             return
         self.registry.set_members({stage: roster.of(stage) for stage in STAGES})
         self.metrics.set_members(self.registry.states())
-        version = roster.version
-        self.encoders.update(roster.of("encode"), roster.epochs["encode"], version)
-        self.prefills.update(roster.of("prefill"), roster.epochs["prefill"], version)
-        self.decodes.update(roster.of("decode"), roster.epochs["decode"], version)
+        self.models.follow(roster)
+        self._publish_pools()
         for client in (self._upstream, self._probe_client):
             if client is not None:
                 client.follow(m.instance for m in roster.members)
         if self.kv is not None:
             self.kv.follow(roster)
 
-    def _render_targets(self) -> list[Instance]:
+    def _publish_pools(self) -> None:
+        """Each model's completeness, for ``epd_trio_model_pool_complete`` (and its alert)."""
+        models = self.models
+        self.metrics.pools({name: models.complete(route.pool)
+                            for name, route in models.by_name.items()})
+
+    def route(self, model: str | None = None) -> ModelRoute:
+        """The routing state of ``model``'s pool (by default the one model served): for tests,
+        the bench and embedders that look at a cursor."""
+        return self.models.resolve(model)[0]
+
+    def _render_targets(self, pool: Pool) -> list[Instance]:
         """Where a request is rendered into token ids: ``EPD_RENDER_URLS``, else the live
-        instances of the stages the index routes (prefill first: it renders the prompt anyway)."""
+        instances of its model's pool at the stages the index routes (prefill first: it
+        renders the prompt anyway), which have its tokenizer."""
         listed = self.settings.listed("render")
         if listed:
             return list(listed)
         for stage in ("prefill", "decode"):
             usable = self.registry.usable(stage)
-            found = [inst for inst in self.roster.of(stage) if usable(inst)]
+            found = [inst for inst in pool.of(stage) if usable(inst)]
             if found:
                 return found
         return []
+
+    async def _ask_models(self, member: Member) -> tuple[int, bytes]:
+        """One instance's ``GET /v1/models`` (the learner's call): its status and body."""
+        await trio.lowlevel.checkpoint()  # a round cancelled by ``aclose`` stops here
+        client = self._probe_client
+        if client is None:
+            raise UpstreamTransportError("the proxy is closing", stage=member.stage,
+                                         instance=member.url)
+        try:
+            answer = await get(client.pool(member.instance), member.stage,
+                               member.instance, "/v1/models", self.settings.health_timeout)
+        except UpstreamStatusError as error:
+            return error.upstream_status, error.upstream_body
+        return answer.status, answer.content
+
+    def _learned(self, answers: Any) -> None:
+        """A learner round's answers, into the roster; followed here at once."""
+        self.membership.learned(answers)
+        self.sync()
 
     async def wait_roster(self, predicate: Callable[[Roster], bool]) -> None:
         """Wait until ``predicate(roster)`` holds (pulled and re-checked at each change the
@@ -207,6 +245,17 @@ class Proxy:
         created = self.membership.register(raw_body)
         self.sync()
         return created
+
+    async def ask_newcomers(self) -> None:
+        """Ask the instances that have not said what they serve yet, now (a registration's
+        route: the instance serves its models when the registration is answered, not at the
+        learner's next wake-up)."""
+        if self._probe_client is None:
+            return
+        roster = self.membership.current()
+        waiting = [m for m in roster.members if m.url not in roster.served]
+        if waiting:
+            await self.learner.round(waiting)
 
     def unregister(self, url: object) -> bool:
         """``DELETE /instances`` (``Membership.unregister``), followed here at once."""
@@ -228,6 +277,7 @@ class Proxy:
             entry = self.registry.state_for(member.stage, member.instance).report()
             entry.update(source="static" if member.static else "registered",
                          ec_zmq_addrs=list(member.ec_zmq_addrs))
+            entry.update(served_names(member, roster))
             if member.source is not None:
                 entry.update(source="discovered", discovered_by=member.source)
             if not member.static and member.source is None:
@@ -293,6 +343,13 @@ class Proxy:
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
                 await self.membership.start_discovery(nursery)
+                # Every instance asked once before serving, in every worker (the answers are
+                # the same: no new version), so no worker serves before it knows the models;
+                # then one process asks every interval for those sharing its roster.
+                if self._learns:
+                    await nursery.start(named("model learner", self.learner.run))
+                else:
+                    await self.learner.round()
                 self.sync()
                 task_status.started(scope)
                 nursery.start_soon(named("prober", partial(
@@ -346,33 +403,25 @@ class Proxy:
     async def handle(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
         trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
+        session: str | None = None,
     ) -> Reply:
         """One client request: ``Pipeline.run``, on the roster as it is now."""
         self.sync()  # one word read: did the roster change (here, or in another worker)?
         return await self.pipeline.run(kind, raw_body, request_id=request_id,
                                        resources=resources, trace_context=trace_context,
-                                       ticket=ticket)
+                                       ticket=ticket, session=session)
 
     # -- other endpoints -----------------------------------------------------------------------
-    async def models(self) -> Reply:
-        """``GET /v1/models`` from the first live decode-side instance that answers."""
+    def models_listing(self, allowed: Any = None) -> dict[str, Any]:
+        """``GET /v1/models``: each name a client may send that can serve now (the models
+        with a complete live pool, with their instances' own cards, and the aliases), from
+        what the instances said: no call made. ``allowed``: a tenant's model list. A 503
+        while no instance has said what it serves (an empty list would say "none")."""
         self.sync()
-        usable = self.registry.usable("decode")
-        candidates = sorted(self.roster.of("decode"), key=lambda inst: not usable(inst))
-        if not candidates:
-            raise NoInstance("no decode instance is configured or registered yet")
-        last_error: UpstreamError | None = None
-        for instance in candidates:
-            try:
-                response = await get(self.client(instance), "decode", instance, "/v1/models",
-                                     self.settings.health_timeout + self.settings.connect_timeout)
-            except UpstreamError as error:
-                last_error = error
-                continue
-            return Reply(response.status, {"content-type": response.content_type},
-                         body=response.content)
-        assert last_error is not None
-        raise last_error
+        pending = self.models.catalog.pending
+        if pending is not None:
+            raise NoInstance(pending)
+        return self.models.listing(allowed)
 
     def health(self) -> dict[str, Any]:
         """``GET /health``, the liveness report: overall ``status``, readiness, and each
@@ -421,20 +470,28 @@ class Proxy:
                                  deadline=self.settings.profile_timeout)
 
 
-def reads_kv_index(settings: Settings) -> bool:
-    """Whether a policy or the prefill bypass reads the KV index (else none is made)."""
-    return (settings.pd_uncached_token_threshold > 0 or "precise_cache_aware" in (
-        settings.prefill_policy, settings.decode_policy))
+def served_names(member: Member, roster: Roster) -> dict[str, Any]:
+    """What ``GET /instances`` says ``member`` serves: ``models`` (its base names, or ``"*"``
+    for any name) and where that comes from (``models_from``)."""
+    if member.url in roster.served:
+        cards = roster.served[member.url]
+        if cards is None:
+            return {"models": "*", "models_from": "no /v1/models route (404): any name"}
+        return {"models": [c.id for c in cards if c.parent is None],
+                "adapters": [c.id for c in cards if c.parent is not None],
+                "models_from": "/v1/models"}
+    if member.models:
+        return {"models": list(member.models), "models_from": "registration"}
+    return {"models": [], "models_from": "not answered yet: serves no model"}
 
 
-def stage_policy(settings: Settings, stage: str) -> StagePolicy:
-    """The policy ``settings`` give ``stage`` (``EPD_<STAGE>_POLICY`` and the cache knobs);
-    with a shared state store, ``cache_aware`` places what it has not seen alike on every
-    replica (``StagePolicy.placement``)."""
-    return StagePolicy(getattr(settings, f"{stage}_policy"),
-                       Balance(settings.cache_balance_abs, settings.cache_balance_rel),
-                       cache_threshold=settings.cache_threshold, cache_size=settings.cache_size,
-                       placement=settings.state_url is not None)
+def reads_kv_index(settings: Settings, tables: Tables | None = None) -> bool:
+    """Whether a policy (the proxy's or a model table's) or the prefill bypass reads the KV
+    index (else none is made)."""
+    policies = [settings.prefill_policy, settings.decode_policy]
+    for table in (tables.pools.values() if tables is not None else ()):
+        policies += [table.settings.get("prefill_policy"), table.settings.get("decode_policy")]
+    return settings.pd_uncached_token_threshold > 0 or "precise_cache_aware" in policies
 
 
 def _log_health_change(state: Any) -> None:

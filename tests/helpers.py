@@ -139,10 +139,21 @@ async def scrape(
 STAGES = ("encode", "prefill", "decode")
 
 
+async def answered(proxy: Any) -> None:
+    """Until every instance of ``proxy``'s roster has said what it serves (the learner asks
+    a newcomer at once, one round trip after it joined)."""
+    await proxy.wait_roster(lambda roster: all(m.url in roster.served for m in roster.members))
+
+
 def metric(proxy: Any, name: str, **labels: str) -> float:
-    """One sample's current value in ``proxy``'s registry (all workers'), 0 when absent."""
+    """The current value in ``proxy``'s registry (all workers') of the samples of ``name``
+    whose labels include ``labels`` (one sample when they name them all), 0 when absent."""
     registry = proxy.metrics.registry
-    return 0.0 if registry is None else registry.get_sample_value(name, labels) or 0.0
+    if registry is None:
+        return 0.0
+    return sum(sample.value for family in registry.collect() for sample in family.samples
+               if sample.name == name
+               and all(sample.labels.get(key) == value for key, value in labels.items()))
 
 
 async def poll_until(check: Callable[[], bool], limit: float) -> float:

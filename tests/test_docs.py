@@ -147,7 +147,7 @@ def env_var(field: str) -> str:
 
 def rendered_default(value: Any) -> str:
     """A default as the settings page writes it."""
-    if value is None or value == ():
+    if value is None or value == () or value == {}:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -156,13 +156,22 @@ def rendered_default(value: Any) -> str:
     return str(value)
 
 
+def default_of(field: dataclasses.Field[Any]) -> Any:
+    """A field's default, made by its factory where it has one (the model tables: {})."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
 def sample_value(field: dataclasses.Field[Any]) -> str:
     """A raw environment value for ``field`` different from its default."""
     default = field.default
     if field.name.endswith("_urls"):
         return "http://sample:1#dp=2"
     special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
-               "state_url": "redis://sample:1/0", "tenants": '{"sample": {"priority": 1}}'}
+               "state_url": "redis://sample:1/0", "tenants": '{"sample": {"priority": 1}}',
+               "models": '{"sample": {"decode": ["http://sample:2"]}}',
+               "model_aliases": '{"chat": {"targets": {"sample": 1}}}'}
     if field.name in special:
         return special[field.name]
     if default is None or default == ():
@@ -228,10 +237,11 @@ def test_settings_page_lists_every_setting_with_its_variable_and_default() -> No
         # The variable really is the one the code reads.
         value = getattr(settings_from({**base, **needs(field.name), name: sample_value(field)}),
                         field.name)
-        assert value != field.default, f"{name} does not change Settings.{field.name}"
+        default = default_of(field)
+        assert value != default, f"{name} does not change Settings.{field.name}"
         default_cell = rows[name][2]
         shown = "none" if default_cell.startswith("none") else (code_spans(default_cell) or [""])[0]
-        assert shown == rendered_default(field.default), (
+        assert shown == rendered_default(default), (
             f"{name}: the page says the default is {default_cell!r}, the code "
             f"{rendered_default(field.default)!r}")
         meaning = MEANINGS[field.name]
@@ -388,13 +398,19 @@ async def test_metrics_page_lists_what_the_proxy_exports(client: httpx.AsyncClie
             "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
     # Two encoders, the first one dead: the first request fails over (a retry, an upstream error)
     # and, at threshold 1, evicts it; so every family has a sample to read labels from.
+    # An alias and a name nobody serves: the model families have samples too.
     async with run_cluster(encoders=2, prefills=1, prefill_dp=2, decodes=1, decode_dp=2,
-                           health_threshold=1) as c:
+                           health_threshold=1,
+                           model_aliases={"chat": {"targets": {"fake-model": 1}}}) as c:
         c.encoders[0].stop()
         await trio.testing.wait_all_tasks_blocked()
         for stream in (False, True):
             r = await client.post(c.proxy_url + "/v1/chat/completions", json={**body, "stream": stream})
             assert r.status_code == 200, r.text
+        for model, status in (("chat", 200), ("nosuch", 404)):
+            r = await client.post(c.proxy_url + "/v1/chat/completions",
+                                  json={**body, "model": model})
+            assert r.status_code == status, r.text
         r = await client.post(c.proxy_url + "/v1/completions",
                               json={"model": "fake-model", "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text

@@ -9,7 +9,6 @@ import orjson
 import trio
 import trio.testing
 
-from epd_trio import Instance
 from epd_trio.testing import run_cluster
 
 from helpers import CHAT, chat_body, image, retries
@@ -152,15 +151,14 @@ async def test_stream_idle_gap_ends_with_an_sse_error(client: httpx.AsyncClient)
 
 
 async def test_unreachable_prefill_fails_over(client: httpx.AsyncClient) -> None:
-    dead = Instance("http://127.0.0.1:1")
-    async with run_cluster(prefills=1, decodes=1, health_interval=3600) as c:
-        live = c.settings.prefill_urls[0]
-        async with run_cluster(decodes=1, prefill_urls=(dead, live),
-                               decode_urls=c.settings.decode_urls, health_interval=3600) as c2:
-            r = await client.post(c2.proxy_url + CHAT, json=chat_body())
-            assert r.status_code == 200 and len(c.prefills[0].requests()) == 1
-            assert retries(c2.proxy) == {"prefill": 1}
-            assert c2.proxy.registry.state("prefill", dead.url).errors == 1
+    async with run_cluster(prefills=2, decodes=1, health_interval=3600) as c:
+        dying, live = c.prefills
+        dying.stop()  # it said what it serves, then died: the first in the rotation
+        await trio.testing.wait_all_tasks_blocked()
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 200 and len(live.requests()) == 1
+        assert retries(c.proxy) == {"prefill": 1}
+        assert c.proxy.registry.state("prefill", dying.url).errors == 1
 
 
 async def test_decode_break_before_its_first_byte_is_retried(client: httpx.AsyncClient) -> None:

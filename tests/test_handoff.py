@@ -57,7 +57,7 @@ def test_only_a_write_attempt_has_the_decode_failover_retry_its_prefill() -> Non
 def pipeline(settings: Settings, mode: list[str | None]) -> Pipeline:
     """A pipeline that is only asked for its hand-off (nothing is routed or called)."""
     nothing: Any = None
-    return Pipeline(settings, pools=nothing, routes=nothing, registry=Registry(),
+    return Pipeline(settings, pools=nothing, models=nothing, loads=nothing, registry=Registry(),
                     accounting=nothing, moriio_peer=lambda inst: None,
                     transfer_mode=lambda: mode[0])
 

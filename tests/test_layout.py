@@ -46,6 +46,42 @@ def _is_stdlib(name: str) -> bool:
     return name in sys.stdlib_module_names
 
 
+#: Standard-library modules that are I/O, refused in a room's pure modules.
+PURE_FORBIDDEN_STDLIB = {"socket", "asyncio", "selectors", "threading", "subprocess", "ssl"}
+
+
+def room_violations(path: pathlib.Path, *, room: str, pure: bool, pure_modules: set[str],
+                    pure_third_party: set[str], shell_third_party: set[str]) -> list[str]:
+    """What ``path``, a module of ``room`` (``_kv``, ``_models``: pure modules beside one
+    shell), imports against the room's rule (empty: none): a pure module imports only its
+    pure siblings, ``_core``, the standard library without I/O and ``pure_third_party``; the
+    shell may add ``shell_third_party``."""
+    found = []
+    allowed = pure_third_party if pure else shell_third_party
+    for name, level in sorted(imported_modules(path)):
+        if level == 1:
+            if pure and name not in pure_modules:
+                found.append(f"imports the sibling {name!r}, which is not pure")
+        elif level == 2:
+            if name != "_core":
+                found.append(f"reaches outside {room} and _core (from ..{name})")
+        elif level > 2:
+            found.append(f"reaches outside the package (from {'.' * level}{name})")
+        elif name == "epd_trio":
+            found.append("imports epd_trio absolutely (use .._core)")
+        elif name in _stdlib() or name == "__future__":
+            if pure and name in PURE_FORBIDDEN_STDLIB:
+                found.append(f"imports {name}")
+        elif name not in allowed:
+            found.append(f"imports {name}")
+    return found
+
+
+def _stdlib() -> frozenset[str]:
+    import sys
+    return sys.stdlib_module_names
+
+
 def test_the_import_rule_catches_a_violation(tmp_path: pathlib.Path) -> None:
     """The check above can fail: an import of trio or of the shell is seen."""
     bad = tmp_path / "bad.py"
@@ -164,9 +200,11 @@ IMPORT_RULES: dict[str, set[str]] = {
     "_discovery": {"_core"},
     "_admission": {"_core"},
     "_kv": {"_core"},
+    "_models": {"_core"},
     "_upstream": {"_core", "_state"},
     "_replicas": {"_core", "_state", "_observe"},
-    "_membership": {"_core", "_state", "_upstream", "_observe", "_discovery", "_replicas"},
+    "_membership": {"_core", "_state", "_upstream", "_observe", "_discovery", "_replicas",
+                    "_models"},
     "_web": {"_core", "_admission", "_observe", "_proxy", "_pipeline"},
     "_serve": {"_core", "_state", "_observe", "_web", "_replicas", "_app", "_environment"},
 }

@@ -231,13 +231,31 @@ async def test_upstream_errors_name_stage_and_keep_client_errors(
 
 
 async def test_unreachable_instance_is_a_502_naming_it(client: httpx.AsyncClient) -> None:
-    dead = Instance("http://127.0.0.1:1")  # nothing listens on port 1: connection refused
-    async with run_cluster(prefills=1, decodes=1, prefill_urls=(dead,)) as c:
+    async with run_cluster(prefills=1, decodes=1, health_interval=3600) as c:
+        dead = c.prefills[0]
+        dead.stop()  # it said what it serves, then died: nothing listens there any more
+        await trio.testing.wait_all_tasks_blocked()
         r = await client.post(c.proxy_url + CHAT, json=chat_body())
         assert r.status_code == 502
         error = r.json()["error"]
         assert error["stage"] == "prefill" and error["instance"] == dead.url
-        assert "ConnectRefused" in error["message"]  # nothing listens there
+        assert "ConnectRefused" in error["message"]
+        assert c.decodes[0].requests() == []
+
+
+async def test_a_stage_whose_instances_never_answered_is_a_503_naming_model_and_stage(
+    client: httpx.AsyncClient,
+) -> None:
+    """An instance down since the proxy started never said what it serves: it is in no pool.
+    The model still needs its stage (it was configured), so the request is refused before any
+    leg, naming the model and the stage, with a Retry-After."""
+    dead = Instance("http://127.0.0.1:1")  # nothing listens on port 1
+    async with run_cluster(prefills=1, decodes=1, prefill_urls=(dead,)) as c:
+        r = await client.post(c.proxy_url + CHAT, json=chat_body())
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "model_unavailable"
+        assert error["message"] == "model 'fake-model' has no live prefill instance in its pool"
         assert c.decodes[0].requests() == []
 
 

@@ -9,7 +9,8 @@ filters on the ``$job`` variable and reads the ``$datasource`` variable, and eve
 ``$__rate_interval``, so the dashboard works whatever the scrape job is called.
 
 Rows: traffic and errors; time to first token and end-to-end latency; the latency of each stage
-(encode / prefill / decode); per upstream (vLLM instance): calls, errors, in flight, health;
+(encode / prefill / decode); per model (requests, time to first token, whether its pool is
+complete, alias picks, names nobody serves); per upstream (vLLM instance): calls, errors, in flight, health;
 failures by stage (evictions, retries, client cancellations, prefill answers without a KV
 handle); admission refusals.
 """
@@ -126,6 +127,32 @@ def build() -> dict[str, Any]:
         if not legend.startswith("p90")], unit="s",
         description="Successful upstream calls by stage: encode, prefill, and decode until "
                     "its first bytes.")
+    g.row("Models")
+    named = 'model!=""'  # a request refused before its body was read has no model
+    streams = 'stream="true"'
+    g.panel("Requests per model", [(
+        f"sum by (model) ({rate('epd_trio_requests_total', named)})", "{{model}}")],
+        unit="reqps", stack=True,
+        description="Client requests per second by the model pool they went to (an alias's "
+                    "target; * is the any-name pool) (docs/how-to/models.md).")
+    g.panel("Time to first token per model (p99)", [(
+        "histogram_quantile(0.99, sum by (le, model) "
+        f"({rate('epd_trio_time_to_first_byte_seconds_bucket', streams)}))",
+        "{{model}}")], unit="s",
+        description="Streams: body received to the first token relayed, per model pool.")
+    g.panel("Pool complete per model", [(
+        f"min by (model) ({sel('epd_trio_model_pool_complete')})", "{{model}}")],
+        max_value=1,
+        description="1 while every stage the model needs has a live instance (the minimum "
+                    "over the proxy replicas and workers); 0: its requests get 503.")
+    g.panel("Alias picks per target", [(
+        f"sum by (alias, target) ({rate('epd_trio_alias_picks_total')})",
+        "{{alias}} -> {{target}}")], unit="reqps", stack=True,
+        description="Requests for an alias, by the target they went to: a canary's share.")
+    g.panel("Names nobody serves", [(
+        f"sum({rate('epd_trio_model_not_found_total')})", "404")], unit="reqps",
+        description="Requests answered vLLM's 404 before any leg (no name label: clients "
+                    "choose names).")
     g.row("Upstreams (vLLM instances)")
     g.panel("Calls per upstream", [(
         f"sum by (role, upstream) ({rate('epd_trio_upstream_requests_total')})",

@@ -19,9 +19,12 @@ from .._core.errors import AtCapacity
 class Admission:
     """One proxy's cap (``EPD_MAX_INFLIGHT``) and wait (``EPD_ADMISSION_TIMEOUT``)."""
 
-    def __init__(self, max_inflight: int, timeout: float) -> None:
+    def __init__(self, max_inflight: int, timeout: float, *,
+                 limit: str = "its limit of {cap} requests (EPD_MAX_INFLIGHT)") -> None:
+        """``limit``: how a refusal names the cap (a model's own, ``{cap}`` its size)."""
         self._limiter = trio.CapacityLimiter(max_inflight)
         self._timeout = timeout
+        self._limit = limit.format(cap=max_inflight)
 
     async def enter(self, resources: AsyncExitStack) -> None:
         """Take a place for the request that owns ``resources`` (released when they close);
@@ -36,7 +39,6 @@ class Admission:
                 acquired = True
             if not acquired:
                 raise AtCapacity(
-                    f"the proxy is serving its limit of {self._limiter.total_tokens:g} requests "
-                    f"(EPD_MAX_INFLIGHT) and none finished within {self._timeout:g} s; retry "
-                    "later") from None
+                    f"the proxy is serving {self._limit} and none finished within "
+                    f"{self._timeout:g} s; retry later") from None
         resources.callback(self._limiter.release_on_behalf_of, borrower)

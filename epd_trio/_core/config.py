@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import orjson
+
 from .discovery import DnsName, ip_address_of, is_dns_url, parse_dns_url, parse_selector
 from .policies import DEFAULT_POLICY, ENCODE_POLICIES, POLICIES
 from .routing import Instance, parse_instance
@@ -52,6 +54,22 @@ class Settings:
     #: Decode (or combined prefill-decode) instances. Required unless instances may register
     #: themselves (``admin_key`` set) or are discovered: then the proxy may start with none.
     decode_urls: tuple[Instance | DnsName, ...] = ()
+    #: A pool per model (``[models."NAME"]`` tables in the config file, or the same tables as a
+    #: JSON object): each names its instances by role (``encode``, ``prefill``, ``decode``, in
+    #: the flags' URL syntax, parsed here) and may set its own routing settings and
+    #: ``max_inflight`` (checked by ``_models/tables``). Empty: pools are learned from every
+    #: instance's ``/v1/models``.
+    models: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Model aliases (``[aliases."NAME"]`` tables, or JSON): ``targets`` (name -> weight) and
+    #: ``hidden`` (checked by ``_models/tables``). A request for an alias goes to one target.
+    model_aliases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The header whose value keeps a client on one alias target (``x-session-id``): the same
+    #: value always gets the same target, by a hash weighted like the targets. None: each
+    #: request is picked on its own, in exact weighted turns.
+    alias_sticky_header: str | None = None
+    #: Seconds between two reads of every instance's ``GET /v1/models`` (what it serves); an
+    #: instance is also asked as soon as it joins.
+    models_interval: float = 10.0
     #: Max media items per encoder sub-request (0 = no cap, 1 = one item per sub-request).
     encoder_max_batch: int = 0
     #: How the encode stage picks an encoder per media item (``_core/policies.py``):
@@ -303,12 +321,14 @@ class Settings:
                 raise ConfigError(env_name(name), f"and {env_name('service_discovery_api')} "
                                   "both say how to reach the API server: set one")
         if (not self.decode_urls and not self.admin_key and self.kv_connector != "moriio"
-                and self.state_url is None and not self.decode_selector):
+                and self.state_url is None and not self.decode_selector
+                and not self.table_urls("decode")):
             raise ConfigError(env_name("decode_urls"), "is required (at least one decode URL), "
                               f"unless instances register themselves ({env_name('admin_key')}, "
                               f"{env_name('kv_connector')}=moriio, or a shared roster in "
-                              f"{env_name('state_url')}) or are discovered "
-                              f"({env_name('decode_selector')})")
+                              f"{env_name('state_url')}), are discovered "
+                              f"({env_name('decode_selector')}) or named in a model table "
+                              f"({env_name('models')})")
         if self.state_load_interval > MAX_LOAD_INTERVAL:
             raise ConfigError(env_name("state_load_interval"), f"at most {MAX_LOAD_INTERVAL:g} s: "
                               f"a dead replica's counts stop counting within "
@@ -322,19 +342,41 @@ class Settings:
     def layout(self) -> str:
         """The configured EPD layout: ``E+P+D``, ``E+PD``, ``P+D``, ``PD``, or ``none`` (no
         decode instance configured: everything registers)."""
-        if not (self.decode_urls or self.decode_selector):
+        def has(role: str) -> bool:
+            return bool(self.urls(role) or getattr(self, f"{role}_selector"))
+
+        if not has("decode"):
             return "none"
-        serving = "P+D" if self.prefill_urls or self.prefill_selector else "PD"
-        return f"E+{serving}" if self.encode_urls or self.encode_selector else serving
+        serving = "P+D" if has("prefill") else "PD"
+        return f"E+{serving}" if has("encode") else serving
+
+    def table_urls(self, role: str) -> tuple[Instance | DnsName, ...]:
+        """The URLs of ``role`` the model tables name, each once, in table order."""
+        found: dict[str, Instance | DnsName] = {}
+        for table in self.models.values():
+            for item in table.get(role, ()):
+                found.setdefault(_spec_of(item), item)
+        return tuple(found.values())
+
+    def urls(self, role: str) -> tuple[Instance | DnsName, ...]:
+        """Every URL of ``role``: the top-level list's, then the model tables' (each once)."""
+        if role not in ("encode", "prefill", "decode"):
+            return ()  # ``render``: a list of its own, no table names one
+        listed = getattr(self, f"{role}_urls")
+        known = {_spec_of(item) for item in listed}
+        return (*listed, *(item for item in self.table_urls(role)
+                           if _spec_of(item) not in known))
 
     def listed(self, role: str) -> tuple[Instance, ...]:
-        """The instances of ``role`` (``encode``, ``prefill``, ``decode``) given by URL."""
-        return tuple(i for i in getattr(self, f"{role}_urls") if isinstance(i, Instance))
+        """The instances of ``role`` (``encode``, ``prefill``, ``decode``, ``render``) given by
+        URL, the model tables' included."""
+        items = self.urls(role) if role != "render" else self.render_urls
+        return tuple(i for i in items if isinstance(i, Instance))
 
     def dns_names(self) -> list[tuple[str, DnsName]]:
-        """Every ``(role, DNS name)`` to expand."""
+        """Every ``(role, DNS name)`` to expand, the model tables' included."""
         return [(role, name) for role in ("encode", "prefill", "decode")
-                for name in getattr(self, f"{role}_urls") if isinstance(name, DnsName)]
+                for name in self.urls(role) if isinstance(name, DnsName)]
 
     def selectors(self) -> list[tuple[str, str]]:
         """Every ``(role, label selector)`` to watch (with ``service_discovery``)."""
@@ -350,6 +392,47 @@ VLLM_KEEPALIVE_ENV = "VLLM_HTTP_TIMEOUT_KEEP_ALIVE"
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+def _spec_of(item: Instance | DnsName) -> str:
+    return item.url if isinstance(item, Instance) else item.spec
+
+
+#: The roles a model table names instances for.
+TABLE_ROLES = ("encode", "prefill", "decode")
+
+
+def _tables(raw: Any) -> dict[str, dict[str, Any]]:
+    """Tables by name (a config file's ``[x."NAME"]``, or the same as a JSON object): their
+    shape only; what each key means is checked by the room that reads them (``_models``)."""
+    if isinstance(raw, str):
+        try:
+            raw = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise ValueError(f"expected a JSON object of tables: {exc}") from None
+    if not isinstance(raw, Mapping):  # a ValueError: settings_from makes it a ConfigError
+        raise ValueError("expected tables, one per name ({\"name\": {...}})")  # noqa: TRY004
+    out = {}
+    for name, table in raw.items():
+        if not isinstance(name, str) or not name.strip() or len(name) > 256:
+            raise ValueError(f"a table's name must be a non-empty string: {echo(name)}")
+        if not isinstance(table, Mapping):
+            raise ValueError(f"{name!r}: expected a table, got {type(table).__name__}")  # noqa: TRY004
+        out[name] = dict(table)
+    return out
+
+
+def _model_tables(raw: Any) -> dict[str, dict[str, Any]]:
+    """The model tables, their instance lists parsed (the flags' URL syntax)."""
+    tables = _tables(raw)
+    for name, table in tables.items():
+        for role in TABLE_ROLES:
+            if role in table:
+                try:
+                    table[role] = _instances(table[role])
+                except ValueError as exc:
+                    raise ValueError(f"{name!r}.{role}: {exc}") from None
+    return tables
 
 
 def _instances(raw: Any) -> tuple[Instance | DnsName, ...]:
@@ -585,6 +668,10 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "encode_urls": _instances,
     "prefill_urls": _instances,
     "decode_urls": _instances,
+    "models": _model_tables,
+    "model_aliases": _tables,
+    "alias_sticky_header": _header_name,
+    "models_interval": _seconds,
     "encoder_max_batch": _non_negative_int,
     "encode_policy": _choice(ENCODE_POLICIES),
     "prefill_policy": _choice(POLICIES),
@@ -706,6 +793,10 @@ FLAG_FIELDS: tuple[str, ...] = tuple(f for f in SETTING_FIELDS if f not in SECRE
 SETTING_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Settings)}
 
 
+#: Config-file tables read under a shorter name than their setting (``[aliases."chat"]``).
+FILE_TABLE_NAMES = {"aliases": "model_aliases"}
+
+
 def settings_from(
     environ: Mapping[str, str],
     file_values: Mapping[str, Any] | None = None,
@@ -720,6 +811,7 @@ def settings_from(
     """
     values: dict[str, Any] = {}
     for key, raw in (file_values or {}).items():
+        key = FILE_TABLE_NAMES.get(key, key)
         if key not in _PARSERS:
             raise ConfigError(f"config file key {key!r}", "unknown setting")
         values[key] = _parse(key, raw, f"{key} (config file)")
@@ -742,6 +834,12 @@ def settings_from(
             raise ConfigError(f"{flag_name('decode_urls')} / {exc.variable}",
                               str(exc).split(": ", 1)[1]) from None
         raise
+
+
+def parse_setting(key: str, raw: Any, where: str) -> Any:
+    """One setting's value parsed as ``settings_from`` parses it (a model table's own routing
+    settings reuse it); ``ConfigError`` names ``where``."""
+    return _parse(key, raw, where)
 
 
 def _parse(key: str, raw: Any, where: str) -> Any:

@@ -13,7 +13,7 @@ names what a counter is, so it depends on nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -35,13 +35,44 @@ class LocalCounter:
         return old
 
 
+class PoolCounters(Protocol):
+    """Each model pool's own three counters, by the model's index in ``Roster.models`` (its
+    slot) and the stage: another model's traffic never moves them."""
+
+    def counter(self, index: int, stage: str) -> Counter: ...
+
+    def peek(self, index: int, stage: str) -> int:
+        """The value now, without a step (a roster change reads it, under the store's lock)."""
+        ...
+
+
+class LocalPoolCounters:
+    """The pools' counters of one process, made on first use, each from ``start`` (a
+    replica's own cursors start at a random offset, so replicas do not move in lockstep)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self._start = start
+        self._counters: dict[tuple[int, str], LocalCounter] = {}
+
+    def counter(self, index: int, stage: str) -> LocalCounter:
+        found = self._counters.get((index, stage))
+        if found is None:
+            found = self._counters[(index, stage)] = LocalCounter(self._start)
+        return found
+
+    def peek(self, index: int, stage: str) -> int:
+        return self.counter(index, stage).fetch_add(0)
+
+
 @dataclass(frozen=True, slots=True)
 class CursorCounters:
-    """The three routing counters of a proxy (encoder items, prefill slots, decode slots)."""
+    """The routing counters of a proxy: the three of the roster (encoder items, prefill slots,
+    decode slots) and each model pool's own."""
 
     encode: Counter
     prefill: Counter
     decode: Counter
+    pools: PoolCounters = field(default_factory=LocalPoolCounters)
 
     @classmethod
     def local(cls) -> CursorCounters:

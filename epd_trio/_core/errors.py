@@ -11,6 +11,8 @@
     +-- Conflict               a registration contradicts the roster (409)
     +-- RosterFull             the shared roster area has no room for a change (503)
     +-- NoInstance             no instance of a needed role is configured or registered (503)
+    |   +-- ModelUnavailable   a model's pool has no live instance of a stage (503, Retry-After)
+    +-- ModelNotFound          no pool, alias or any-name instance serves the name (vLLM's 404)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
     +-- RateLimited            a tenant over one of its own limits (429 with Retry-After)
@@ -211,6 +213,32 @@ class NoInstance(ProxyError):
     status = 503
     type = "service_unavailable"
     code = "no_instance"
+
+
+class ModelUnavailable(NoInstance):
+    """A known model whose pool has no live instance of a stage the request needs: the model
+    exists and will come back, so the client is told when to retry."""
+
+    code = "model_unavailable"
+    headers = {"retry-after": "1"}  # noqa: RUF012 (never mutated)
+
+    def __init__(self, model: str, stage: str, *, what: str = "model") -> None:
+        super().__init__(f"{what} {model!r} has no live {stage} instance in its pool")
+        self.model, self.stage = model, stage
+
+
+class ModelNotFound(ProxyError):
+    """No pool, alias or any-name instance serves the name: vLLM's own 404, word for word, so
+    a client sees what it sees from one vLLM server. A name a tenant may not use gets the
+    same answer (OpenAI's "does not exist or you do not have access to it"), and the message
+    never lists the names served (vLLM's does: a tenant must not learn what it may not use)."""
+
+    status = 404
+    type = "NotFoundError"
+    param = "model"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"The model `{name}` does not exist.")
 
 
 class ProxyOverloaded(ProxyError):

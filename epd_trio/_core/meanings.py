@@ -50,6 +50,15 @@ MEANINGS: dict[str, Meaning] = {
     "encode_urls": Meaning("encoder instances", metavar=_URLS),
     "prefill_urls": Meaning("prefill instances", metavar=_URLS),
     "decode_urls": Meaning("decode (or combined prefill-decode) instances", metavar=_URLS),
+    "models": Meaning("a pool per model, as [models.NAME] tables in the config file or the "
+                      "same tables as a JSON object here", metavar="JSON"),
+    "model_aliases": Meaning("model aliases with weighted targets, as [aliases.NAME] tables in "
+                             "the config file or the same tables as a JSON object here",
+                             metavar="JSON"),
+    "alias_sticky_header": Meaning("the request header whose value keeps a client on one alias "
+                                   "target", metavar="HEADER"),
+    "models_interval": Meaning("seconds between two reads of every instance's /v1/models",
+                               "seconds"),
     "encoder_max_batch": Meaning("max media items per encoder sub-request", "items"),
     "encode_policy": Meaning("how each media item's encoder is chosen"),
     "prefill_policy": Meaning("how the prefill (instance, DP rank) slot is chosen"),

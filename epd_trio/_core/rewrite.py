@@ -94,8 +94,10 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
     body = json_object(raw)
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string")
+    if model is not None and (not isinstance(model, str) or not model):
+        # Absent is fine (the one model served is meant, as vLLM reads it: the model
+        # registry decides); present, it must be a name.
+        raise BadRequest("'model' must be a non-empty string")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -222,7 +224,7 @@ def with_item_uuids(request: ParsedRequest) -> tuple[dict[str, Any], list[dict[s
 def build_encoder_body(body: Mapping[str, Any], items: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One encoder sub-request: only the media items (no text), one generated token, no stream."""
     encoder_body: dict[str, Any] = {
-        "model": body["model"],
+        "model": body.get("model"),
         "messages": [{"role": "user", "content": list(items)}],
         "max_tokens": 1,
         "stream": False,

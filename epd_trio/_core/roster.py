@@ -38,6 +38,27 @@ from .routing import (
 )
 from .urls import echo
 
+#: The most model names the roster keeps a counter slot for (``Roster.models``): far above any
+#: fleet, low enough that the per-model counters fit one small shared-memory area.
+MAX_MODELS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    """One entry of an instance's ``GET /v1/models``, as vLLM writes it: a served name
+    (``parent`` None) or a LoRA adapter of one (``parent`` its base name)."""
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+#: What one instance serves, as it last said: its cards, or None when it has no
+#: ``/v1/models`` route at all (a 404: it serves any name in its role). An instance that never
+#: answered has no entry in ``Roster.served``, and serves nothing.
+Served = tuple[Card, ...] | None
+
 
 @dataclass(frozen=True, slots=True)
 class Member:
@@ -59,6 +80,9 @@ class Member:
     #: replica of the proxy (each discovers on its own) and is never forgotten for silence: it
     #: leaves when its source stops listing it (``replace_source``).
     source: str | None = None
+    #: The served names its registration declared (``"models": [...]``): what it serves until
+    #: its own ``/v1/models`` answers, which wins.
+    models: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
@@ -85,6 +109,15 @@ class Roster:
     #: DNS names registered through ``POST /instances`` (``(role, dns+ URL)``), in order: the
     #: process that discovers resolves them like the configured ones (``_discovery/dns``).
     names: tuple[tuple[str, str], ...] = ()
+    #: What each instance serves, by URL, as its ``/v1/models`` last answered
+    #: (``_models/learner``); no entry: it has not answered yet, and serves nothing.
+    served: Mapping[str, Served] = field(default_factory=dict)
+    #: Every model name a pool was ever made for, in order of appearance: a model's index
+    #: here is its routing counters' slot, the same in every worker (``_models/pools``).
+    models: tuple[str, ...] = ()
+    #: Each pool's epochs, by ``(model, stage)``: like ``epochs``, computed once at a change
+    #: from that pool's own counters, so every worker maps a counter value alike.
+    pool_epochs: Mapping[tuple[str, str], Epoch] = field(default_factory=dict)
 
     def of(self, stage: str) -> tuple[Instance, ...]:
         """The instances serving ``stage``, in routing order."""
@@ -112,9 +145,15 @@ class Roster:
                  "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
                  "moriio": None if m.moriio is None else
                  [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
-                 "source": m.source}
+                 "source": m.source, "models": list(m.models)}
                 for m in self.members
             ],
+            "served": {url: None if cards is None else
+                       [[c.id, c.root, c.parent, c.max_model_len] for c in cards]
+                       for url, cards in self.served.items()},
+            "models": list(self.models),
+            "pool_epochs": [[model, stage, *epoch]
+                            for (model, stage), epoch in self.pool_epochs.items()],
         })
 
     @classmethod
@@ -130,9 +169,14 @@ class Roster:
                        m["role"], m["static"],
                        tuple(m["ec_zmq_addrs"]), m["registered_at"],
                        None if m["moriio"] is None else MoriioPeer(*m["moriio"]),
-                       m.get("source"))
+                       m.get("source"), tuple(m.get("models", ())))
                 for m in data["members"]
             ),
+            served={url: None if cards is None else tuple(Card(*card) for card in cards)
+                    for url, cards in data.get("served", {}).items()},
+            models=tuple(data.get("models", ())),
+            pool_epochs={(model, stage): (k0, i0)
+                         for model, stage, k0, i0 in data.get("pool_epochs", ())},
         )
 
 
@@ -161,7 +205,8 @@ def parse_registration(raw: bytes, now: float) -> Member:
 
     ``{"role": "encode"|"prefill"|"decode"|"prefill_decode", "url": "http://host:port",
     "dp_size": N (default 1), "ec_zmq_addrs": [...] (default []), "kv_events_endpoint":
-    "tcp://host:port" and "kv_events_replay_endpoint" (both optional)}``. Other fields are ignored
+    "tcp://host:port" and "kv_events_replay_endpoint" (both optional), "models": [...] (the
+    served names, until its own ``/v1/models`` answers)}``. Other fields are ignored
     (a newer vLLM may send more). As vLLM's own proxy does, encoder-cache addresses are accepted
     only from EC consumers (``prefill``, ``prefill_decode``), one per DP rank.
     """
@@ -182,7 +227,23 @@ def parse_registration(raw: bytes, now: float) -> Member:
     kv = _registered_kv_events(body)
     if kv is not None:
         instance = Instance(instance.url, instance.dp_size, kv)
-    return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now)
+    return Member(instance, role, ec_zmq_addrs=tuple(addrs), registered_at=now,
+                  models=_declared_models(body.get("models")))
+
+
+#: The most names a registration may declare (``"models"``): a bound on what one body costs.
+MAX_DECLARED_MODELS = 64
+
+
+def _declared_models(raw: Any) -> tuple[str, ...]:
+    """A registration's ``models``: the served names it declares (its ``/v1/models`` wins once
+    it answers); ``BadRequest`` names what is wrong."""
+    if raw is None:
+        return ()
+    if (not isinstance(raw, list) or len(raw) > MAX_DECLARED_MODELS
+            or not all(isinstance(name, str) and 0 < len(name) <= 256 for name in raw)):
+        raise BadRequest(f"'models' must be a list of at most {MAX_DECLARED_MODELS} model names")
+    return tuple(dict.fromkeys(raw))
 
 
 def _registered_kv_events(body: Mapping[str, Any]) -> KvEventEndpoints | None:
@@ -292,7 +353,7 @@ def parse_instance_url(url: Any, dp_size: int = 1) -> Instance:
 #: these (and the registration time) and keeps every other field as it was: vLLM's HTTP
 #: registrar (``POST /instances``) says nothing about a MoRIIO peer, and a MoRIIO heartbeat
 #: says nothing about encoder-cache addresses, so neither may erase what the other registered.
-HTTP_FIELDS = frozenset({"instance", "role", "ec_zmq_addrs"})
+HTTP_FIELDS = frozenset({"instance", "role", "ec_zmq_addrs", "models"})
 MORIIO_FIELDS = frozenset({"instance", "role", "moriio"})
 #: A whole member, as the shared store records it (``shared_state.merge``).
 EVERY_FIELD = HTTP_FIELDS | MORIIO_FIELDS
@@ -461,7 +522,8 @@ def replace_source(
 
 
 def _routing_view(members: Sequence[Member]) -> list[tuple[Any, ...]]:
-    return [(m.role, m.url, m.instance.dp_size, m.ec_zmq_addrs, m.moriio) for m in members]
+    return [(m.role, m.url, m.instance.dp_size, m.ec_zmq_addrs, m.moriio, m.models)
+            for m in members]
 
 
 def _changed(
@@ -485,5 +547,5 @@ def changed_members(
         old_keys, new_keys = slot_keys(roster.of(stage), dp), slot_keys(new.of(stage), dp)
         if old_keys != new_keys:
             epochs[stage] = rebase_epoch(roster.epochs[stage], old_keys, new_keys, counters[stage])
-    return Roster(version=roster.version + 1, members=members, epochs=epochs,
-                  transfer_mode=transfer_mode, names=roster.names)
+    return replace(roster, version=roster.version + 1, members=members, epochs=epochs,
+                   transfer_mode=transfer_mode)

@@ -78,7 +78,8 @@ REFUSED: dict[str, str] = {
     "--request-id-headers": "the request id is the client's x-request-id",
     "--cors-allowed-origins": "no CORS: the proxy serves API clients, not browsers",
     "--backend": "the instances are vLLM's OpenAI-compatible servers",
-    "--enable-igw": "no inference-gateway mode",
+    "--enable-igw": "several models need no mode here: a pool per model, learned from every "
+                    "instance's /v1/models or set in [models.NAME] tables (--models)",
     "--model-path": "requests are routed without a tokenizer (precise_cache_aware asks vLLM to "
                     "render them: --render-urls)",
     "--tokenizer-path": "requests are routed without a tokenizer (precise_cache_aware asks vLLM "

@@ -83,8 +83,10 @@ class StateKeys:
     def owner(self, replica: str) -> str:
         return self.prefix + "owner:" + replica
 
-    def cursor(self, stage: str) -> str:
-        return self.prefix + "cursor:" + stage
+    def cursor(self, stage: str, model: str) -> str:
+        """The global cursor of one model's pool at one stage: namespaced by the model, so
+        another model's traffic never moves it."""
+        return self.prefix + "cursor:" + model + ":" + stage
 
 
 def worker_replica_id(base: str, worker: int) -> str:
@@ -127,7 +129,7 @@ def encode_record(record: Record) -> bytes:
         "ec_zmq_addrs": list(m.ec_zmq_addrs), "registered_at": m.registered_at,
         "moriio": None if m.moriio is None else
         [m.moriio.zmq_address, m.moriio.dp_size, m.moriio.tp_size],
-        "transfer_mode": record.transfer_mode,
+        "transfer_mode": record.transfer_mode, "models": list(m.models),
     })
 
 
@@ -159,8 +161,11 @@ def decode_record(raw: bytes | str, *, url: str | None = None) -> Record:
                 raise MalformedEntry(f"bad MoRIIO transfer mode {mode!r}")
             peer = MoriioPeer(address, dp, tp)
         instance = Instance(data["url"], data["dp_size"], kv_endpoints(data.get("kv_events")))
+        models = data.get("models", [])  # a record written before names were declared has none
+        if not isinstance(models, list) or not all(isinstance(n, str) for n in models):
+            raise MalformedEntry("models is not a list of strings")
         member = Member(instance, role, ec_zmq_addrs=tuple(addrs),
-                        registered_at=float(at), moriio=peer)
+                        registered_at=float(at), moriio=peer, models=tuple(models))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, MalformedEntry):
             raise

@@ -39,7 +39,7 @@ CHARS_PER_TOKEN = 4
 TOKENS_PER_MEDIA_ITEM = 256
 #: A weight's bounds: a share is relative, and an extreme ratio only costs turns of the queue.
 MIN_WEIGHT, MAX_WEIGHT = 0.01, 1000.0
-_KEYS = frozenset({"keys", "priority", "weight", *LIMIT_NAMES})
+_KEYS = frozenset({"keys", "priority", "weight", "models", *LIMIT_NAMES})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +53,9 @@ class Tenant:
     max_inflight: int | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    #: The model names (aliases included) it may use; None: any. A name outside it is
+    #: answered as a model that does not exist.
+    models: frozenset[str] | None = None
 
     def limit(self, name: str) -> int | None:
         return getattr(self, name)  # type: ignore[no-any-return]
@@ -110,7 +113,12 @@ def _tenant(name: str, table: Any) -> Tenant:
         if value is not None and (not _is_int(value) or value < 1):
             raise ValueError(f"{where}: {limit} must be a positive integer, got {value!r}")
         limits[limit] = value
-    return Tenant(name=name, keys=tuple(keys), priority=priority, weight=float(weight), **limits)
+    models = table.get("models")
+    if models is not None and (not isinstance(models, list) or not all(
+            isinstance(m, str) and m for m in models)):
+        raise ValueError(f"{where}: models must be a list of model names")
+    return Tenant(name=name, keys=tuple(keys), priority=priority, weight=float(weight),
+                  models=None if models is None else frozenset(models), **limits)
 
 
 def _is_int(value: Any) -> bool:

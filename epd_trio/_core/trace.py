@@ -138,8 +138,11 @@ class RequestTrace:
     error: str | None = None
     #: The stage the client left in, when it did.
     cancelled_stage: str | None = None
-    #: The client's ``model`` (None until the body is parsed).
+    #: The client's ``model`` (None until the body is parsed, or when it named none).
     model: str | None = None
+    #: The model pool the request went to: a configured or learned name (an alias's target,
+    #: ``*`` for the any-name pool), so a bounded ``model`` label; None before it was found.
+    pool: str | None = None
     #: ``(prompt_tokens, completion_tokens)`` when the answer reported them and it was read
     #: for a sampled trace.
     usage: tuple[int, int] | None = None
@@ -225,6 +228,10 @@ def request_fields(trace: RequestTrace, finished: float) -> dict[str, Any]:
             for stage, (trust, tokens) in trace.kv_decisions.items()}}
     if trace.prefill_bypassed:
         fields["prefill_bypassed"] = True
+    if trace.model is not None:
+        fields["model"] = trace.model
+    if trace.pool is not None and trace.pool != trace.model:
+        fields["pool"] = trace.pool  # an alias's target, or the one model of a nameless body
     if trace.tenant is not None:
         fields["tenant"] = trace.tenant
     if trace.priority is not None:

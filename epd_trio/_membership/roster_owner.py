@@ -34,12 +34,14 @@ from typing import Any, TypeVar
 import trio
 
 from .._core.config import Settings
+from .._core.counters import LocalPoolCounters, PoolCounters
 from .._core.discovery import Discovered, is_dns_url
 from .._core.errors import BadRequest
 from .._core.moriio import MoriioRegistration
 from .._core.names import STAGES
 from .._core.roster import (
     Roster,
+    Served,
     expired,
     forget,
     parse_instance_url,
@@ -55,6 +57,8 @@ from .._core.roster import (
     unregister_name,
 )
 from .._discovery.start import discovery_sources
+from .._models.pools import set_served, with_pool_epochs
+from .._models.tables import PoolTable
 from .._replicas.roster import ReplicatedRoster
 from .._state.roster_store import Change, RosterStore
 from .._state.tasks import named
@@ -75,6 +79,8 @@ class Membership:
     def __init__(
         self, settings: Settings, store: RosterStore, *, moriio_listener: bool = True,
         discovery: bool = True, clock: Callable[[], float] = time.monotonic,
+        pool_tables: Mapping[str, PoolTable] | None = None,
+        pool_counters: PoolCounters | None = None,
     ) -> None:
         """``store`` starts with the static configuration (``settings``' listed instances).
 
@@ -82,8 +88,12 @@ class Membership:
         registration socket (one worker of ``epd-trio serve --workers N`` does; the shared
         roster carries the registrations to the others). ``discovery``: whether this process
         runs the DNS and Kubernetes discovery loops (likewise one worker). ``clock`` stamps
-        MoRIIO registrations and judges their silence (tests pass trio's virtual clock)."""
+        MoRIIO registrations and judges their silence (tests pass trio's virtual clock).
+        ``pool_tables`` and ``pool_counters``: the model tables and the pools' counters, from
+        which every change computes the pools' epochs (``_models/pools``)."""
         self.settings = settings
+        self._tables = pool_tables or {}
+        self._pool_counters = pool_counters or LocalPoolCounters()
         self.clock = clock
         self._store = store
         self._replicated = settings.state_url is not None
@@ -104,8 +114,10 @@ class Membership:
             apply_registered=partial(self.discovered, registered=True)) if discovery else []
         if isinstance(store, ReplicatedRoster):
             store.on_change = self._wake  # the sync task changed the view: wake the waiters
-        store.attach(static_roster(settings.listed("encode"), settings.listed("prefill"),
-                                   settings.listed("decode")))
+            store.refine = self._with_pools
+        static = static_roster(settings.listed("encode"), settings.listed("prefill"),
+                               settings.listed("decode"))
+        store.attach(self._with_pools(static, static, {}))
 
     # -- the pull ------------------------------------------------------------------------------
     @property
@@ -144,11 +156,21 @@ class Membership:
         self._changed.set()
         self._changed = trio.Event()
 
+    def _with_pools(self, old: Roster, new: Roster, counters: Mapping[str, int]) -> Roster:
+        """``new`` with its pools' epochs (``_models/pools.with_pool_epochs``): every change of
+        every store passes here, under the store's lock for the shared one."""
+        return with_pool_epochs(old, new, self._tables, self._pool_counters.peek)
+
     def _update(self, change: Change[T]) -> T:
-        """Every change goes through here: the store makes it; waiters are woken when the
-        version moved (the request path sees it at its next pull)."""
+        """Every change goes through here: the store makes it, the pools follow it; waiters
+        are woken when the version moved (the request path sees it at its next pull)."""
         before = self._store.seen.version
-        result = self._store.update(change)
+
+        def with_pools(roster: Roster, counters: Mapping[str, int]) -> tuple[Roster, T]:
+            new, result = change(roster, counters)
+            return self._with_pools(roster, new, counters), result
+
+        result = self._store.update(with_pools)
         if self._store.seen.version != before:
             self._wake()
         return result
@@ -217,6 +239,14 @@ class Membership:
 
     def _registered_names(self) -> tuple[tuple[str, str], ...]:
         return self._store.look().names
+
+    def learned(self, answers: Mapping[str, Served]) -> None:
+        """What instances answered to ``GET /v1/models`` (``_models/learner``): a new roster
+        version when a pool changed, none when every answer was the same as before."""
+        seen = self._store.look()
+        if set_served(seen, answers) is seen:
+            return  # the common round: nothing new, and no shared lock taken
+        self._update(lambda roster, counters: (set_served(roster, answers), None))
 
     def register_moriio(self, registration: MoriioRegistration, now: float) -> bool:
         """A MoRIIO heartbeat: add or refresh the instance; True when it was new. Raises

@@ -29,7 +29,13 @@ from typing import Any
 
 import trio
 
-from .._core.errors import ProxyError, ShuttingDown, UpstreamError, UpstreamStatusError
+from .._core.errors import (
+    ModelNotFound,
+    ProxyError,
+    ShuttingDown,
+    UpstreamError,
+    UpstreamStatusError,
+)
 from .._core.failover import Slot, is_retryable
 from .._core.health import InstanceState, Registry
 from .._core.names import Stage
@@ -289,7 +295,7 @@ class RequestAccount:
         trace = self.trace
         trace.first_byte = time.perf_counter()
         trace.status = 200
-        ttfb, _ = self.acc.metrics.reply_histograms(trace.endpoint, trace.stream)
+        ttfb, _ = self.acc.metrics.reply_histograms(trace.endpoint, trace.stream, trace.pool or "")
         ttfb.observe(trace.first_byte - trace.started)
 
     def client_cancelled(self, stage: str) -> None:
@@ -315,6 +321,8 @@ class RequestAccount:
             self.client_cancelled(self.stage)
         elif isinstance(exc, ProxyError):
             trace.outcome, trace.status, trace.error = outcome_of(exc), exc.status, exc.message
+            if isinstance(exc, ModelNotFound):
+                self.acc.metrics.model_not_found()
             if isinstance(exc, UpstreamError) and exc.status >= 500:
                 log_upstream_failure(trace, exc)
         else:
@@ -326,9 +334,10 @@ class RequestAccount:
         trace = self.trace
         outcome = trace.outcome or "ok"
         metrics = self.acc.metrics
-        metrics.request_done(trace.endpoint, outcome)
+        pool = trace.pool or ""
+        metrics.request_done(trace.endpoint, outcome, pool)
         if outcome == "ok":
-            metrics.reply_histograms(trace.endpoint, trace.stream)[1].observe(
+            metrics.reply_histograms(trace.endpoint, trace.stream, pool)[1].observe(
                 finished - trace.started)
         if self.acc.request_log:
             log_request(trace, finished)

@@ -134,15 +134,16 @@ class ProxyMetrics:
 
         buckets = {"buckets": LATENCY_BUCKETS}
         self._requests = metric(Counter, "epd_trio_requests",
-                                "Client requests by endpoint and outcome", ["endpoint", "outcome"])
+                                "Client requests by endpoint, outcome and model pool",
+                                ["endpoint", "outcome", "model"])
         self._duration = metric(
             Histogram, "epd_trio_request_duration_seconds",
             "Successful requests: body received to last byte handed to the server",
-            ["endpoint", "stream"], **buckets)
+            ["endpoint", "stream", "model"], **buckets)
         self._ttfb = metric(
             Histogram, "epd_trio_time_to_first_byte_seconds",
             "Replies: body received to first response bytes ready (a stream: first token)",
-            ["endpoint", "stream"], **buckets)
+            ["endpoint", "stream", "model"], **buckets)
         self._stage = metric(
             Histogram, "epd_trio_stage_duration_seconds",
             "Successful upstream calls by stage (decode: until its first body bytes)",
@@ -173,6 +174,18 @@ class ProxyMetrics:
                                ["stage"])
         self._kv_missing = metric(Counter, "epd_trio_prefill_kv_transfer_params_missing",
                                   "Prefill answers without kv_transfer_params (decode recomputed)")
+        self._unknown_model = metric(
+            Counter, "epd_trio_model_not_found",
+            "Requests for a name no pool, alias or any-name instance serves (no name label: "
+            "clients choose it)")
+        self._alias_picks = metric(Counter, "epd_trio_alias_picks",
+                                   "Requests for an alias, by the target it went to",
+                                   ["alias", "target"])
+        self._pool_complete = metric(
+            Gauge, "epd_trio_model_pool_complete",
+            "1 while every stage the model needs has a live instance in its pool",
+            ["model"], multiprocess_mode="livemin")
+        self._pools_shown: set[str] = set()
         self._refused = metric(Counter, "epd_trio_admission_refusals",
                                "Client requests refused at EPD_MAX_INFLIGHT (503, Retry-After)")
         state_metric = metric if shared_state else (lambda *_, **__: _OFF)
@@ -255,8 +268,8 @@ class ProxyMetrics:
         self._per_instance: dict[tuple[str, str], _InstanceMetrics] = {}
         #: The instances in the roster now (``set_members``).
         self._members: set[tuple[str, str]] = set()
-        self._per_request: dict[tuple[str, str], Any] = {}
-        self._per_reply: dict[tuple[str, bool], tuple[Any, Any]] = {}
+        self._per_request: dict[tuple[str, str, str], Any] = {}
+        self._per_reply: dict[tuple[str, bool, str], tuple[Any, Any]] = {}
         self._per_stage = {stage: (self._stage.labels(stage), self._retries.labels(stage),
                                    self._cancels.labels(stage)) for stage in STAGES}
         self.set_members(instances)
@@ -361,21 +374,40 @@ class ProxyMetrics:
     def encoded(self, url: str, items: int) -> None:
         self._items.labels(url).inc(items)
 
-    def reply_histograms(self, endpoint: str, stream: bool) -> tuple[Any, Any]:
-        """The (time to first byte, duration) children for an endpoint and kind of reply."""
-        found = self._per_reply.get((endpoint, stream))
+    def reply_histograms(self, endpoint: str, stream: bool, model: str = "") -> tuple[Any, Any]:
+        """The (time to first byte, duration) children for an endpoint, kind of reply and
+        model pool."""
+        found = self._per_reply.get((endpoint, stream, model))
         if found is None:
             label = "true" if stream else "false"
-            found = self._per_reply[endpoint, stream] = (
-                self._ttfb.labels(endpoint, label), self._duration.labels(endpoint, label))
+            found = self._per_reply[endpoint, stream, model] = (
+                self._ttfb.labels(endpoint, label, model),
+                self._duration.labels(endpoint, label, model))
         return found
 
-    def request_done(self, endpoint: str, outcome: str) -> None:
-        """A client request is over, with ``outcome`` (``_core.trace.OUTCOMES``)."""
-        child = self._per_request.get((endpoint, outcome))
+    def request_done(self, endpoint: str, outcome: str, model: str = "") -> None:
+        """A client request is over, with ``outcome`` (``_core.trace.OUTCOMES``), in the pool
+        of ``model`` ("": none was found: refused first, or a name nobody serves)."""
+        key = (endpoint, outcome, model)
+        child = self._per_request.get(key)
         if child is None:
-            child = self._per_request[endpoint, outcome] = self._requests.labels(endpoint, outcome)
+            child = self._per_request[key] = self._requests.labels(endpoint, outcome, model)
         child.inc()
+
+    def model_not_found(self) -> None:
+        self._unknown_model.inc()
+
+    def alias_picked(self, alias: str, target: str) -> None:
+        self._alias_picks.labels(alias, target).inc()
+
+    def pools(self, complete: dict[str, bool]) -> None:
+        """Each model pool's completeness now (a roster change, a health change)."""
+        for model, whole in complete.items():
+            self._pool_complete.labels(model).set(1 if whole else 0)
+        for model in self._pools_shown - complete.keys():
+            with contextlib.suppress(KeyError):
+                self._pool_complete.remove(model)
+        self._pools_shown = set(complete)
 
     def rejected(self, endpoint: str, error: ProxyError) -> None:
         """A request refused before it reached the pipeline (a bad key, a body over the limit,

@@ -75,6 +75,9 @@ class ReplicatedRoster:
         self.on_change: Callable[[], None] | None = None
         #: Whether the shared roster has been read once (``/ready`` waits for it).
         self.loaded = False
+        #: What every new view gets before it is installed (the roster owner's: the model
+        #: pools' epochs); called with the old view, the new one and the counters' values.
+        self.refine: Callable[[Roster, Roster, Mapping[str, int]], Roster] | None = None
 
     # -- RosterStore -----------------------------------------------------------------------------
     @property
@@ -219,13 +222,18 @@ class ReplicatedRoster:
         """Rebuild the view from the records (and the static members of ``statics_from``, by
         default the current view); wake the owner when routing changed."""
         old = self._roster
-        merged, skipped = merge(statics_from or old, self._records, values)
+        source = statics_from or old
+        merged, skipped = merge(source, self._records, values)
         for url, why in skipped:
             if self._skipped.get(url) != why:
                 log.warning("shared instance %s skipped: %s", url, why)
         self._skipped = dict(skipped)
         new = changed_members(old, merged.members, values, merged.transfer_mode)
+        if source is not old:  # what the change said each instance serves (no record has it)
+            new = replace(new, served=source.served)
         new = reseeded(old, new, values, self._offset)
+        if self.refine is not None:
+            new = self.refine(old, new, values)
         self._roster = new
         if new.version != old.version and self.on_change is not None:
             self.on_change()

@@ -46,7 +46,6 @@ from coredis.exceptions import WrongTypeError
 from coredis.retry import NoRetryPolicy
 
 from .._core.config import Settings
-from .._core.names import STAGES
 from .._core.roster import Member
 from .._core.shared_state import (
     MalformedEntry,
@@ -218,7 +217,8 @@ class StateLink:
         self.roster_loaded = trio.Event()
         #: Why the link is down (None while it is up), for ``/ready`` and ``/instances``.
         self.problem: str | None = "not connected yet"
-        self._cursor_keys = {stage: self.keys.cursor(stage).encode() for stage in STAGES}
+        #: The global cursors' keys, by ``(model, stage)``, made on first use.
+        self._cursor_keys: dict[tuple[str, str], bytes] = {}
         metrics.state_up(False)
 
     @property
@@ -250,14 +250,17 @@ class StateLink:
         return self._loads.remote.get((TENANT_LOAD, (tenant, None)), 0)
 
     # -- the global cursor (on a request's path) --------------------------------------------------
-    async def take(self, stage: str, n: int) -> int | None:
-        """The global cursor's position for ``n`` slots of ``stage`` (its value before adding
-        ``n``), or None (then the caller uses its own cursor): the link is down, or the store
-        did not answer within ``EPD_GLOBAL_CURSOR_TIMEOUT``."""
+    async def take(self, model: str, stage: str, n: int) -> int | None:
+        """The global cursor's position for ``n`` slots of ``model``'s pool at ``stage`` (its
+        value before adding ``n``), or None (then the caller uses its own cursor): the link is
+        down, or the store did not answer within ``EPD_GLOBAL_CURSOR_TIMEOUT``."""
         cursor = self._cursor
         if cursor is not None:
             with trio.move_on_after(self._settings.global_cursor_timeout):
-                key = self._cursor_keys[stage]
+                key = self._cursor_keys.get((model, stage))
+                if key is None:
+                    key = self._cursor_keys[(model, stage)] = \
+                        self.keys.cursor(stage, model).encode()
                 try:
                     return await cursor.incrby(key, n) - n
                 except LinkBroken:  # the session reconnects; this request goes on

@@ -42,7 +42,7 @@ from typing import Any, Protocol, TypeVar
 from .._core.counters import Counter, CursorCounters
 from .._core.errors import RosterFull
 from .._core.names import STAGES
-from .._core.roster import Roster
+from .._core.roster import MAX_MODELS, Roster
 from .loads import LoadTable, LocalLoadTable, SharedLoadTable
 from .rate_buckets import SharedRateBuckets
 from .tenant_places import SharedTenantPlaces
@@ -111,10 +111,19 @@ class LocalRosterStore:
         return self._roster
 
 
-# Words of the shared array.
+# Words of the shared array: the roster's three counters, its version, the length of its
+# bytes, then each model pool's three counters (``Roster.models`` index, stage).
 _COUNTER = {role: i for i, role in enumerate(STAGES)}
 _VERSION = len(STAGES)
 _LENGTH = _VERSION + 1
+_POOLS = _LENGTH + 1
+_WORDS = _POOLS + MAX_MODELS * len(STAGES)
+
+
+def _pool_word(index: int, stage: str) -> int:
+    if not 0 <= index < MAX_MODELS:
+        raise IndexError(f"model index {index} outside the {MAX_MODELS} counter slots")
+    return _POOLS + index * len(STAGES) + _COUNTER[stage]
 
 
 class SharedRoutingState:
@@ -127,7 +136,7 @@ class SharedRoutingState:
     def __init__(self, context: BaseContext | None = None, capacity: int = DEFAULT_CAPACITY) -> None:
         ctx = context or multiprocessing.get_context("spawn")
         self._lock = ctx.Lock()
-        self._words = ctx.RawArray(c_int64, _LENGTH + 1)
+        self._words = ctx.RawArray(c_int64, _WORDS)
         self._blob = ctx.RawArray(c_char, capacity)
         #: The in-flight counts per slot the load-aware policies read (``_state/loads``).
         self.loads = SharedLoadTable(ctx)
@@ -152,7 +161,8 @@ class SharedRoutingState:
 
     def counters(self) -> CursorCounters:
         """The routing counters, bound to this state (taking one syncs the roster)."""
-        return CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in STAGES))
+        return CursorCounters(*(_SharedCounter(self, _COUNTER[r]) for r in STAGES),
+                              pools=_SharedPoolCounters(self))
 
     # -- RosterStore ---------------------------------------------------------------------------
     @property
@@ -214,6 +224,22 @@ class SharedRoutingState:
         if raw is not None:
             self._seen = Roster.from_bytes(raw) if raw else self._initial
         return old
+
+
+class _SharedPoolCounters:
+    """The model pools' counters of a ``SharedRoutingState`` (a step syncs the roster, as the
+    roster's own counters do)."""
+
+    def __init__(self, state: SharedRoutingState) -> None:
+        self._state = state
+
+    def counter(self, index: int, stage: str) -> Counter:
+        return _SharedCounter(self._state, _pool_word(index, stage))
+
+    def peek(self, index: int, stage: str) -> int:
+        # Read under the store's lock by the change that asks (no second acquire: the lock
+        # is not re-entrant), or alone where a torn read is impossible (one aligned word).
+        return int(self._state._words[_pool_word(index, stage)])
 
 
 class _SharedCounter(Counter):

@@ -70,6 +70,9 @@ class CompletionEndpoints:
         self._max_body_bytes = max_body_bytes
         self._client_keys = client_keys if client_keys is not None and client_keys.enabled \
             else None
+        sticky = proxy.settings.alias_sticky_header
+        #: The header that keeps a client on one alias target (``EPD_ALIAS_STICKY_HEADER``).
+        self._sticky = None if sticky is None else sticky.encode("latin-1")
 
     async def __call__(self, scope: dict[str, Any], receive: ASGIReceiveCallable, send: Send,
                        resources: AsyncExitStack) -> None:
@@ -148,14 +151,15 @@ class CompletionEndpoints:
                          else client_context(traceparent, first_header(headers, b"tracestate")))
         kind = KIND_OF_PATH[scope["path"]]
         entry.handed = True
+        session = None if self._sticky is None else first_header(headers, self._sticky)
         if not watch:
             await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
-                                ticket)
+                                ticket, session)
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
             await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
-                                ticket)
+                                ticket, session)
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -180,11 +184,11 @@ class CompletionEndpoints:
 
     async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
                        resources: AsyncExitStack, trace_context: Mapping[str, str],
-                       entry: InFlight, ticket: Ticket | None) -> None:
+                       entry: InFlight, ticket: Ticket | None, session: str | None) -> None:
         try:
             reply = await self._proxy.handle(kind, raw, request_id=request_id,
                                              resources=resources, trace_context=trace_context,
-                                             ticket=ticket)
+                                             ticket=ticket, session=session)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
                 log.exception("unexpected error while handling POST %s request %s", kind,

@@ -19,8 +19,8 @@ from typing import Any, Literal
 import trio
 
 from .._app import create_app
-from .._core.config import Settings
-from .._core.routing import Instance
+from .._core.config import Settings, parse_setting
+from .._core.routing import Instance, parse_instance
 from .._observe.tracing import Tracing
 from .._proxy import Proxy
 from .._serve.serving import DEFAULT_KEEP_ALIVE, quiet_config, serve_app
@@ -161,5 +161,71 @@ async def run_moriio_cluster(
                     transfer_mode=mode).run)
                 # One at a time: the roster (and so the rotation) is in the fakes' order.
                 await proxy.wait_roster(lambda r, url=fake.url: r.find(url) is not None)
+            # ... and each has said what it serves (the learner asks a newcomer at once).
+            await proxy.wait_roster(lambda r: all(m.url in r.served for m in r.members))
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
+
+
+#: A model's instances by role: ``(encoders, prefills x DP, decodes x DP)`` counts.
+Layout = tuple[int, tuple[int, int], tuple[int, int]]
+
+
+@dataclass
+class Fleet:
+    """A running fleet of several models: each model's fakes by role, and the proxy."""
+
+    #: By model: its ``encode``, ``prefill`` and ``decode`` fakes (each serves that name only).
+    fakes: dict[str, dict[str, list[FakeVLLM]]]
+    settings: Settings
+    proxy_url: str
+    proxy: Proxy
+
+    def all(self) -> list[FakeVLLM]:
+        return [fake for roles in self.fakes.values() for group in roles.values()
+                for fake in group]
+
+
+@asynccontextmanager
+async def run_fleet(
+    layouts: dict[str, Layout], *, tables: bool = True, host: str = "127.0.0.1",
+    proxy_port: int = 0, **settings: Any,
+) -> AsyncIterator[Fleet]:
+    """Fakes for each model of ``layouts`` (each serving that name alone), and the proxy in
+    front of them all: with ``tables``, each model's instances in its ``[models."NAME"]``
+    table; without, in the top-level lists, every pool learned from ``/v1/models``. A model
+    with no prefill has combined ``decode`` instances (the decode-alone pool). ``settings``
+    override ``Settings`` fields."""
+    async with trio.open_nursery() as nursery:
+        fakes: dict[str, dict[str, list[FakeVLLM]]] = {}
+        urls: dict[str, dict[str, list[str]]] = {}
+        for model, (encoders, (prefills, prefill_dp), (decodes, decode_dp)) in layouts.items():
+            roles: dict[str, list[FakeVLLM]] = {
+                "encode": [FakeVLLM("encode", model=model) for _ in range(encoders)],
+                "prefill": [FakeVLLM("prefill", prefill_dp, model=model) for _ in range(prefills)],
+                "decode": [FakeVLLM("decode", decode_dp, model=model) for _ in range(decodes)]}
+            fakes[model], urls[model] = roles, {}
+            for role, group in roles.items():
+                for fake in group:
+                    await nursery.start(fake.serve, host)
+                urls[model][role] = [f"{f.url}#dp={f.dp_size}" for f in group]
+        if tables:
+            lists: dict[str, Any] = {"models": {m: {r: u for r, u in roles.items() if u}
+                                                for m, roles in urls.items()}}
+        else:
+            lists = {f"{role}_urls": tuple(parse_instance(u) for roles in urls.values()
+                                           for u in roles[role])
+                     for role in ("encode", "prefill", "decode")}
+        config = Settings(**_parsed_tables({**lists, **settings}))
+        async with serve_proxy(config, host=host, port=proxy_port) as (url, proxy):
+            yield Fleet(fakes, config, url, proxy)
+        nursery.cancel_scope.cancel()
+
+
+def _parsed_tables(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with its tables (models, aliases, tenants) parsed as the config file's are."""
+    return {key: (parse_setting(key, value, key) if key in _TABLES and isinstance(value, dict)
+                  else value) for key, value in values.items()}
+
+
+_TABLES = ("models", "model_aliases", "tenants")

@@ -53,6 +53,8 @@ from .sim_engine import SimEngine
 Role = Literal["encode", "prefill", "decode", "prefill_decode"]
 ROLES: tuple[Role, ...] = ("encode", "prefill", "decode", "prefill_decode")
 _MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
+#: The model list: asked by the proxy's model learner, not a request it routes.
+MODELS_PATH = "/v1/models"
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
@@ -128,6 +130,12 @@ class FakeVLLM:
     role: Role = "decode"
     dp_size: int = 1
     model: str = "fake-model"
+    #: Every name it serves (``vllm serve --served-model-name a b``), listed in ``/v1/models``;
+    #: a request for another name gets vLLM's 404. Empty: ``model`` alone.
+    served_names: tuple[str, ...] = ()
+    #: Whether it has a ``/v1/models`` route (False: FastAPI's 404 there, as an
+    #: OpenAI-compatible server without it; then it accepts any name, as such servers do).
+    models_route: bool = True
     #: Like ``vllm serve --api-key``: ``/v1/...`` requests need ``Authorization: Bearer <key>``.
     api_key: str | None = None
     #: Between a successful ``/start_profile`` and ``/stop_profile``.
@@ -158,13 +166,18 @@ class FakeVLLM:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}: {self.role!r}")
+        if not self.served_names:
+            self.served_names = (self.model,)
         if self.kv is not None:
             self.kv_state = FakeKV(self.kv, self.dp_size, self.engine)
 
     # -- observation -----------------------------------------------------------------------
     def requests(self, path: str | None = "/v1/") -> list[Received]:
-        """Recorded requests whose path starts with ``path`` (default: the OpenAI API ones)."""
-        return [r for r in self.received if path is None or r.path.startswith(path)]
+        """Recorded requests whose path starts with ``path`` (default: the OpenAI API ones the
+        proxy routes; the model list the proxy asks for, like its health probes, only when
+        ``path`` names it)."""
+        return [r for r in self.received if path is None or (
+            r.path.startswith(path) and (r.path != MODELS_PATH or path == MODELS_PATH))]
 
     def stats(self) -> dict[str, Any]:
         """What this server received, in numbers (served as ``GET /fake/stats`` for the bench)."""
@@ -242,7 +255,7 @@ class FakeVLLM:
             request_id=headers.get("x-request-id"),
         )
         self.received.append(record)
-        api = record.path.startswith("/v1/")
+        api = record.path.startswith("/v1/") and record.path != MODELS_PATH
         self.in_flight += api
         self._notify()
         finishing = False
@@ -302,6 +315,23 @@ class FakeVLLM:
             self.disconnects += record.disconnected
             self._notify()
 
+    def _answer_model(self, body: Any) -> str:
+        """The ``model`` an answer names: like vLLM, its first served name, whichever of its
+        names the request used (a server without ``/v1/models`` echoes the request's)."""
+        if self.models_route:
+            return self.served_names[0]
+        name = body.get("model") if isinstance(body, dict) else None
+        return name if isinstance(name, str) else self.model
+
+    def _unknown_model(self, body: Any) -> bytes | None:
+        """vLLM's 404 for a name it does not serve (its message lists the names it does);
+        None for a served name, or a body without one (vLLM takes its first name then)."""
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is None or name in self.served_names or not self.models_route:
+            return None
+        return _error(f"The model `{name}` does not exist. Valid aliases: "
+                      f"{', '.join(self.served_names)}.", "NotFoundError", 404, "model")
+
     async def _handle(self, record: Received, respond: Any, body_chunk: Any) -> None:
         b = self.behaviour
         if self.api_key is not None and record.path.startswith("/v1") and (
@@ -328,9 +358,13 @@ class FakeVLLM:
             await self._render(record, respond)
             return
         if record.path == "/v1/models" and record.method == "GET":
+            if not self.models_route:
+                await respond(404, orjson.dumps({"detail": "Not Found"}))
+                return
             await respond(200, orjson.dumps({"object": "list", "data": [{
-                "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
-                "root": self.model, "parent": None, "max_model_len": b.max_model_len}]}))
+                "id": name, "object": "model", "created": 0, "owned_by": "vllm",
+                "root": self.served_names[0], "parent": None,
+                "max_model_len": b.max_model_len} for name in self.served_names]}))
             return
         if record.path in ("/start_profile", "/stop_profile") and record.method == "POST":
             if not b.profiler:  # FastAPI's answer for a route that does not exist
@@ -345,6 +379,10 @@ class FakeVLLM:
         body = record.body
         streams = self.role != "encode" and isinstance(body, dict) and body.get("stream") is True
         if await (self._injected_failure(respond) if streams else self._misbehave(respond)):
+            return
+        unknown = self._unknown_model(body)
+        if unknown is not None:
+            await respond(404, unknown)
             return
         problem = self._validate(record)
         if not problem and self.moriio is not None and self.role in ("prefill", "decode"):
@@ -406,7 +444,7 @@ class FakeVLLM:
         await respond(200, orjson.dumps({
             "id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
             "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": body.get("model", self.model),
+            "created": int(time.time()), "model": self._answer_model(body),
             "choices": [choice],
             "usage": usage_of(len(words)),
             "prompt_logprobs": None,
@@ -463,7 +501,7 @@ class FakeVLLM:
         ec: Any = report(parts) if report is not None else default_ec_report(parts)
         return {
             "id": f"chatcmpl-{request_id}", "object": "chat.completion",
-            "created": int(time.time()), "model": body.get("model", self.model),
+            "created": int(time.time()), "model": self._answer_model(body),
             "choices": [{"index": 0, "message": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": "length", "stop_reason": None}],
             "usage": {"prompt_tokens": len(parts), "completion_tokens": 0,
@@ -557,7 +595,7 @@ class FakeVLLM:
         b = self.behaviour
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", "object": obj,
-                "created": int(time.time()), "model": body.get("model", self.model)}
+                "created": int(time.time()), "model": self._answer_model(body)}
 
         def frame(piece: str | None, finish: str | None, first: bool = False) -> bytes:
             if chat:
@@ -623,8 +661,8 @@ async def _lifespan(receive: Any, send: Any) -> None:
             return
 
 
-def _error(message: str, kind: str, status: int) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None,
+def _error(message: str, kind: str, status: int, param: str | None = None) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": param,
                                    "code": status}})
 
 

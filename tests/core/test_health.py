@@ -6,11 +6,11 @@ import httpx
 import trio
 import trio.testing
 
-from epd_trio import Instance, SlotCursor
+from epd_trio import Instance, Settings, SlotCursor
 from epd_trio._core.health import InstanceState, Registry
-from epd_trio.testing import run_cluster
+from epd_trio.testing import FakeVLLM, run_cluster, serve_proxy
 
-from helpers import CHAT, chat_body, image, retries
+from helpers import CHAT, chat_body, image, retries, start_fakes
 
 
 def test_threshold_evicts_and_one_success_restores() -> None:
@@ -128,24 +128,31 @@ async def test_health_stays_200_and_says_unavailable_when_a_stage_has_no_live_in
         assert r.status_code == 200
 
 
-async def test_ready_waits_for_one_probe_per_role(client: httpx.AsyncClient) -> None:
-    async with run_cluster(encoders=1, prefills=1, decodes=1, health_interval=0.05) as c:
-        c.encoders[0].behaviour.healthy = False
+async def test_ready_waits_for_one_probe_per_role(
+    client: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    # The encoder fails its probes from the start: the proxy never saw it work.
+    encoder, prefill, decode = (FakeVLLM("encode"), FakeVLLM("prefill"), FakeVLLM("decode"))
+    encoder.behaviour.healthy = False
+    await start_fakes(nursery, encoder, prefill, decode)
+    settings = Settings(encode_urls=(Instance(encoder.url),), prefill_urls=(Instance(prefill.url),),
+                        decode_urls=(Instance(decode.url),), health_interval=0.05)
+    async with serve_proxy(settings) as (url, proxy):
         # Wait until the decode and prefill answered a probe: then only the encoder is missing.
         with trio.fail_after(10):
-            for fake in (c.prefills[0], c.decodes[0]):
+            for fake in (prefill, decode):
                 await fake.wait_until(lambda f=fake: any(
                     r.path == "/health" and r.status == 200 for r in f.received))
-        r = await client.get(c.proxy_url + "/ready")
-        assert r.status_code == 503 and r.json()["ready"] is False
+        r = await client.get(url + "/ready")
+        assert r.status_code == 503 and r.json()["ready"] is False, r.text
         ready = trio.Event()
-        c.proxy.registry.on_change.append(lambda s: ready.set())
-        c.encoders[0].behaviour.healthy = True
+        proxy.registry.on_change.append(lambda s: ready.set())
+        encoder.behaviour.healthy = True
         with trio.fail_after(10):
-            await c.encoders[0].wait_until(lambda: any(
-                r.path == "/health" and r.status == 200 for r in c.encoders[0].received))
+            await encoder.wait_until(lambda: any(
+                r.path == "/health" and r.status == 200 for r in encoder.received))
         await trio.testing.wait_all_tasks_blocked()
-        r = await client.get(c.proxy_url + "/ready")
+        r = await client.get(url + "/ready")
         assert r.status_code == 200 and r.json()["ready"] is True
 
 

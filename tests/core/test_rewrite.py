@@ -94,7 +94,7 @@ def test_text_only_body_is_passed_as_is() -> None:
     [
         (b"{nope", "chat", "not valid JSON"),
         (b"[1, 2]", "chat", "JSON object"),
-        (b'{"messages": []}', "chat", "'model'"),
+        (b'{"model": "", "messages": []}', "chat", "'model'"),
         (b'{"model": 3, "messages": []}', "chat", "'model'"),
         (b'{"model": "m"}', "chat", "'messages'"),
         (b'{"model": "m", "messages": []}', "chat", "'messages'"),
@@ -123,7 +123,8 @@ def test_bad_input_is_a_bad_request(raw: bytes, kind: str, fragment: str) -> Non
 
 
 @pytest.mark.parametrize(("raw", "kind", "param"), [
-    (b'{"messages": []}', "chat", "model"),
+    (b'{"model": null, "messages": []}', "chat", "messages"),  # no model: the registry's call
+    (b'{"model": 3, "messages": []}', "chat", "model"),
     (b'{"model": "m"}', "chat", "messages"),
     (b'{"model": "m", "messages": ["x"]}', "chat", "messages[0]"),
     (b'{"model": "m", "messages": [{"content": "x"}]}', "chat", "messages[0].role"),

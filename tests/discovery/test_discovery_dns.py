@@ -36,6 +36,7 @@ from epd_trio.testing import FakeVLLM, serve_proxy
 from helpers import (
     CHAT,
     POD_ADDRESSES,
+    answered,
     chat_body,
     every_worker_lists,
     serve_on_addresses,
@@ -491,6 +492,7 @@ async def test_a_registered_dns_name_is_resolved_until_unregistered(
                                                                  "url": f"{spec}#dp=2"})
         assert r.status_code == 409
         await until(found, lambda: len(decode_urls(proxy)) == 2)
+        await answered(proxy)
         assert {i.dp_size for i in proxy.roster.of("decode")} == {2}
         assert (await client.get("/instances", headers=admin)).json()["dns_names"] == [
             {"role": "decode", "url": f"{spec}#dp=2", "source": "registered"}]

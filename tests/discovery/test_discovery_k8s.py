@@ -35,6 +35,7 @@ from epd_trio.testing.kube_api import FakeKubeApi, make_pod
 from helpers import (
     CHAT,
     POD_ADDRESSES,
+    answered,
     chat_body,
     every_worker_lists,
     instances_listing,
@@ -474,6 +475,7 @@ async def test_with_a_shared_roster_each_replica_watches_and_shares_none_of_it(
             with trio.fail_after(10):
                 await discovery_of(proxy).wait_until(
                     lambda p=proxy: len(decode_urls(p)) == 2)
+                await answered(proxy)
         assert redis_server.command("SCARD", f"{prefix}instances") == "0"  # nothing shared
         async with httpx.AsyncClient(timeout=10) as client:
             for url, _proxy in fleet:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pathlib
-import sys
 
-from test_layout import imported_modules
+from test_layout import imported_modules, room_violations
 
 import epd_trio._kv
 
@@ -15,31 +14,12 @@ SHELL = {"subscriber"}
 #: Third-party modules each kind may import besides the standard library.
 PURE_THIRD_PARTY = {"msgpack"}
 SHELL_THIRD_PARTY = {"msgpack", "trio", "zmq"}
-#: Standard-library modules that are I/O, refused in pure modules.
-PURE_FORBIDDEN_STDLIB = {"socket", "asyncio", "selectors", "threading", "subprocess", "ssl"}
 
 
 def violations(path: pathlib.Path, *, pure: bool) -> list[str]:
     """What ``path`` imports against the rule (empty: none)."""
-    found = []
-    allowed = PURE_THIRD_PARTY if pure else SHELL_THIRD_PARTY
-    for name, level in sorted(imported_modules(path)):
-        if level == 1:
-            if pure and name not in PURE:
-                found.append(f"imports the sibling {name!r}, which is not pure")
-        elif level == 2:
-            if name != "_core":
-                found.append(f"reaches outside _kv and _core (from ..{name})")
-        elif level > 2:
-            found.append(f"reaches outside the package (from {'.' * level}{name})")
-        elif name == "epd_trio":
-            found.append("imports epd_trio absolutely (use .._core)")
-        elif name in sys.stdlib_module_names or name == "__future__":
-            if pure and name in PURE_FORBIDDEN_STDLIB:
-                found.append(f"imports {name}")
-        elif name not in allowed:
-            found.append(f"imports {name}")
-    return found
+    return room_violations(path, room="_kv", pure=pure, pure_modules=PURE,
+                           pure_third_party=PURE_THIRD_PARTY, shell_third_party=SHELL_THIRD_PARTY)
 
 
 def test_every_kv_module_is_pure_or_shell_and_keeps_to_its_imports() -> None:

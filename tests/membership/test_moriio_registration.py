@@ -16,6 +16,7 @@ import trio.testing
 from epd_trio import Settings
 from epd_trio._core.moriio import MAX_FRAME_BYTES
 from epd_trio._core.roster import Roster
+from epd_trio._core.routing import dp_slots
 from epd_trio._proxy import Proxy
 from epd_trio.testing import serve_proxy
 from epd_trio.testing.moriio import MoriioStandIn, moriio_address
@@ -67,8 +68,8 @@ async def test_instances_join_the_roster_with_their_sizes_and_show_everywhere(
         await proxy.wait_roster(lambda r: len(r.members) == 3)
         assert urls(proxy.roster, "prefill") == ["http://127.0.0.1:8001"]
         # Per-instance DP sizes in the flat interleaved rotation (not the first one's for all).
-        assert sorted(i.dp_size for i in proxy.decodes.instances) == [1, 8]
-        assert proxy.decodes.slot_count == 9
+        assert sorted(i.dp_size for i in proxy.roster.of("decode")) == [1, 8]
+        assert len(dp_slots(proxy.roster.of("decode"))) == 9
         assert proxy.roster.transfer_mode == "READ"
         listing = (await client.get(url + "/instances", headers=ADMIN)).json()
         (entry,) = listing["instances"]["prefill"]

@@ -127,6 +127,7 @@ async def test_admin_routes_are_off_without_a_key_and_need_the_right_one(
 async def test_bad_registrations_are_openai_errors(client: httpx.AsyncClient) -> None:
     async with run_cluster(prefills=1, decodes=1, admin_key=KEY) as c:
         url = c.proxy_url + "/instances"
+        version = (await client.get(url, headers=ADMIN)).json()["version"]
 
         async def post(content: bytes | None = None, **body: Any) -> httpx.Response:
             if content is not None:
@@ -146,7 +147,7 @@ async def test_bad_registrations_are_openai_errors(client: httpx.AsyncClient) ->
         r = await client.delete(url, headers=ADMIN)
         assert "'url' is required" in assert_openai_error(r, 400, "invalid_request_error")["message"]
         r = await client.get(url, headers=ADMIN)
-        assert r.json()["version"] == 0  # nothing above changed the roster
+        assert r.json()["version"] == version  # nothing above changed the roster
 
 
 async def test_malformed_registrations_are_400s_naming_the_field(
@@ -159,6 +160,7 @@ async def test_malformed_registrations_are_400s_naming_the_field(
 
     async with run_cluster(decodes=1, admin_key=KEY, health_interval=0.05) as c:
         url = c.proxy_url + "/instances"
+        version = (await client.get(url, headers=ADMIN)).json()["version"]
         for bad in BAD_URLS:
             for role in ("encode", "decode"):
                 r = await client.post(url, headers=ADMIN, json={"role": role, "url": bad})
@@ -173,7 +175,7 @@ async def test_malformed_registrations_are_400s_naming_the_field(
         r = await client.delete(url, headers=ADMIN, params={"url": "http://u:secret@d:1"})
         assert "secret" not in assert_openai_error(r, 400, "invalid_request_error")["message"]
         listed = (await client.get(url, headers=ADMIN)).json()
-        assert listed["version"] == 0 and "secret" not in str(listed)
+        assert listed["version"] == version and "secret" not in str(listed)
         assert (await client.post(c.proxy_url + CHAT, json=chat_body())).status_code == 200
         seen = len(c.decodes[0].received)  # its prober is alive: it still asks /health
         with trio.fail_after(10):
@@ -184,9 +186,13 @@ async def test_instances_lists_static_and_registered_and_delete_removes(
     client: httpx.AsyncClient, nursery: trio.Nursery
 ) -> None:
     async with run_cluster(encoders=1, decodes=1, admin_key=KEY) as c:
+        before = (await client.get(c.proxy_url + "/instances", headers=ADMIN)).json()["version"]
         extra = await register_new(client, c, nursery, "encode")
         listing = (await client.get(c.proxy_url + "/instances", headers=ADMIN)).json()
-        assert listing["layout"] == "E+PD" and listing["version"] == 1
+        # Two versions: the registration, then what the instance said it serves.
+        assert listing["layout"] == "E+PD" and listing["version"] == before + 2
+        assert [(e["models"], e["models_from"]) for e in listing["instances"]["encode"]] == [
+            (["fake-model"], "/v1/models")] * 2
         encoders = listing["instances"]["encode"]
         assert [(e["url"], e["source"], e["state"]) for e in encoders] == [
             (c.encoders[0].url, "static", "healthy"), (extra.url, "registered", "healthy")]

@@ -16,7 +16,7 @@ import trio.testing
 from epd_trio import Instance, Settings
 from epd_trio._core.counters import CursorCounters
 from epd_trio._core.discovery import Discovered
-from epd_trio._core.roster import Roster
+from epd_trio._core.roster import Card, Roster
 from epd_trio._membership.roster_owner import Membership
 from epd_trio._pipeline import Reply
 from epd_trio._proxy import Proxy
@@ -28,7 +28,15 @@ ENCODERS = [f"http://e{i}:1" for i in range(4)]
 
 
 def registration(role: str, url: str) -> bytes:
-    return orjson.dumps({"role": role, "url": url})
+    """A registration that declares its model, so it serves it at once (no ``/v1/models``
+    to ask: these proxies are not started)."""
+    return orjson.dumps({"role": role, "url": url, "models": ["m"]})
+
+
+def decodes(proxy: Proxy) -> list[str]:
+    """The decode instances model ``m``'s pool routes over (none before it has one)."""
+    route = proxy.models.by_name.get("m")
+    return [] if route is None else urls(route.decodes.instances)
 
 
 def workers() -> tuple[Proxy, Proxy]:
@@ -82,7 +90,7 @@ def test_a_pull_with_no_change_returns_none_and_costs_one_word_read() -> None:
 
 def test_a_counter_step_records_the_roster_and_calls_nobody() -> None:
     a, b = workers()
-    b_counters = b.decodes._counter
+    b_counters = b.membership._pool_counters.counter(0, "decode")  # model m's slot
     assert a.register(registration("decode", "http://d:1"))
     b_counters.fetch_add(1)  # a step of b's shared counter: it sees the new version...
     store = b.membership._store
@@ -90,7 +98,7 @@ def test_a_counter_step_records_the_roster_and_calls_nobody() -> None:
     assert b.roster.version == 0 and not b.registry.has("decode")  # ...as data only
     b.sync()  # the pull: now b follows it, everywhere at once
     assert b.roster.version == 1 and b.registry.has("decode")
-    assert urls(b.decodes.instances) == ["http://d:1"]
+    assert decodes(b) == ["http://d:1"]
 
 
 async def test_another_workers_change_is_seen_at_the_next_requests_top() -> None:
@@ -98,7 +106,7 @@ async def test_another_workers_change_is_seen_at_the_next_requests_top() -> None
     seen: list[tuple[int, list[str]]] = []
 
     async def run(*args: Any, **kwargs: Any) -> Reply:  # the pipeline, as the request enters it
-        seen.append((b.roster.version, urls(b.decodes.instances)))
+        seen.append((b.roster.version, decodes(b)))
         return Reply(200, {}, body=b"{}")
 
     b.pipeline.run = run  # type: ignore[method-assign]
@@ -123,7 +131,8 @@ async def test_the_counter_value_maps_over_the_list_of_its_own_version() -> None
     for url in ENCODERS[:2]:
         assert a.register(registration("encode", url))
     b.sync()
-    assert [urls(await p.encoders.assign(1)) for p in (a, b)] == [[ENCODERS[0]], [ENCODERS[1]]]
+    assert [urls(await p.route().encoders.assign(1)) for p in (a, b)] == [[ENCODERS[0]],
+                                                                          [ENCODERS[1]]]
     assert a.register(registration("encode", ENCODERS[2]))
     captured = a.roster.version
     pull = b.membership.pull
@@ -138,11 +147,12 @@ async def test_the_counter_value_maps_over_the_list_of_its_own_version() -> None
     b.membership.pull = pull_after_another_change  # type: ignore[method-assign]
     # Counter value 2 belongs to the three-encoder roster, which continued the rotation where
     # it stood (e0 next), and b maps it over that list.
-    assert urls(await b.encoders.assign(1)) == [ENCODERS[0]]
+    b_encoders = b.route().encoders
+    assert urls(await b_encoders.assign(1)) == [ENCODERS[0]]
     assert b.roster.version == captured == between[0] - 1
-    assert urls(b.encoders.encoders) == ENCODERS[:3]
+    assert urls(b_encoders.encoders) == ENCODERS[:3]
     # The next steps belong to the four-encoder roster, on either worker: one rotation.
-    picks = [urls(await p.encoders.assign(1))[0] for p in (b, a, b, a)]
+    picks = [urls(await p.route().encoders.assign(1))[0] for p in (b, a, b, a)]
     assert b.roster.version == a.roster.version == between[0]
     assert picks == [ENCODERS[1], ENCODERS[2], ENCODERS[3], ENCODERS[0]]
 
@@ -150,6 +160,7 @@ async def test_the_counter_value_maps_over_the_list_of_its_own_version() -> None
 async def test_wait_roster_is_woken_by_a_change_the_membership_makes() -> None:
     proxy = Proxy(Settings(admin_key="k"))
     found = [Discovered(Instance("http://d:1"))]
+    proxy.membership.learned({"http://d:1": (Card("m"),)})  # ignored: not a member yet
     done = trio.Event()
 
     async def wait() -> None:
@@ -163,7 +174,10 @@ async def test_wait_roster_is_woken_by_a_change_the_membership_makes() -> None:
         # A discovery round (not a route of the proxy): the waiter pulls and sees it.
         assert proxy.membership.discovered("dns d", "decode", found) == (["http://d:1"], [])
         await done.wait()
-    assert urls(proxy.decodes.instances) == ["http://d:1"]
+    assert decodes(proxy) == []  # it serves nothing until it says so
+    proxy.membership.learned({"http://d:1": (Card("m"),)})
+    proxy.sync()
+    assert decodes(proxy) == ["http://d:1"]
 
 
 def test_a_membership_alone_owns_its_roster() -> None:

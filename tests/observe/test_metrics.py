@@ -40,12 +40,16 @@ async def test_requests_stages_instances_items_and_ranks(client: httpx.AsyncClie
         assert r.status_code == 200
         await settled()
         m = await scrape(client, c.proxy_url)
-        assert m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok") == 4
-        assert m.get("epd_trio_requests_total", endpoint=CHAT, outcome="client_error") == 1
-        assert m.get("epd_trio_requests_total", endpoint=COMPLETIONS, outcome="ok") == 1
+        model = "fake-model"  # the pool each request went to (none for a body not read)
+        assert m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok", model=model) == 4
+        assert m.get("epd_trio_requests_total", endpoint=CHAT, outcome="client_error",
+                     model="") == 1
+        assert m.get("epd_trio_requests_total", endpoint=COMPLETIONS, outcome="ok",
+                     model=model) == 1
         for stream in ("true", "false"):
             for name in ("time_to_first_byte", "request_duration"):
-                assert m.get(f"epd_trio_{name}_seconds_count", endpoint=CHAT, stream=stream) == 2
+                assert m.get(f"epd_trio_{name}_seconds_count", endpoint=CHAT, stream=stream,
+                             model=model) == 2
         assert m.by("epd_trio_stage_duration_seconds_count", "stage") == {
             "encode": 4, "prefill": 5, "decode": 5}
         # Per instance: exactly what each instance received, rank by rank.
@@ -101,7 +105,7 @@ async def test_failovers_errors_broken_streams_and_missing_kv(
         assert m.sum("epd_trio_upstream_errors_total") == 4  # 1 + 2 + the broken stream
         assert m.get("epd_trio_prefill_kv_transfer_params_missing_total") == 1
         assert m.get("epd_trio_request_duration_seconds_count", endpoint=CHAT,
-                     stream="false") == 2  # only successes are timed
+                     stream="false", model="fake-model") == 2  # only successes are timed
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum(w.startswith("retrying decode after failure") for w in warnings) == 2
     assert any(w.startswith("request both-down failed: decode stage failed") for w in warnings)

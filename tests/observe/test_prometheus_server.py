@@ -49,6 +49,9 @@ ZERO_IS_FINE = {
     # The trickle's requests never wait for a place (refused at once at the cap): the queue is
     # empty at every scrape; the series per tenant must exist.
     "Queue depth per tenant",
+    # 1 or 0 by the pool's health at the scrape (the checks below kill the decodes at the end):
+    # the series per model must exist.
+    "Pool complete per model",
 }
 
 
@@ -102,7 +105,8 @@ async def test_a_real_prometheus_scrapes_the_proxy_with_the_rules(tmp_path: Path
                            health_threshold=1, max_inflight=2, admission_timeout=0,
                            tenants=(Tenant("default", priority=1, tokens_per_minute=10**9),
                                     Tenant("interactive", priority=0)),
-                           tenant_header="x-tenant", priority_headroom=1) as c:
+                           tenant_header="x-tenant", priority_headroom=1,
+                           model_aliases={"chat": {"targets": {"fake-model": 1}}}) as c:
         # Fails every call it gets (a 500 does not evict): failovers and errors keep coming,
         # their rates stay above 0. The traffic also fails its probes now and then (below).
         failing = c.prefills[1]
@@ -192,6 +196,9 @@ scrape_configs:
                             await refused_at_the_cap(n)
                         elif n % 20 == 15:
                             await evicted_and_back()
+                        elif n % 20 in (5, 7):  # an alias pick; a name nobody serves (404)
+                            await client.post(c.proxy_url + CHAT, json={
+                                **chat_body(), "model": "chat" if n % 20 == 5 else "nosuch"})
                         else:
                             await client.post(c.proxy_url + CHAT,
                                               json=chat_body(image(n), stream=bool(n % 2)))

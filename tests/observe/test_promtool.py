@@ -53,14 +53,22 @@ async def serving(*args: str) -> AsyncIterator[str]:
 
 async def live_scrape(nursery: trio.Nursery, workers: int) -> str:
     """A scrape of ``epd-trio serve --workers N`` after traffic through every stage, a failing
-    prefill (a failover, an error, an eviction) and a bad request."""
+    prefill (a failover, an error, an eviction), a bad request, a name nobody serves and an
+    alias."""
     encoder, decode = FakeVLLM("encode"), FakeVLLM("decode", dp_size=2)
     good, bad = FakeVLLM("prefill"), FakeVLLM("prefill")
     await start_fakes(nursery, encoder, good, bad, decode)
-    bad.stop()  # refuses connections: the first call to it evicts it (threshold 1)
     async with serving("--workers", str(workers), "--encode", encoder.url, "--prefill", good.url,
                        bad.url, "--decode", f"{decode.url}#dp=2", "--health-threshold",
-                       "1") as url:
+                       "1", "--model-aliases", '{"chat": {"targets": ["fake-model"]}}') as url:
+        # It said what it serves, then died: it refuses connections, and the first call to it
+        # evicts it (threshold 1).
+        bad.stop()
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            r = await client.post(url + CHAT, json={**chat_body(), "model": "chat"})
+            assert r.status_code == 200, r.text
+            r = await client.post(url + CHAT, json={**chat_body(), "model": "nosuch"})
+            assert r.status_code == 404, r.text
         for n in range(8):
             # A fresh connection per request, so every worker gets some.
             async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
@@ -120,7 +128,7 @@ def test_every_alert_has_a_firing_and_a_silent_case_a_severity_and_a_runbook() -
     firing = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts:\n\s+- exp_labels", text))
     silent = set(re.findall(r"alertname: (\w+)\n\s+exp_alerts: \[\]", text))
     names = alert_names()
-    assert len(names) == 11 and set(names) == firing == silent
+    assert len(names) == 12 and set(names) == firing == silent
     rules = RULES.read_text()
     runbook = (ROOT / "docs" / "how-to" / "observability.md").read_text()
     for name in names:

@@ -57,6 +57,12 @@ async def until(check: Callable[[dict[str, Any]], bool], url: str) -> float:
     return time.monotonic() - started
 
 
+def answered(report: dict[str, Any]) -> bool:
+    """Every instance of ``report`` has said what it serves (each replica asks on its own)."""
+    return all(entry["models_from"] == "/v1/models"
+               for entries in report["instances"].values() for entry in entries)
+
+
 def decode_urls(report: dict[str, Any]) -> list[str]:
     return [entry["url"] for role in ("decode", "prefill_decode")
             for entry in report["instances"][role]]
@@ -129,7 +135,8 @@ async def test_a_moriio_registration_through_one_replica_reaches_the_others(
                 await nursery.start(MoriioStandIn(f"127.0.0.1:{port}", role,  # type: ignore[arg-type]
                                                   fake.url.removeprefix("http://"),
                                                   fake.moriio.zmq_address).run)
-            await until(lambda report: report["layout"] == "P+D", other)
+            for url in (heard, other):
+                await until(lambda report: report["layout"] == "P+D" and answered(report), url)
             report = await listing(other)
             (entry,) = report["instances"]["prefill"]
             assert entry["source"] == "moriio" and entry["transfer_mode"] == "READ"

@@ -74,7 +74,9 @@ async def wait_for(proxy: Proxy, predicate: Callable[[Roster], bool],
 
 
 def decode_urls(roster: Roster) -> list[str]:
-    return [inst.url for inst in roster.of("decode")]
+    """The decode instances of ``roster`` that have said what they serve: those a request may
+    go to (a newcomer is asked at once by each replica, which takes a round trip)."""
+    return [inst.url for inst in roster.of("decode") if inst.url in roster.served]
 
 
 async def register_and_route_through_each(
@@ -219,7 +221,7 @@ async def test_the_global_cursor_splits_items_exactly_across_replicas(
             assert [len(e.requests()) for e in encoders] == [100, 100, 100]
             # The split came from the global cursor (independent cursors give it by chance).
             keys = fleet[0][1].state.keys
-            assert redis_server.command("GET", keys.cursor("encode")) == "300"
+            assert redis_server.command("GET", keys.cursor("encode", "fake-model")) == "300"
         nursery.cancel_scope.cancel()
 
 
@@ -278,7 +280,7 @@ async def test_redis_killed_and_restarted_empty_under_load_fails_no_request(
                                           json={"role": "prefill_decode", "url": fake.url})
                     assert r.status_code == 200
                 for _, proxy in fleet:
-                    await wait_for(proxy, lambda roster: len(roster.of("decode")) == 2)
+                    await wait_for(proxy, lambda roster: len(decode_urls(roster)) == 2)
                     await wait_for(proxy, lambda _, p=proxy: p.ready())
                 statuses: list[int] = []
                 done = trio.Event()
@@ -437,9 +439,10 @@ async def test_a_password_protected_redis_over_tcp_and_a_unix_socket_and_no_pass
                 with trio.fail_after(CONVERGE):
                     await proxy.state.roster_loaded.wait()
                 assert "hunter2" not in str(proxy.state.describe())
-                assert await proxy.state.take("decode", 5) == 0
-                assert await proxy.state.take("decode", 1) == 5
-            assert redis.command("-n", db, "GET", "auth:cursor:decode") == "6"
+                assert await proxy.state.take("m", "decode", 5) == 0
+                assert await proxy.state.take("m", "decode", 1) == 5
+            # Namespaced by model: another model's traffic never moves it.
+            assert redis.command("-n", db, "GET", "auth:cursor:m:decode") == "6"
             assert redis.command("-n", db, "EXISTS", "auth:fleet") == "1"
         # A wrong password: refused, retried, and still never written to the log.
         wrong = Settings(state_url=f"redis://:wrong-hunter2@127.0.0.1:{redis.port}/0",
@@ -498,7 +501,7 @@ MALFORMED_KEYS: dict[str, Callable[[Any, bytes], Awaitable[Any]]] = {
     "another replica's load not a hash": lambda r, p: r.eval(
         "redis.call('zadd', KEYS[1], ARGV[1], 'ghost'); redis.call('set', KEYS[2], 'x')",
         [p + b"replicas", p + b"load:ghost"], [b"99999999999999"]),
-    "cursor not a number": lambda r, p: r.set(p + b"cursor:decode", b"oops"),
+    "cursor not a number": lambda r, p: r.set(p + b"cursor:fake-model:decode", b"oops"),
 }
 
 
@@ -639,8 +642,8 @@ async def test_no_moriio_instance_expires_while_the_store_is_unreachable_for_lon
                 await beating.start(beats["P"].run)
                 await beating.start(beat_decode)
                 for _, proxy in fleet:
-                    await wait_for(proxy, lambda roster: roster.find(decode.url) is not None
-                                   and roster.find(prefill.url) is not None)
+                    await wait_for(proxy, lambda roster: decode.url in roster.served
+                                   and prefill.url in roster.served)
                     await wait_for(proxy, lambda _, p=proxy: p.ready())
                 redis.pause()
                 try:
@@ -741,7 +744,7 @@ async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_c
                 (_, proxy0), _ = fleet
                 assert proxy0.state is not None
                 keys = proxy0.state.keys
-                assert redis.command("GET", keys.cursor("decode")) == "6"
+                assert redis.command("GET", keys.cursor("decode", "fake-model")) == "6"
                 assert [len(f.requests(CHAT)) for f in (static, registered)] == [3, 3]
             nursery.cancel_scope.cancel()
         # The same server without the private CA: refused by the system's authorities.

@@ -39,7 +39,8 @@ async def test_missing_setting_fails_with_one_line(
     assert result.stderr.decode().strip().splitlines() == [
         "epd_trio: configuration error: EPD_DECODE_URLS: is required (at least one decode URL), "
         "unless instances register themselves (EPD_ADMIN_KEY, EPD_KV_CONNECTOR=moriio, or a shared "
-        "roster in EPD_STATE_URL) or are discovered (EPD_DECODE_SELECTOR)"
+        "roster in EPD_STATE_URL), are discovered (EPD_DECODE_SELECTOR) or named in a model "
+        "table (EPD_MODELS)"
     ]
     if exit_code is not None:
         assert result.returncode == exit_code

@@ -229,6 +229,7 @@ async def test_nothing_is_logged_per_request_by_default(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="epd_trio")
     async with run_cluster(encoders=1, prefills=1, decodes=1) as c:
+        caplog.clear()  # start-up said what each instance serves: once, not per request
         for stream in (False, True):
             r = await client.post(c.proxy_url + CHAT, json=chat_body(image(1), stream=stream))
             assert r.status_code == 200

@@ -178,12 +178,13 @@ async def test_a_registration_reaches_every_worker(nursery: trio.Nursery) -> Non
         for role, fake in [("prefill_decode", decode), *(("encode", e) for e in encoders)]:
             r = await call("POST", "/instances", headers=admin, json={"role": role, "url": fake.url})
             assert r.json() == {"registered": True}
-        # Both worker processes list the whole roster (each answers with its pid).
+        # Both worker processes list the whole roster (each answers with its pid): eight
+        # versions, each registration and then what the instance said it serves.
         pids: set[int] = set()
         with trio.fail_after(60):
             while len(pids) < 2:
                 listing = (await call("GET", "/instances", headers=admin)).json()
-                assert listing["version"] == 4 and listing["layout"] == "E+PD"
+                assert listing["version"] == 8 and listing["layout"] == "E+PD"
                 assert [e["url"] for e in listing["instances"]["encode"]] == [e.url for e in encoders]
                 pids.add(listing["worker_pid"])
         assert pids == set(_workers_of(process.pid))
@@ -315,7 +316,7 @@ async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
         assert await trio.Path(metrics_dir).is_dir()
 
         def ok(m: Samples) -> float:
-            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
+            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok", model="fake-model")
 
         # A request is counted just after its last byte went out: wait until all 40 are.
         with trio.fail_after(10):

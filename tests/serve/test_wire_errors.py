@@ -88,8 +88,8 @@ async def test_status_lines_carry_their_reason_phrase() -> None:
             + b"content-type: application/json\r\ncontent-length: 3\r\n\r\n{\xff}")
         streamed, _, _ = await exchange(
             c.proxy_url, b"POST /v1/completions HTTP/1.1\r\n" + CLOSE
-            + b"content-length: 47\r\n\r\n"
-            + b'{"model": "m", "prompt": "hi", "stream": true}'.ljust(47))
+            + b"content-length: 55\r\n\r\n"
+            + b'{"model": "fake-model", "prompt": "hi", "stream": true}'.ljust(55))
     assert ok == b"HTTP/1.1 200 OK"
     assert streamed == b"HTTP/1.1 200 OK"  # a chunked stream's head too
     assert bad == b"HTTP/1.1 400 Bad Request"

@@ -13,7 +13,8 @@ from helpers import second_view
 
 
 def registration(role: str, url: str) -> bytes:
-    return orjson.dumps({"role": role, "url": url})
+    """A registration declaring its model (these proxies are not started: nobody asks it)."""
+    return orjson.dumps({"role": role, "url": url, "models": ["m"]})
 
 
 async def test_a_registration_reaches_the_other_worker_exactly() -> None:
@@ -32,12 +33,13 @@ async def test_a_registration_reaches_the_other_worker_exactly() -> None:
     # and the instance list it routes over belong together, and both workers share one rotation.
     picks = []
     for proxy in (b, a, b, b, a):
-        picks.append((await proxy.encoders.assign(1, proxy.registry.usable("encode")))[0].url)
+        encoders = proxy.route("m").encoders
+        picks.append((await encoders.assign(1, proxy.registry.usable("encode")))[0].url)
     assert picks == [urls[0], urls[1], urls[0], urls[1], urls[0]]
     assert b.roster.version == 3 and b.roster.of("encode") == a.roster.of("encode")
     # b registers the third: a continues the rotation from where it stood (e1 next, no reset).
     assert b.register(registration("encode", urls[2]))
-    picks = [(await p.encoders.assign(1))[0].url for p in (a, b, a, a)]
+    picks = [(await p.route("m").encoders.assign(1))[0].url for p in (a, b, a, a)]
     assert picks == [urls[1], urls[2], urls[0], urls[1]]
     assert a.unregister(urls[1] + "/") and not b.unregister(urls[1])
     b.sync()
@@ -45,7 +47,7 @@ async def test_a_registration_reaches_the_other_worker_exactly() -> None:
 
 
 def test_a_roster_that_does_not_fit_is_refused() -> None:
-    shared = SharedRoutingState(capacity=300)
+    shared = SharedRoutingState(capacity=400)
     proxy = Proxy(Settings(admin_key="k"), shared)
     assert proxy.register(registration("decode", "http://d0:1"))
     with pytest.raises(RosterFull) as info:

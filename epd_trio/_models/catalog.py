@@ -1,0 +1,91 @@
+"""A request's model name resolved, and the ``GET /v1/models`` listing, on the pools of now.
+
+The order a name is looked up in, the first match wins: a pool of that name; an alias (its
+target picked by ``choice``); ``ANY_POOL`` when some instance serves any name; else vLLM's own
+404 (``ModelNotFound``), before any leg runs. A tenant with a model list gets the same 404 for
+a name outside it. A body without ``model`` goes to the one model served (vLLM's behaviour);
+with several, it is a 400 naming ``model``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._core.errors import BadRequest, ModelNotFound, NoInstance
+from .cards import card_json
+from .pools import ANY_POOL, Pool
+from .tables import Alias
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    """The pools and aliases of one roster version (rebuilt when the roster changes)."""
+
+    pools: Mapping[str, Pool]
+    aliases: Mapping[str, Alias]
+    #: Why a name no pool lists may still be served soon (no instance yet, or some that have
+    #: not said what they serve): such a name gets that 503, not a 404 that may be false.
+    pending: str | None = None
+
+    @property
+    def models(self) -> list[str]:
+        """The names of the pools a client may name (``ANY_POOL`` is not one)."""
+        return [name for name in self.pools if name != ANY_POOL]
+
+    def default(self) -> str:
+        """The model a body without ``model`` goes to: the one base model served (or the
+        any-name pool when no name is known); a 400 naming ``model`` when there are several."""
+        names = self.models
+        if len(names) == 1:
+            return names[0]
+        if not names and ANY_POOL in self.pools:
+            return ANY_POOL
+        if not names:
+            raise NoInstance(self.pending or "no instance serves any model")
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        raise BadRequest(f"'model' is required: this proxy serves several models ({shown})")
+
+    def find(self, name: str, allowed: Collection[str] | None = None) -> Pool | Alias:
+        """The pool or alias ``name`` leads to (see the module); ``ModelNotFound`` else."""
+        if allowed is not None and name not in allowed:
+            raise ModelNotFound(name)
+        found: Pool | Alias | None = self.pools.get(name) if name != ANY_POOL else None
+        if found is None:
+            found = self.aliases.get(name) or self.pools.get(ANY_POOL)
+        if found is None:
+            if self.pending is not None:
+                raise NoInstance(f"no instance serves {name!r} yet: {self.pending}")
+            raise ModelNotFound(name)
+        return found
+
+    def listing(self, servable: Callable[[Pool], bool],
+                allowed: Collection[str] | None = None) -> dict[str, Any]:
+        """``GET /v1/models``: each name a client may send and that can serve now, once, in
+        vLLM's list shape: the models with a complete live pool (their instances' own card),
+        then the aliases not hidden that have such a target."""
+        data = []
+        live: dict[str, Pool] = {}
+        for name in self.models:
+            pool = self.pools[name]
+            if not servable(pool):
+                continue
+            live[name] = pool
+            if allowed is None or name in allowed:
+                data.append(card_json(pool.cards[0]) if pool.cards
+                            else _plain_card(name, owned_by="vllm"))
+        for name, alias in self.aliases.items():
+            targets = [live[t] for t in alias.names if t in live]
+            if alias.hidden or not targets or (allowed is not None and name not in allowed):
+                continue
+            lengths = [c.max_model_len for pool in targets for c in pool.cards[:1]
+                       if c.max_model_len is not None]
+            data.append({**_plain_card(name, owned_by="epd-trio"),
+                         "max_model_len": min(lengths) if lengths else None})
+        return {"object": "list", "data": data}
+
+
+def _plain_card(name: str, *, owned_by: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": owned_by, "root": None,
+            "parent": None, "max_model_len": None}

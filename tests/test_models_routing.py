@@ -1,0 +1,230 @@
+"""Several models behind one proxy, end to end over real sockets: each request reaches only its
+own model's instances on every leg; each pool keeps its own cursors; the answers a client gets
+for a name nobody serves, a pool missing a stage, a body without a model; aliases and canaries;
+tenants' model lists; pools learned from the top-level lists and from registrations."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+import orjson
+import trio
+import trio.testing
+
+from epd_trio import Instance, Settings
+from epd_trio.testing import FakeVLLM, Fleet, run_fleet, serve_proxy
+
+from helpers import CHAT, chat_body, image, metric, start_fakes
+
+#: qwen: E -> P -> D; llama: P -> D; embed: decode alone.
+THREE = {"qwen": (2, (2, 1), (2, 1)), "llama": (0, (1, 1), (2, 2)), "embed": (0, (0, 1), (2, 1))}
+
+
+def body(model: str | None, *items: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    out = chat_body(*items, **extra)
+    if model is None:
+        del out["model"]
+    else:
+        out["model"] = model
+    return out
+
+
+def legs(fleet: Fleet) -> dict[str, Counter[str]]:
+    """Which models each model's fakes were asked for, on every leg (the model a leg names)."""
+    seen: dict[str, Counter[str]] = {}
+    for model, roles in fleet.fakes.items():
+        seen[model] = Counter(r.body["model"] for group in roles.values() for fake in group
+                              for r in fake.requests())
+    return seen
+
+
+async def test_three_models_side_by_side_each_only_on_its_own_instances(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_fleet(THREE) as fleet:
+        for n in range(4):
+            for model in THREE:
+                r = await client.post(fleet.proxy_url + CHAT,
+                                      json=body(model, image(n), stream=n % 2 == 1))
+                assert r.status_code == 200, r.text
+        assert legs(fleet) == {"qwen": Counter(qwen=4 * 3),  # one encode (one item), P, D each
+                               "llama": Counter(llama=4 * 2), "embed": Counter(embed=4)}
+        qwen, llama, embed = (fleet.fakes[m] for m in THREE)
+        assert [len(f.requests()) for f in qwen["encode"]] == [2, 2]
+        assert [len(f.requests()) for f in qwen["prefill"] + qwen["decode"]] == [2, 2, 2, 2]
+        # llama's media goes to its prefill unencoded (its pool has no encoder).
+        assert [len(f.requests()) for f in llama["prefill"]] == [4]
+        # llama decodes: flat interleaved over (instance, rank): d0 r0, d1 r0, d0 r1, d1 r1.
+        ranks = [(fleet.fakes["llama"]["decode"].index(f), r.rank)
+                 for f in llama["decode"] for r in f.requests()]
+        assert sorted(ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert [len(f.requests()) for f in embed["decode"]] == [2, 2]
+        listing = (await client.get(fleet.proxy_url + "/v1/models")).json()
+        assert [c["id"] for c in listing["data"]] == ["qwen", "llama", "embed"]
+        assert {c["root"] for c in listing["data"]} == {"qwen", "llama", "embed"}
+
+
+async def test_each_pool_keeps_its_own_encoder_cursor_under_interleaved_traffic(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Seed 1 per model: A's single-image requests go round its three encoders in turn,
+    whatever B sends between them. Here every instance serves both names: only the cursors
+    tell the pools apart (production-stack #915: one counter shared by every model skewed
+    each model's spread)."""
+    encoders = [FakeVLLM("encode", served_names=("A", "B")) for _ in range(3)]
+    decode = FakeVLLM("prefill_decode", served_names=("A", "B"))
+    await start_fakes(nursery, *encoders, decode)
+    settings = Settings(encode_urls=tuple(Instance(e.url) for e in encoders),
+                        decode_urls=(Instance(decode.url),))
+    sequence = "ABBABAABBBAA"
+    async with serve_proxy(settings) as (url, _):
+        for n, model in enumerate(sequence):
+            r = await client.post(url + CHAT, json=body(model, image(n)),
+                                  headers={"x-request-id": f"{n:03d}"})
+            assert r.status_code == 200, r.text
+    went = {req.request_id.split("-")[0]: index for index, e in enumerate(encoders)
+            for req in e.requests() if req.request_id}
+    for model in "AB":
+        turns = [went[f"{n:03d}"] for n, m in enumerate(sequence) if m == model]
+        first = turns[0]
+        assert turns == [(first + k) % 3 for k in range(6)], (model, turns)
+
+
+NOT_FOUND = {"error": {"message": "The model `nosuch` does not exist.", "type": "NotFoundError",
+                       "param": "model", "code": 404}}
+
+
+async def test_the_answers_404_400_and_503_each_before_any_leg(client: httpx.AsyncClient) -> None:
+    async with run_fleet(THREE, health_interval=0.05, health_threshold=1) as fleet:
+        url = fleet.proxy_url + CHAT
+        # A name nobody serves: vLLM's own 404, and no instance was asked anything.
+        r = await client.post(url, json=body("nosuch", image(1)))
+        assert r.status_code == 404 and r.json() == NOT_FOUND
+        # No model among several: a 400 naming the field.
+        r = await client.post(url, json=body(None))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert "qwen" in r.json()["error"]["message"]
+        assert all(not f.requests() for f in fleet.all())
+        # llama's decodes go: its requests get a 503 naming the model and the stage.
+        for fake in fleet.fakes["llama"]["decode"]:
+            fake.behaviour.healthy = False
+        gone = trio.Event()
+        fleet.proxy.registry.on_change.append(lambda state: not any(
+            fleet.proxy.registry.state("decode", f.url).live
+            for f in fleet.fakes["llama"]["decode"]) and gone.set())
+        with trio.fail_after(10):
+            await gone.wait()
+        r = await client.post(url, json=body("llama"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["message"] == ("model 'llama' has no live decode instance in "
+                                                "its pool")
+        assert not any(f.requests() for f in fleet.fakes["llama"]["prefill"])
+        # The other models serve on; /v1/models lists only what can serve now.
+        assert (await client.post(url, json=body("embed"))).status_code == 200
+        proxy = fleet.proxy
+        assert metric(proxy, "epd_trio_model_not_found_total") == 1  # one count, no name
+        assert metric(proxy, "epd_trio_requests_total", model="nosuch") == 0
+        assert metric(proxy, "epd_trio_requests_total", outcome="no_instance",
+                      model="llama") == 1
+        assert metric(proxy, "epd_trio_requests_total", outcome="ok", model="embed") == 1
+        assert {m: metric(proxy, "epd_trio_model_pool_complete", model=m) for m in THREE} == {
+            "qwen": 1, "llama": 0, "embed": 1}
+        listing = (await client.get(fleet.proxy_url + "/v1/models")).json()
+        assert [c["id"] for c in listing["data"]] == ["qwen", "embed"]
+
+
+async def test_one_model_a_body_without_model_goes_to_it_and_every_leg_names_it(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_fleet({"solo": (1, (1, 1), (1, 1))}) as fleet:
+        r = await client.post(fleet.proxy_url + CHAT, json=body(None, image(3)))
+        assert r.status_code == 200, r.text
+        assert {r.body["model"] for f in fleet.all() for r in f.requests()} == {"solo"}
+        r = await client.post(fleet.proxy_url + CHAT, json=body("nosuch"))
+        assert r.status_code == 404 and r.json() == NOT_FOUND
+
+
+async def test_pools_learned_from_the_top_level_lists(client: httpx.AsyncClient) -> None:
+    """No tables: every instance of the lists said what it serves, and that made the pools."""
+    async with run_fleet(THREE, tables=False) as fleet:
+        for model in THREE:
+            for n in range(2):
+                r = await client.post(fleet.proxy_url + CHAT, json=body(model, image(n)))
+                assert r.status_code == 200, r.text
+        assert legs(fleet) == {"qwen": Counter(qwen=6), "llama": Counter(llama=4),
+                               "embed": Counter(embed=2)}
+
+
+CANARY = {"targets": {"stable": 90, "canary": 10}}
+TWO = {"stable": (0, (0, 1), (1, 1)), "canary": (0, (0, 1), (1, 1))}
+
+
+async def send_all(client: httpx.AsyncClient, url: str, bodies: list[dict[str, Any]],
+                   headers: list[dict[str, str]] | None = None) -> list[httpx.Response]:
+    """Every body sent, 16 at a time; the answers in order."""
+    answers: list[httpx.Response | None] = [None] * len(bodies)
+    limit = trio.CapacityLimiter(16)
+
+    async def one(n: int) -> None:
+        async with limit:
+            answers[n] = await client.post(url + CHAT, json=bodies[n],
+                                           headers=headers[n] if headers else None)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(len(bodies)):
+            nursery.start_soon(one, n)
+    assert all(a is not None and a.status_code == 200 for a in answers), answers
+    return answers  # type: ignore[return-value]
+
+
+async def test_an_alias_splits_by_weight_exactly_and_each_leg_names_the_target(
+    client: httpx.AsyncClient,
+) -> None:
+    async with run_fleet(TWO, model_aliases={"chat": CANARY}) as fleet:
+        answers = await send_all(client, fleet.proxy_url, [body("chat") for _ in range(1000)])
+        # The answer names the target, as vLLM writes it (its first served name).
+        assert Counter(orjson.loads(a.content)["model"] for a in answers) == {
+            "stable": 900, "canary": 100}
+        assert legs(fleet) == {"stable": Counter(stable=900), "canary": Counter(canary=100)}
+        assert {target: metric(fleet.proxy, "epd_trio_alias_picks_total", alias="chat",
+                               target=target) for target in TWO} == {"stable": 900, "canary": 100}
+        # The request metrics' model is the pool each went to: a bounded label.
+        assert metric(fleet.proxy, "epd_trio_requests_total", model="canary") == 100
+        listing = (await client.get(fleet.proxy_url + "/v1/models")).json()
+        assert [c["id"] for c in listing["data"]] == ["stable", "canary", "chat"]
+
+
+async def test_a_sticky_alias_keeps_each_session_on_one_target(client: httpx.AsyncClient) -> None:
+    async with run_fleet(TWO, model_aliases={"chat": {**CANARY, "hidden": True}},
+                         alias_sticky_header="x-session-id") as fleet:
+        sessions = [f"user-{k}" for k in range(300)]
+        headers = [{"x-session-id": s} for s in sessions for _ in range(3)]
+        answers = await send_all(client, fleet.proxy_url, [body("chat")] * len(headers), headers)
+        target: dict[str, set[str]] = {}
+        for h, a in zip(headers, answers, strict=True):
+            target.setdefault(h["x-session-id"], set()).add(orjson.loads(a.content)["model"])
+        assert all(len(t) == 1 for t in target.values())  # no session flips
+        canary = sum(t == {"canary"} for t in target.values())
+        assert 15 <= canary <= 45, canary  # 10 % of 300 sessions, give or take the hash
+        listing = (await client.get(fleet.proxy_url + "/v1/models")).json()
+        assert "chat" not in [c["id"] for c in listing["data"]]  # hidden
+
+
+async def test_a_tenants_model_list_hides_the_rest(client: httpx.AsyncClient) -> None:
+    tenants = {"team": {"keys": ["team-key"], "models": ["chat"]},
+               "ops": {"keys": ["ops-key"]}}
+    async with run_fleet(TWO, model_aliases={"chat": CANARY}, tenants=tenants) as fleet:
+        team, ops = ({"authorization": f"Bearer {k}"} for k in ("team-key", "ops-key"))
+        url = fleet.proxy_url
+        r = await client.post(url + CHAT, json=body("chat"), headers=team)
+        assert r.status_code == 200
+        r = await client.post(url + CHAT, json=body("stable"), headers=team)
+        assert r.status_code == 404 and r.json()["error"]["message"] == (
+            "The model `stable` does not exist.")
+        assert (await client.post(url + CHAT, json=body("stable"), headers=ops)).status_code == 200
+        seen = (await client.get(url + "/v1/models", headers=team)).json()
+        assert [c["id"] for c in seen["data"]] == ["chat"]
+        seen = (await client.get(url + "/v1/models", headers=ops)).json()
+        assert [c["id"] for c in seen["data"]] == ["stable", "canary", "chat"]
