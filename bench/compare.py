@@ -42,6 +42,10 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
   (``epd_trio.testing.otlp_receiver``; its CPU is the load generator's); ``epd_trio+otel=R``
   samples with the default parent-based ratio ``R`` instead (``R=0``: on, nothing sampled).
   Combines with ``@DIR`` and ``:wN`` (``epd_trio@DIR+otel``).
+- ``epd_trio+pools``: epd_trio configured by model tables alone (``--models``): the measured
+  model's pool (every backend) beside two more models' pools (one combined instance each,
+  started by the lean fakes with ``--other-models``). The load names the measured model: what
+  routing by model costs a request, side by side with ``epd_trio`` (one pool, learned).
 
 Clients (``--client``): ``epoll`` (default; ``bench._epoll_load``: one epoll loop, each request
 written with one ``send``), ``split`` (the same loop writing each request's head and body with two
@@ -118,6 +122,8 @@ class Backends:
     encode: tuple[str, ...]
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
+    #: ``(model, URL)``: one combined instance per other model (``+pools`` peers).
+    others: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -141,7 +147,8 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
     e, p, d = backends.encode, backends.prefill, backends.decode
     for name in args.peers:
         if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w", "epd_trio+")):
-            name_base, traced, otel = name.partition("+otel")
+            name_base, pooled, _ = name.partition("+pools")
+            name_base, traced, otel = (name_base + _).partition("+otel")
             env = None
             if traced:
                 ratio = otel.removeprefix("=")
@@ -155,9 +162,12 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
                 skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
                 continue
 
-            def epd_trio(port: int, workers: int = workers) -> list[str]:
+            def epd_trio(port: int, workers: int = workers, pooled: bool = bool(pooled)
+                         ) -> list[str]:
                 cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
                        "--port", str(port), "--workers", str(workers)]
+                if pooled:  # the measured model in a table of its own, beside the others'
+                    return [*cmd, "--models", models_tables(backends)]
                 for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
                     if urls:
                         cmd += [f"--{role}", *urls]
@@ -211,6 +221,24 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
         else:  # direct
             peers.append(Peer(name, None))
     return peers, skipped
+
+
+#: The model the load names (the lean fakes' own name).
+MEASURED_MODEL = "fake-model"
+#: The other models of a ``+pools`` peer: two more pools, three in all.
+OTHER_MODELS = ("pool-b", "pool-c")
+
+
+def models_tables(backends: Backends) -> str:
+    """``--models`` for a ``+pools`` peer: the measured model's pool (every backend of the
+    layout) and one pool per other model (its own instance), as JSON tables."""
+    tables: dict[str, dict[str, list[str]]] = {MEASURED_MODEL: {
+        role: list(urls) for role, urls in (("encode", backends.encode),
+                                            ("prefill", backends.prefill),
+                                            ("decode", backends.decode)) if urls}}
+    for model, url in backends.others:
+        tables[model] = {"decode": [url]}
+    return json.dumps(tables)
 
 
 def rotated(items: list[Any], by: int) -> list[Any]:
@@ -399,6 +427,8 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
     cmd += ["--prefills", str(args.prefills), "--decodes", str(args.decodes),
             "--token-interval", str(args.token_interval), "--prefill-time",
             str(args.prefill_time)]
+    if any("+pools" in name for name in getattr(args, "peers", ())):
+        cmd += ["--other-models", ",".join(OTHER_MODELS)]
     process = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE,
                                                preexec_fn=pinned(args.rest_cpus))
     assert process.stdout is not None
@@ -408,7 +438,9 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
     def urls(role: str) -> tuple[str, ...]:
         return tuple(u for u in settings.get(f"EPD_{role}_URLS", "").split(",") if u)
 
-    backends = Backends(urls("ENCODE"), urls("PREFILL"), urls("DECODE"))
+    others = tuple(tuple(pair.split("=", 1)) for pair in urls("OTHER"))
+    backends = Backends(urls("ENCODE"), urls("PREFILL"), urls("DECODE"),
+                        others)  # type: ignore[arg-type]
     described = ", ".join(f"{len(v)} {k}" for k, v in (
         ("encode", backends.encode), ("prefill", backends.prefill),
         ("decode", backends.decode)) if v)
@@ -623,7 +655,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
     unknown = [x for x in args.peers if x not in PEERS
-               and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel", "hypercorn@"))]
+               and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel", "epd_trio+pools",
+                                     "hypercorn@"))]
     if unknown:
         p.error(f"unknown peer(s) {unknown}; choose from {PEERS}")
     if args.images is None:
@@ -639,6 +672,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--client {args.client}: no Python at {python} (--{option} / "
                     f"EPD_BENCH_{option.upper().replace('-', '_')}; "
                     "bench/install_references.sh makes one)")
+    if any("+pools" in x for x in args.peers) and args.fake == "aiohttp":
+        p.error("+pools peers need the lean fakes (--fake lean): they start the other models")
     if args.fake == "aiohttp" and args.pacing != "engine":
         p.error("--pacing is the lean fakes' option (--fake aiohttp paces every stream alone)")
     if args.fake == "aiohttp" and not os.access(args.fake_python, os.X_OK):

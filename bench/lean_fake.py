@@ -421,6 +421,16 @@ async def serve_fakes(args: argparse.Namespace) -> None:
                 urls.append(await nursery.start(fake.serve, args.host))
             if urls:
                 print(f"EPD_{name}_URLS={','.join(urls)}", flush=True)
+        others = []
+        for model in args.other_models:
+            # One combined instance per other model, serving that name alone (bench.compare's
+            # ``+pools`` peer gives each a pool of its own beside the measured one).
+            fake = LeanFake("prefill_decode", token_interval=args.token_interval,
+                            prefill_time=args.prefill_time, tokens=args.tokens,
+                            pacing=args.pacing, model=model)
+            others.append(f"{model}={await nursery.start(fake.serve, args.host)}")
+        if others:
+            print(f"EPD_OTHER_URLS={','.join(others)}", flush=True)
         print("ready", flush=True)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
@@ -445,6 +455,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    "its batch (default); stream: each stream on a timer of its own")
     p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
                    help="tokens when the request sets no max_tokens")
+    p.add_argument("--other-models", type=lambda v: [m for m in v.split(",") if m], default=[],
+                   metavar="NAME,...", help="one more combined instance per name, serving that "
+                   "model alone (printed as EPD_OTHER_URLS=NAME=URL,...)")
     args = p.parse_args(argv)
     if args.decodes < 1:
         p.error("--decodes must be at least 1")

@@ -4,11 +4,13 @@
 routing counters), configured by flags, ``EPD_*`` environment variables or ``--config FILE``, in
 that order of priority.
 
-``demo`` starts an embedded fake cluster (3 encoders, 2 prefill x DP2, 2 decode x DP2) and the
-real proxy on a local port, prints a ready-to-paste ``curl``, and serves until Ctrl-C.
+``demo`` starts an embedded fake fleet and the real proxy on a local port, prints a
+ready-to-paste ``curl``, and serves until Ctrl-C: two models, each a pool learned from its
+fakes' ``/v1/models`` (``fake-model``: 3 encoders, 2 prefill x DP2, 2 decode x DP2;
+``fake-text``: 1 prefill, 1 decode x DP2) and an alias over both (``chat``, 3 to 1).
 ``demo --check`` instead sends a few requests through it, prints where each leg went, and exits
 (non-zero if any request failed): a one-command smoke test of an installation. ``demo
---kv-connector moriio`` runs the same layout with MoRIIO fakes that register over ZMQ.
+--kv-connector moriio`` runs the first model's layout with MoRIIO fakes that register over ZMQ.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import Mapping, Sequence
-from functools import partial
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -54,16 +56,28 @@ from ._serve.runner import (
     serve,
 )
 from ._serve.serving import DEFAULT_BACKLOG, DEFAULT_KEEP_ALIVE
-from .testing.cluster import Cluster, run_cluster, run_moriio_cluster
+from .testing.cluster import Fleet, Layout, run_fleet, run_moriio_cluster
+from .testing.fake_vllm import FakeVLLM
 from .testing.media import png_data_url
 
 #: The highest TCP port.
 MAX_PORT = 65535
 
 
-def _sample_body(seed: int, *, stream: bool) -> dict[str, object]:
+#: The demo's fleet: its first model is the one the README's curl and the check's first
+#: requests name (E+P+D); a second, text-only model has a pool of its own (P+D); an alias
+#: splits between the two, 3 to 1.
+DEMO_MODEL, TEXT_MODEL, DEMO_ALIAS = "fake-model", "fake-text", "chat"
+DEMO_LAYOUTS: dict[str, Layout] = {DEMO_MODEL: (3, (2, 2), (2, 2)), TEXT_MODEL: (0, (1, 1), (1, 2))}
+DEMO_ALIASES = {DEMO_ALIAS: {"targets": {DEMO_MODEL: 3, TEXT_MODEL: 1}}}
+
+
+def _sample_body(seed: int, *, stream: bool, model: str = DEMO_MODEL) -> dict[str, object]:
+    if model != DEMO_MODEL:  # the text model and the alias: a text prompt
+        return {"model": model, "stream": stream, "max_tokens": 8,
+                "messages": [{"role": "user", "content": f"Say something, number {seed}."}]}
     return {
-        "model": "fake-model",
+        "model": model,
         "stream": stream,
         "max_tokens": 8,
         "messages": [{"role": "user", "content": [
@@ -79,47 +93,71 @@ def _curl(url: str) -> str:
             f"-d {shlex.quote(body)}")
 
 
-def _describe(cluster: Cluster) -> str:
-    def role(name: str, fakes: list, dp: int) -> str:
+def _describe(fleet: Fleet) -> str:
+    def role(name: str, fakes: list[FakeVLLM]) -> str:
         urls = ", ".join(f.url for f in fakes)
-        return f"  {name:<8} {len(fakes)} x DP{dp}: {urls}"
+        return f"    {name:<8} {len(fakes)} x DP{fakes[0].dp_size}: {urls}"
 
-    s = cluster.settings
-    moriio = (f", MoRIIO {cluster.proxy.roster.transfer_mode} mode, registered over ZMQ on "
-              f"{cluster.proxy.membership.moriio_endpoint}" if s.kv_connector == "moriio" else "")
-    return "\n".join([
-        f"epd_trio demo: proxy on {cluster.proxy_url} (layout {layout_name(cluster.proxy.roster)}"
-        f"{moriio}, fake vLLM backends)",
-        role("encode", cluster.encoders, 1),
-        role("prefill", cluster.prefills, cluster.prefills[0].dp_size),
-        role("decode", cluster.decodes, cluster.decodes[0].dp_size),
-    ])
+    s = fleet.settings
+    roster = fleet.proxy.roster
+    moriio = (f", MoRIIO {roster.transfer_mode} mode, registered over ZMQ on "
+              f"{fleet.proxy.membership.moriio_endpoint}" if s.kv_connector == "moriio" else "")
+    lines = [f"epd_trio demo: proxy on {fleet.proxy_url} (layout {layout_name(roster)}"
+             f"{moriio}, fake vLLM backends; pools learned from their /v1/models)"]
+    for model, roles in fleet.fakes.items():
+        stages = "+".join(label for label, stage in (("E", "encode"), ("P", "prefill"),
+                                                      ("D", "decode")) if roles[stage])
+        lines.append(f"  model {model} ({stages})")
+        lines += [role(stage, fakes) for stage, fakes in roles.items() if fakes]
+    for alias, table in s.model_aliases.items():
+        targets = ", ".join(f"{name} {weight}" for name, weight in table["targets"].items())
+        lines.append(f"  alias {alias}: {targets}")
+    return "\n".join(lines)
 
 
-async def _check(cluster: Cluster, count: int) -> bool:
+def _legs(fleet: Fleet, seen: list[int]) -> tuple[list[str], set[str]]:
+    """The legs each fake received since ``seen`` (their request counts then), labelled by
+    stage and index within their model (another model's with its name first), and the models
+    that took them."""
+    legs, models = [], set()
+    before = iter(seen)
+    first = next(iter(fleet.fakes))
+    for model, roles in fleet.fakes.items():
+        for label, fakes in (("E", roles["encode"]), ("P", roles["prefill"]),
+                             ("D", roles["decode"])):
+            for i, fake in enumerate(fakes):
+                for rec in fake.requests()[next(before):]:
+                    rank = "" if rec.rank is None else f" rank {rec.rank}"
+                    legs.append(("" if model == first else f"{model} ") + f"{label}{i}{rank}")
+                    models.add(model)
+    return legs, models
+
+
+async def _check(fleet: Fleet, count: int) -> bool:
+    """``count`` requests for the first model, then two for each other one and four for each
+    alias (its weighted turns), one at a time: where each went."""
+    first, *others = fleet.fakes
+    plan = [(n, first) for n in range(count)]
+    plan += [(len(plan) + k, model) for model in others for k in range(2)]
+    plan += [(len(plan) + k, alias) for alias in fleet.settings.model_aliases for k in range(4)]
     ok = True
     async with httpx.AsyncClient(timeout=30, trust_env=False) as client:
-        for n in range(count):
+        for n, model in plan:
             stream = n % 2 == 1
-            rid = f"demo-{n}"
             # One request at a time: its legs are what each fake received meanwhile (MoRIIO
             # legs carry the connector's request id, not the client's).
-            seen = [len(fake.requests()) for fake in cluster.fakes]
-            r = await client.post(cluster.proxy_url + "/v1/chat/completions",
-                                  json=_sample_body(n, stream=stream),
-                                  headers={"x-request-id": rid})
-            legs = []
-            before = iter(seen)
-            for label, fakes in (("E", cluster.encoders), ("P", cluster.prefills),
-                                 ("D", cluster.decodes)):
-                for i, fake in enumerate(fakes):
-                    for rec in fake.requests()[next(before):]:
-                        rank = "" if rec.rank is None else f" rank {rec.rank}"
-                        legs.append(f"{label}{i}{rank}")
+            seen = [len(fake.requests()) for fake in fleet.all()]
+            r = await client.post(fleet.proxy_url + "/v1/chat/completions",
+                                  json=_sample_body(n, stream=stream, model=model),
+                                  headers={"x-request-id": f"demo-{n}"})
+            legs, models = _legs(fleet, seen)
             good = r.status_code == 200 and (not stream or r.text.endswith("data: [DONE]\n\n"))
             ok &= good
             kind = "stream" if stream else "json"
-            print(f"  request {n} ({kind}): HTTP {r.status_code} via {' -> '.join(legs)}"
+            named = "" if model == first else (
+                f", {model}" + (f" -> {', '.join(sorted(models))}"
+                                if model in fleet.settings.model_aliases else ""))
+            print(f"  request {n} ({kind}{named}): HTTP {r.status_code} via {' -> '.join(legs)}"
                   + ("" if good else f"  FAILED: {r.text[:200]}"))
     return ok
 
@@ -147,22 +185,36 @@ async def _demo(args: argparse.Namespace) -> int:
     # The receiver stays open until the cluster has stopped, so a second Ctrl-C during the
     # (short) graceful shutdown is absorbed instead of turning into a traceback.
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        layout = {"encoders": 3, "prefills": 2, "prefill_dp": 2, "decodes": 2, "decode_dp": 2,
-                  "host": args.host, "proxy_port": args.port}
-        cluster_of = (partial(run_moriio_cluster, mode=args.moriio_mode)
-                      if args.kv_connector == "moriio" else run_cluster)
-        async with cluster_of(**layout) as cluster:
-            print(_describe(cluster), flush=True)
+        async with _demo_fleet(args) as fleet:
+            print(_describe(fleet), flush=True)
             if args.check:
-                ok = await _check(cluster, args.check)
+                ok = await _check(fleet, args.check)
                 print("demo check: " + ("all requests succeeded" if ok else "FAILED"))
                 return 0 if ok else 1
-            print("\nTry a multimodal streaming request:\n\n" + _curl(cluster.proxy_url)
+            print("\nTry a multimodal streaming request (or name fake-text, or the alias chat, "
+                  "in a text one):\n\n" + _curl(fleet.proxy_url)
                   + "\n\nCtrl-C stops the demo.", flush=True)
             async for _ in signals:
                 break
     print("epd_trio demo: stopped")
     return 0
+
+
+@asynccontextmanager
+async def _demo_fleet(args: argparse.Namespace) -> AsyncIterator[Fleet]:
+    """The demo's fakes and proxy: two models and an alias (``DEMO_LAYOUTS``), their pools
+    learned from the fakes' ``/v1/models``; with MoRIIO, its one model's fakes registering
+    over ZMQ."""
+    if args.kv_connector == "moriio":
+        async with run_moriio_cluster(mode=args.moriio_mode, encoders=3, prefills=2,
+                                      prefill_dp=2, decodes=2, decode_dp=2, host=args.host,
+                                      proxy_port=args.port) as c:
+            yield Fleet({DEMO_MODEL: {"encode": c.encoders, "prefill": c.prefills,
+                                      "decode": c.decodes}}, c.settings, c.proxy_url, c.proxy)
+        return
+    async with run_fleet(DEMO_LAYOUTS, tables=False, host=args.host, proxy_port=args.port,
+                         model_aliases=DEMO_ALIASES) as fleet:
+        yield fleet
 
 
 def port_problem(port: int) -> str | None:

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import trio
@@ -30,7 +31,6 @@ from ._core.errors import INTERNAL_ERROR, BodyTooLarge, ProxyError, error_reply
 from ._core.rewrite import json_object, new_request_id
 from ._core.tenants import TenantTable
 from ._observe.tracing import Tracing, create_tracing
-from ._pipeline import Reply
 from ._proxy import Proxy
 from ._replicas.limits import SharedLimits
 from ._state.roster_store import SharedRoutingState
@@ -65,12 +65,6 @@ def _json(status: int, payload: object, headers: dict[str, str] | None = None) -
 def _error(exc: BaseException) -> Response:
     status, headers, body = error_reply(exc)
     return Response(body, status=status, headers=headers)
-
-
-def _send(reply: Reply) -> Response:
-    """A whole reply (the streamed ones are the completion endpoints', sent below Quart)."""
-    assert reply.stream is None
-    return Response(reply.body, status=reply.status, headers=reply.headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +128,10 @@ def create_app(
     ``ConfigError`` for a bad one, or for tracing on without the ``otel`` extra).
     ``on_failure`` stops the process when a per-process task dies (``_state/tasks.py``);
     without it the app keeps serving and ``/health`` and ``/ready`` say it has failed.
+
+    What it wires, each piece in a function of its own below: the proxy and the admission gate,
+    the completion endpoints below Quart (``ProxyASGI``), request ids and refusals, the
+    lifespan's tasks, and the Quart routes by kind (OpenAI, probes, admin, metrics, errors).
     """
     if tracing is None:
         tracing = create_tracing(os.environ)
@@ -156,8 +154,23 @@ def create_app(
     client_keys = ClientKeys((*settings.api_keys, *tenants.keys))
     admin_key = AdminKey(settings.admin_key)
     gate = _AdmissionWiring.build(settings, tenants, proxy, shared)
+    asgi = _completions_below_quart(app, settings, proxy, client_keys, gate)
+    refused = _Refusals(app, proxy.pipeline.accounting)
+    _request_ids(app)
+    _lifespan(app, proxy, asgi, gate, tracing)
+    _openai_routes(app, proxy, settings, client_keys, tenants)
+    _probe_routes(app, proxy, app.extensions["epd_trio.drain"])
+    _admin_routes(app, proxy, admin_key)
+    _metrics_route(app, proxy, admin_key, refused)
+    _error_handlers(app, settings, refused)
+    return app
+
+
+def _completions_below_quart(app: QuartTrio, settings: Settings, proxy: Proxy,
+                             client_keys: ClientKeys, gate: _AdmissionWiring) -> ProxyASGI:
+    """The two completion routes as plain ASGI below Quart (``_web/endpoints``), with the
+    shutdown's drain (``epd-trio serve``'s shutdown trigger runs it)."""
     accounting = proxy.pipeline.accounting
-    # epd-trio serve's shutdown trigger runs it (app.extensions["epd_trio.drain"]).
     drain = Drain(settings.shutdown_grace,
                   on_cut=lambda: setattr(accounting, "shutting_down", True))
     asgi = ProxyASGI(app.asgi_app, write_timeout=settings.client_write_timeout,
@@ -167,14 +180,33 @@ def create_app(
     app.asgi_app = asgi  # type: ignore[method-assign]
     app.extensions["epd_trio.asgi"] = asgi
     app.extensions["epd_trio.drain"] = drain
+    return asgi
 
-    watchdog: list[trio.CancelScope] = []
 
-    # Every request of the Quart routes has an id, and a refusal a log line and a count, as
-    # the completion endpoints' refusals do (issue 31): the id is the client's x-request-id or
-    # a new one, sent back on every answer. Paths no route knows count as "other", so a scan
-    # of random URLs cannot grow the metric's labels.
-    known_paths: set[str] = set()
+class _Refusals:
+    """Every refusal of a Quart route answered, counted and logged, as the completion
+    endpoints' refusals are (issue 31). Paths no route knows count as "other", so a scan of
+    random URLs cannot grow the metric's labels."""
+
+    def __init__(self, app: QuartTrio, accounting: Any) -> None:
+        self._app = app
+        self._accounting = accounting
+        self._known: set[str] = set()
+
+    def __call__(self, error: ProxyError, reply: BaseException | None = None) -> Response:
+        """``reply`` (default ``error``) answered, ``error`` counted and logged."""
+        if not self._known:
+            self._known.update(rule.rule for rule in self._app.url_map.iter_rules())
+        endpoint = request.path if request.path in self._known else "other"
+        request_id = getattr(g, "request_id", None) or new_request_id(None)
+        self._accounting.refused(endpoint, request_id, getattr(g, "started", time.perf_counter()),
+                                 error)
+        return _error(error if reply is None else reply)
+
+
+def _request_ids(app: QuartTrio) -> None:
+    """Every request of the Quart routes has an id: the client's x-request-id or a new one,
+    sent back on every answer."""
 
     @app.before_request
     async def _identify() -> None:
@@ -188,15 +220,12 @@ def create_app(
             response.headers["x-request-id"] = request_id
         return response
 
-    def _refused(error: ProxyError, reply: BaseException | None = None) -> Response:
-        """``reply`` (default ``error``) answered, ``error`` counted and logged."""
-        if not known_paths:
-            known_paths.update(rule.rule for rule in app.url_map.iter_rules())
-        endpoint = request.path if request.path in known_paths else "other"
-        request_id = getattr(g, "request_id", None) or new_request_id(None)
-        accounting.refused(endpoint, request_id, getattr(g, "started", time.perf_counter()),
-                           error)
-        return _error(error if reply is None else reply)
+
+def _lifespan(app: QuartTrio, proxy: Proxy, asgi: ProxyASGI, gate: _AdmissionWiring,
+              tracing: Tracing) -> None:
+    """The per-process tasks: started before serving under one owner, with one policy
+    (``_state/tasks.py``); stopped after serving, the proxy closed, the last spans sent."""
+    watchdog: list[trio.CancelScope] = []
 
     @app.before_serving
     async def _open() -> None:
@@ -206,7 +235,6 @@ def create_app(
                 named("stalled-send watchdog", asgi.watch_stalled_sends)))
             watchdog.extend(await gate.start(nursery))
 
-        # Every per-process task under one owner, with one policy (``_state/tasks.py``).
         await app.nursery.start(proxy.tasks.run, start)
 
     @app.after_serving
@@ -216,7 +244,11 @@ def create_app(
         await proxy.aclose()
         await tracing.aclose()  # the last spans, within a bounded time
 
-    # POST /v1/chat/completions and /v1/completions: ``CompletionEndpoints``, below Quart.
+
+def _openai_routes(app: QuartTrio, proxy: Proxy, settings: Settings, client_keys: ClientKeys,
+                   tenants: TenantTable) -> None:
+    """``GET /v1/models`` (POST /v1/chat/completions and /v1/completions are
+    ``CompletionEndpoints``, below Quart)."""
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -227,6 +259,10 @@ def create_app(
                  if settings.tenant_header is not None else None)
         tenant = tenants.resolve(bearer_token(authorization), named)
         return _json(200, proxy.models_listing(tenant.models))
+
+
+def _probe_routes(app: QuartTrio, proxy: Proxy, drain: Drain) -> None:
+    """Liveness (``/health``) and readiness (``/ready``)."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -245,7 +281,10 @@ def create_app(
             body["reason"] = reason
         return _json(200 if ok else 503, body)
 
-    # -- admin routes: X-API-Key (docs/how-to/operations.md) -----------------------------------------
+
+def _admin_routes(app: QuartTrio, proxy: Proxy, admin_key: AdminKey) -> None:
+    """Registrations and profiling, behind ``X-API-Key`` (docs/how-to/operations.md)."""
+
     @app.post("/instances")
     async def register_instance() -> Response:
         admin_key.check(request.headers.get("x-api-key"), required=True)
@@ -279,29 +318,37 @@ def create_app(
     async def stop_profile() -> Response:
         return await profile("stop_profile")
 
+
+def _metrics_route(app: QuartTrio, proxy: Proxy, admin_key: AdminKey,
+                   refused: _Refusals) -> None:
+    """``GET /metrics``: like profiling, open without an admin key, behind it once one is
+    set; also as a bearer token, which is how Prometheus scrape configs authenticate."""
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        # Like profiling: open without an admin key, behind it once one is set; also as a
-        # bearer token, which is how Prometheus scrape configs authenticate.
         admin_key.check(request.headers.get("x-api-key")
                         or bearer_token(request.headers.get("authorization")), required=False)
         # Off the event loop: merging the worker files of a multiprocess scrape takes a few ms.
         text = await trio.to_thread.run_sync(proxy.metrics.exposition)
         if text is None:
-            return _refused(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
-                                       type="not_found_error"))
+            return refused(ProxyError("metrics are disabled (EPD_METRICS)", status=404,
+                                      type="not_found_error"))
         return Response(text, status=200, content_type=CONTENT_TYPE_LATEST)
+
+
+def _error_handlers(app: QuartTrio, settings: Settings, refused: _Refusals) -> None:
+    """The one rendering of every failure of a Quart route (the module docstring)."""
 
     @app.errorhandler(ProxyError)
     async def _proxy_error(exc: ProxyError) -> Response:
-        return _refused(exc)
+        return refused(exc)
 
     @app.errorhandler(HTTPException)
     async def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         if status == 413:
-            return _refused(BodyTooLarge(settings.max_body_bytes))
-        response = _refused(ProxyError(
+            return refused(BodyTooLarge(settings.max_body_bytes))
+        response = refused(ProxyError(
             _routing_message(status, request.method, request.path, exc)
             or exc.description or exc.name,
             status=status, type=_OPENAI_TYPES.get(status, "invalid_request_error")))
@@ -312,6 +359,4 @@ def create_app(
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
         log.exception("unexpected error while handling %s %s", request.method, request.path)
-        return _refused(INTERNAL_ERROR, exc)
-
-    return app
+        return refused(INTERNAL_ERROR, exc)

@@ -30,8 +30,9 @@ as tried so the next attempt chooses another one. Nothing is caught on cancellat
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable, Collection
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -46,12 +47,48 @@ from ._core.moriio import (
 )
 from ._core.names import Stage
 from ._core.rewrite import build_decode_body, build_prefill_body, kv_transfer_params_of
+from ._core.routing import Instance
+from ._reply import Reply
 from ._upstream.fanout import fan_out
-
-if TYPE_CHECKING:
-    from ._pipeline import Reply, RequestRun
+from ._upstream.legs import Answer
 
 log = logging.getLogger("epd_trio")
+T = TypeVar("T")
+
+
+class KvAccount(Protocol):
+    def kv_missing(self) -> None: ...
+
+
+class RequestRun(Protocol):
+    """What a hand-off needs of the request it runs an attempt of: the legs every hand-off is
+    made of (``_pipeline.RequestRun`` has them). A protocol, so this module never imports the
+    pipeline that chooses its strategies (no import circle, not even a type-only one)."""
+
+    body: dict[str, Any]
+    request_id: str
+    account: KvAccount
+    prefills_tried: set[Slot] | None
+    committed: bool
+
+    async def next_slot(self, stage: Stage, tried: Collection[Slot],
+                        any_slot: bool = False) -> Slot | None: ...
+
+    async def encoded(self, leg_id: str, consumer: Slot) -> dict[str, Any]: ...
+
+    async def prefill_failover(self, first: Slot,
+                               attempt: Callable[[Slot], Awaitable[T]]) -> T: ...
+
+    async def post(self, stage: Stage, slot: Slot, body: dict[str, Any], leg_id: str, *,
+                   beside: bool = False) -> Answer: ...
+
+    async def decode(self, slot: Slot, body: dict[str, Any], leg_id: str) -> Reply: ...
+
+    def moriio_peer(self, instance: Instance) -> MoriioPeer | None: ...
+
+    def prefill_failed(self, slot: Slot) -> None: ...
+
+    async def close_stream(self) -> None: ...
 
 
 class HandOff(Protocol):

@@ -33,7 +33,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable, Collection
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
@@ -53,6 +53,7 @@ from ._kv_routing import KvRouting
 from ._model_pools import ModelPools
 from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
+from ._reply import Reply as Reply
 from ._state.cursors import choose_slot
 from ._state.loads import DECODE_TOKENS, Loads
 from ._upstream.legs import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
@@ -65,17 +66,6 @@ ModeOf = Callable[[], str | None]
 T = TypeVar("T")
 
 log = logging.getLogger("epd_trio")
-
-
-@dataclass(slots=True)
-class Reply:
-    """What the web layer sends back: a status, headers, and either bytes or a relayed stream
-    (``stream.pump(send)`` sends it and closes it)."""
-
-    status: int
-    headers: dict[str, str]
-    body: bytes = b""
-    stream: StreamRelay | None = None
 
 
 def requested_tokens(body: dict[str, Any]) -> int:

@@ -21,6 +21,12 @@ async def test_demo_check_routes_every_request() -> None:
     assert "layout E+P+D" in out and "demo check: all requests succeeded" in out
     assert "request 0 (json): HTTP 200 via E0 -> P0 rank 0 -> D0 rank 0" in out
     assert "request 3 (stream): HTTP 200 via E0 -> P1 rank 1 -> D1 rank 1" in out
+    # Two models, each a pool of its own instances, and an alias over both (3 to 1).
+    assert "  model fake-model (E+P+D)\n" in out and "  model fake-text (P+D)\n" in out
+    assert "  alias chat: fake-model 3, fake-text 1\n" in out
+    assert "request 4 (json, fake-text): HTTP 200 via fake-text P0 -> fake-text D0 rank 0" in out
+    alias = re.findall(r"request \d+ \(\w+, chat -> ([\w-]+)\): HTTP 200", out)
+    assert sorted(alias) == ["fake-model"] * 3 + ["fake-text"], out
 
 
 async def test_demo_with_moriio_registers_over_zmq_and_routes_every_request() -> None:

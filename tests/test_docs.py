@@ -50,6 +50,7 @@ from epd_trio.__main__ import build_parser, serve_flags
 from epd_trio._core.discovery import Discovered, pod_endpoint
 from epd_trio._core.meanings import MEANINGS, SERVE_OPTIONS
 from epd_trio._core.router_flags import ALIASES, ALL_STAGES, IGNORED, REFUSED
+from epd_trio._models.tables import parse_tables
 from epd_trio.testing import run_cluster
 
 from helpers import slug
@@ -652,3 +653,22 @@ def test_readme_commands_are_what_ci_and_the_package_run() -> None:
     for block in ALL_BLOCKS:
         if block.language == "bash" and 'install -q -e ".[test]"' in block.code:
             assert block.code.strip() == TEST_COMMAND, f"{rel(block.page)}:{block.line}"
+
+
+def test_the_models_pages_tables_are_a_whole_configuration(tmp_path: Path) -> None:
+    """The TOML example of docs/how-to/models.md, as a config file: three tables, read as the
+    page says (the pinned instances by role, the pool's own settings and cap, the alias)."""
+    page = DOCS / "how-to" / "models.md"
+    (block,) = [b for b in fenced_blocks(page) if b.language == "toml"]
+    config = tmp_path / "models.toml"
+    config.write_text(block.code)
+    settings = load_settings({"EPD_CONFIG": str(config)})
+    tables = parse_tables(settings)
+    assert sorted(tables.pools) == ["llama-v1", "qwen2-vl"]
+    qwen = tables.pools["qwen2-vl"]
+    assert qwen.specs["prefill"] == {"http://p0:8000"} and qwen.max_inflight == 256
+    assert qwen.settings == {"prefill_policy": "cache_aware"}
+    assert {i.url: i.dp_size for i in settings.listed("decode")} == {
+        "http://d0:8000": 8, "http://d1:8000": 1, "http://d2:8000": 1}
+    assert tables.aliases["chat"].targets == (("llama-v1", 90.0), ("qwen2-vl", 10.0))
+    assert settings.layout == "E+P+D"

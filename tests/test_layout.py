@@ -89,13 +89,15 @@ def test_the_import_rule_catches_a_violation(tmp_path: pathlib.Path) -> None:
     assert imported_modules(bad) == {("trio", 0), ("_http", 2), ("names", 1)}
 
 
-def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
+def import_graph(package: pathlib.Path, *, type_only: bool = False) -> dict[str, set[str]]:
     """Each module of ``package`` (a directory) -> the package's own modules it imports.
 
     Every import statement counts, wherever it sits: a function-local import hides a cycle
     rather than breaking it (the loop is still there, it only fails later, at the first call).
-    Only imports under ``if TYPE_CHECKING:`` are left out: they never run. ``from .x import y``
-    points at ``x.y`` when that is a module, else at ``x``; relative and absolute forms alike.
+    Only imports under ``if TYPE_CHECKING:`` are left out: they never run (``type_only``:
+    count them too, since a type-only circle still says one module should not know the
+    other). ``from .x import y`` points at ``x.y`` when that is a module, else at ``x``;
+    relative and absolute forms alike.
     """
     files = {}
     for path in sorted(package.rglob("*.py")):
@@ -111,12 +113,12 @@ def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
     for name, path in files.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         tree = ast.parse(path.read_text())
-        type_only = {id(node) for guard in ast.walk(tree)
+        type_only_nodes = {id(node) for guard in ast.walk(tree)
                      if isinstance(guard, ast.If) and "TYPE_CHECKING" in ast.unparse(guard.test)
                      for statement in guard.body for node in ast.walk(statement)}
         deps = set()
         for node in ast.walk(tree):
-            if id(node) in type_only:
+            if id(node) in type_only_nodes and not type_only:
                 continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -167,6 +169,13 @@ def test_no_import_cycles_anywhere_in_the_package() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
+def test_no_import_cycles_even_through_type_only_imports() -> None:
+    """Not even a type-only circle: ``_handoff`` names what it needs of a request run as a
+    protocol, instead of importing the pipeline that imports it."""
+    cycle = find_cycle(import_graph(CORE.parent, type_only=True))
+    assert cycle is None, "type-only import cycle: " + " -> ".join(cycle or [])
+
+
 def test_the_cycle_rule_catches_a_long_cycle_through_a_local_import(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -183,6 +192,7 @@ def test_the_cycle_rule_catches_a_long_cycle_through_a_local_import(
     (package / "sub" / "c.py").write_text("def make():\n    from .a import A\n    return A\n")
     graph = import_graph(package)
     assert graph["pkg.sub.b"] == {"pkg.sub.c"}  # the TYPE_CHECKING one left out
+    assert import_graph(package, type_only=True)["pkg.sub.b"] == {"pkg.sub.c", "pkg.sub.a"}
     assert graph["pkg.sub"] == {"pkg.sub.a"}
     assert find_cycle(graph) == ["pkg.sub.a", "pkg.sub.b", "pkg.sub.c", "pkg.sub.a"]
     (package / "sub" / "c.py").write_text("def make():\n    return 1\n")
@@ -247,3 +257,14 @@ def test_the_top_level_keeps_the_owner_the_pipeline_and_the_public_modules() -> 
     """Sub-packages are the rooms; the top level is the hall: about a dozen files."""
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_the_composition_root_is_made_of_small_pieces() -> None:
+    """``_app`` wires, in functions that each say what they wire: none over 80 lines (its
+    ``create_app`` once held 193, every route and hook of the app inline)."""
+    tree = ast.parse((PACKAGE / "_app.py").read_text())
+    lengths = {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+               if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+               and node.end_lineno is not None}
+    assert "create_app" in lengths and len(lengths) >= 10
+    assert {name: n for name, n in lengths.items() if n > 80} == {}

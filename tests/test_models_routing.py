@@ -6,6 +6,7 @@ tenants' model lists; pools learned from the top-level lists and from registrati
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import httpx
@@ -97,7 +98,9 @@ NOT_FOUND = {"error": {"message": "The model `nosuch` does not exist.", "type": 
 
 
 async def test_the_answers_404_400_and_503_each_before_any_leg(client: httpx.AsyncClient) -> None:
-    async with run_fleet(THREE, health_interval=0.05, health_threshold=1) as fleet:
+    # Three failed probes evict (0.15 s apart at least): a probe slowed by a busy machine does
+    # not take out an instance of the pools that must stay complete.
+    async with run_fleet(THREE, health_interval=0.05, health_threshold=3) as fleet:
         url = fleet.proxy_url + CHAT
         # A name nobody serves: vLLM's own 404, and no instance was asked anything.
         r = await client.post(url, json=body("nosuch", image(1)))
@@ -228,3 +231,23 @@ async def test_a_tenants_model_list_hides_the_rest(client: httpx.AsyncClient) ->
         assert [c["id"] for c in seen["data"]] == ["chat"]
         seen = (await client.get(url + "/v1/models", headers=ops)).json()
         assert [c["id"] for c in seen["data"]] == ["stable", "canary", "chat"]
+
+
+async def test_a_models_own_cap_holds_it_alone(client: httpx.AsyncClient) -> None:
+    """``max_inflight`` in a model's table: over it, that model's requests wait, then get a
+    503 naming its limit; the other models go on meanwhile."""
+    async with run_fleet(TWO, admission_timeout=0,
+                         pool_settings={"stable": {"max_inflight": 1}}) as fleet:
+        (held,) = fleet.fakes["stable"]["decode"]
+        release = trio.Event()
+        held.behaviour.gate = release.wait
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(client.post, fleet.proxy_url + CHAT, json=body("stable")))
+            await held.wait_until(lambda: held.in_flight == 1)
+            r = await client.post(fleet.proxy_url + CHAT, json=body("stable"))
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "model 'stable''s limit of 1 requests" in r.json()["error"]["message"]
+            other = await client.post(fleet.proxy_url + CHAT, json=body("canary"))
+            assert other.status_code == 200
+            release.set()
+        assert len(held.requests()) == 1

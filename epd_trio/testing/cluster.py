@@ -189,11 +189,13 @@ class Fleet:
 @asynccontextmanager
 async def run_fleet(
     layouts: dict[str, Layout], *, tables: bool = True, host: str = "127.0.0.1",
-    proxy_port: int = 0, **settings: Any,
+    proxy_port: int = 0, pool_settings: dict[str, dict[str, Any]] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Fleet]:
     """Fakes for each model of ``layouts`` (each serving that name alone), and the proxy in
     front of them all: with ``tables``, each model's instances in its ``[models."NAME"]``
-    table; without, in the top-level lists, every pool learned from ``/v1/models``. A model
+    table (with ``pool_settings[NAME]``, its own settings and cap, beside them); without, in
+    the top-level lists, every pool learned from ``/v1/models``. A model
     with no prefill has combined ``decode`` instances (the decode-alone pool). ``settings``
     override ``Settings`` fields."""
     async with trio.open_nursery() as nursery:
@@ -210,8 +212,9 @@ async def run_fleet(
                     await nursery.start(fake.serve, host)
                 urls[model][role] = [f"{f.url}#dp={f.dp_size}" for f in group]
         if tables:
-            lists: dict[str, Any] = {"models": {m: {r: u for r, u in roles.items() if u}
-                                                for m, roles in urls.items()}}
+            lists: dict[str, Any] = {"models": {
+                m: {**{r: u for r, u in roles.items() if u}, **(pool_settings or {}).get(m, {})}
+                for m, roles in urls.items()}}
         else:
             lists = {f"{role}_urls": tuple(parse_instance(u) for roles in urls.values()
                                            for u in roles[role])

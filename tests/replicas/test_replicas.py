@@ -758,3 +758,34 @@ async def test_a_tls_redis_with_a_private_ca_carries_the_roster_and_the_global_c
             assert not proxy.state.up and "CERTIFICATE_VERIFY_FAILED" in proxy.state.problem
     finally:
         redis.kill()
+
+
+async def test_replicas_see_the_same_pools_and_each_model_has_its_own_global_cursor(
+    redis_server: RedisServer, client: httpx.AsyncClient,
+) -> None:
+    """Two models behind two replicas over one Redis: each replica learns the same pools (each
+    asks the instances itself), and the global cursor is one key per model, so model A's
+    requests alternate exactly over A's decodes whichever replica takes them, and B's
+    traffic never moves A's cursor."""
+    async with trio.open_nursery() as nursery:
+        fakes = {name: [FakeVLLM("prefill_decode", model=name) for _ in range(2)]
+                 for name in ("A", "B")}
+        await start_fakes(nursery, *fakes["A"], *fakes["B"])
+        urls = tuple(Instance(f.url) for group in fakes.values() for f in group)
+        async with replicas(redis_server, 2, decode_urls=urls, global_cursor=True,
+                            global_cursor_timeout=5.0) as fleet:
+            for _, proxy in fleet:
+                assert {m: [i.url for i in route.decodes.instances]
+                        for m, route in proxy.models.by_name.items()} == {
+                    m: [f.url for f in group] for m, group in fakes.items()}
+            for n, model in enumerate("ABAABBAABA"):
+                url = fleet[n % 2][0]
+                r = await client.post(url + CHAT, json={**chat_body(), "model": model})
+                assert r.status_code == 200, r.text
+            # Six of A, four of B, each split exactly, whichever replica took them.
+            assert [len(f.requests()) for f in fakes["A"]] == [3, 3]
+            assert [len(f.requests()) for f in fakes["B"]] == [2, 2]
+            keys = fleet[0][1].state.keys
+            assert redis_server.command("GET", keys.cursor("decode", "A")) == "6"
+            assert redis_server.command("GET", keys.cursor("decode", "B")) == "4"
+        nursery.cancel_scope.cancel()
