@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+from collections.abc import Callable
 
 import epd_trio._core
 
@@ -74,6 +75,21 @@ def room_violations(path: pathlib.Path, *, room: str, pure: bool, pure_modules: 
                 found.append(f"imports {name}")
         elif name not in allowed:
             found.append(f"imports {name}")
+    return found
+
+
+def room_breaks(folder: pathlib.Path, pure: set[str], shell: set[str],
+                violations: Callable[..., list[str]]) -> dict[str, list[str]]:
+    """Every module of a room of pure modules beside a shell (``folder``) against its rule:
+    ``{module: what it breaks}`` for those that break it, a module of neither set included,
+    and the room's ``__init__`` importing anything (so a pure module loads no shell)."""
+    modules = {path.stem: path for path in folder.glob("*.py") if path.stem != "__init__"}
+    found = {name: ["classify it as pure or shell in its room's layout test"]
+             for name in modules if name not in pure | shell}
+    found |= {name: broken for name, path in sorted(modules.items())
+              if (broken := violations(path, pure=name in pure))}
+    if not imported_modules(folder / "__init__.py") <= {("__future__", 0)}:
+        found["__init__"] = ["imports something"]
     return found
 
 

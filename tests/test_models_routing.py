@@ -251,3 +251,24 @@ async def test_a_models_own_cap_holds_it_alone(client: httpx.AsyncClient) -> Non
             assert other.status_code == 200
             release.set()
         assert len(held.requests()) == 1
+
+
+async def test_a_registered_instance_joins_the_pool_of_what_it_serves(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """An instance that registers is asked what it serves before its registration is
+    answered: its model is routable at once, and only to it."""
+    async with run_fleet({"A": (0, (0, 1), (1, 1))}, admin_key="k") as fleet:
+        r = await client.post(fleet.proxy_url + CHAT, json=body("B"))
+        assert r.status_code == 404  # nobody serves B yet
+        (b,) = await start_fakes(nursery, FakeVLLM("prefill_decode", model="B"))
+        r = await client.post(fleet.proxy_url + "/instances", headers={"x-api-key": "k"},
+                              json={"role": "prefill_decode", "url": b.url})
+        assert r.json() == {"registered": True}
+        for model in "BAB":
+            assert (await client.post(fleet.proxy_url + CHAT, json=body(model))).status_code == 200
+        assert len(b.requests()) == 2 and legs(fleet)["A"] == Counter(A=1)
+        listed = (await client.get(fleet.proxy_url + "/instances",
+                                   headers={"x-api-key": "k"})).json()
+        (entry,) = [e for e in listed["instances"]["prefill_decode"] if e["url"] == b.url]
+        assert (entry["models"], entry["models_from"]) == (["B"], "/v1/models")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from test_layout import imported_modules, room_violations
+from test_layout import room_breaks, room_violations
 
 import epd_trio._kv
 
@@ -23,11 +23,8 @@ def violations(path: pathlib.Path, *, pure: bool) -> list[str]:
 
 
 def test_every_kv_module_is_pure_or_shell_and_keeps_to_its_imports() -> None:
-    modules = {path.stem: path for path in KV.glob("*.py") if path.stem != "__init__"}
-    assert set(modules) == PURE | SHELL, "classify a new _kv module as pure or shell here"
-    for name, path in sorted(modules.items()):
-        assert violations(path, pure=name in PURE) == [], f"_kv/{name}.py"
-    assert imported_modules(KV / "__init__.py") <= {("__future__", 0)}
+    assert set(PURE | SHELL) <= {p.stem for p in KV.glob("*.py")}
+    assert room_breaks(KV, PURE, SHELL, violations) == {}
 
 
 def test_the_kv_rule_catches_violations(tmp_path: pathlib.Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from test_layout import imported_modules, room_violations
+from test_layout import room_breaks, room_violations
 
 import epd_trio._models
 
@@ -20,11 +20,8 @@ def violations(path: pathlib.Path, *, pure: bool) -> list[str]:
 
 
 def test_every_models_module_is_pure_or_shell_and_keeps_to_its_imports() -> None:
-    modules = {path.stem: path for path in MODELS.glob("*.py") if path.stem != "__init__"}
-    assert set(modules) == PURE | SHELL, "classify a new _models module as pure or shell here"
-    for name, path in sorted(modules.items()):
-        assert violations(path, pure=name in PURE) == [], f"_models/{name}.py"
-    assert imported_modules(MODELS / "__init__.py") <= {("__future__", 0)}
+    assert set(PURE | SHELL) <= {p.stem for p in MODELS.glob("*.py")}
+    assert room_breaks(MODELS, PURE, SHELL, violations) == {}
 
 
 def test_the_models_rule_catches_violations(tmp_path: pathlib.Path) -> None:
