@@ -169,10 +169,16 @@ class KvRouting:
 
     # -- one request ---------------------------------------------------------------------------
     async def lookup(self, path: str, body: dict[str, Any], request_id: str,
-                     account: Decisions, pool: Pool) -> KvLookup | None:
+                     account: Decisions, pool: Pool, adapter: str | None = None,
+                     ) -> KvLookup | None:
         """What the engines hold of this request's prompt, or None (no render to be had in
         time, or a request the index cannot key): route it by ``cache_aware`` then. ``pool``:
-        the request's model's, whose instances render it."""
+        the request's model's, whose instances render it. ``adapter``: the LoRA adapter it
+        names, rendered with its base model's name (the tokenizer is the base's) and keyed
+        with the adapter's name, as vLLM keys its blocks: a base prompt never matches an
+        adapter's blocks, nor one adapter another's."""
+        if adapter is not None:
+            body = {**body, "model": pool.model}
         answer = await self._render(path, body, request_id, account, pool)
         if answer is None:
             return None
@@ -186,7 +192,7 @@ class KvRouting:
             return None
         salt = body.get("cache_salt")
         keys = prompt.keys(self.events.index.block_size,
-                           cache_salt=salt if isinstance(salt, str) else None)
+                           cache_salt=salt if isinstance(salt, str) else None, lora_name=adapter)
         cached = CachedPrefix.reusable(len(prompt.token_ids), self.events.match(keys),
                                        self.events.index.block_size)
         self._metrics.looked_up(time.perf_counter() - started)

@@ -29,7 +29,7 @@ from ._core.errors import ModelUnavailable, NoInstance
 from ._core.health import Registry
 from ._core.policies import Balance, StagePolicy
 from ._core.roster import Roster
-from ._models.catalog import Catalog
+from ._models.catalog import AdapterOf, Catalog, adapters_of
 from ._models.choice import WeightedTurns, sticky_choice
 from ._models.pools import ANY_POOL, Pool, pending, pools_of
 from ._models.tables import Alias, Tables
@@ -124,9 +124,11 @@ class ModelPools:
                       len(roster.models), ", ".join(m for m in pools if m not in by_name))
         self.any_route = by_name.pop(ANY_POOL, None)
         self.by_name = by_name
-        self.catalog = Catalog({m: r.pool for m, r in by_name.items()} | (
-            {ANY_POOL: self.any_route.pool} if self.any_route is not None else {}),
-            self._tables.aliases, pending(roster))
+        named = {m: r.pool for m, r in by_name.items()}
+        self.catalog = Catalog(
+            named | ({ANY_POOL: self.any_route.pool} if self.any_route is not None else {}),
+            self._tables.aliases, pending(roster),
+            adapters_of(named, self._tables.adapters), self._settings.lora_load)
 
     def _route(self, model: str, index: int) -> ModelRoute:
         table = self._tables.pools.get(model)
@@ -156,32 +158,41 @@ class ModelPools:
 
     # -- one request ---------------------------------------------------------------------------
     def resolve(self, name: str | None, *, session: str | None = None,
-                allowed: Collection[str] | None = None) -> tuple[ModelRoute, str | None]:
-        """The route of the pool ``name`` leads to, and the name every leg must carry instead
-        of the client's, if any (an alias's target; the one model, for a body without
-        ``model``); ``ModelNotFound`` (vLLM's 404), a 400 for a missing name among several
-        models. ``session``: the sticky header's value."""
+                allowed: Collection[str] | None = None,
+                ) -> tuple[ModelRoute, str | None, AdapterOf | None]:
+        """The route of the pool ``name`` leads to, the name every leg must carry instead of
+        the client's, if any (an alias's target; the one model, for a body without
+        ``model``), and the LoRA adapter the request names, if it does (its legs then go only
+        to the instances that hold it); ``ModelNotFound`` (vLLM's 404), a 400 for a missing
+        name among several models. ``session``: the sticky header's value."""
         if allowed is None and name is not None:
             route = self.by_name.get(name)
             if route is not None:
-                return route, None  # the common path: one dictionary read
+                return route, None, None  # the common path: one dictionary read
         asked = name
         if name is None:
             name = self.catalog.default()
             if allowed is not None and name not in allowed:
                 name = next((m for m in self.catalog.models if m in allowed), name)
         found = self.catalog.find(name, allowed)
+        adapter: AdapterOf | None = None
         if isinstance(found, Alias):
-            target = self._pick(found, session)
-            return self.by_name[target], target
-        route = self.by_name.get(found.model) or self.any_route
+            name = self._pick(found, session)
+            adapter = self.catalog.adapters.get(name) if name not in self.by_name else None
+            pool_name = name if adapter is None else adapter.pool.model
+        elif isinstance(found, AdapterOf):
+            adapter, pool_name = found, found.pool.model
+        else:
+            pool_name = found.model
+        route = self.by_name.get(pool_name) or self.any_route
         if route is None:  # a table's model whose counters had no slot (logged)
-            raise NoInstance(f"model {found.model!r} has no routing state (too many models)")
-        return route, (None if found.model in (asked, ANY_POOL) else found.model)
+            raise NoInstance(f"model {pool_name!r} has no routing state (too many models)")
+        leg = name if adapter is not None else pool_name
+        return route, (None if leg in (asked, ANY_POOL) else leg), adapter
 
     def _pick(self, alias: Alias, session: str | None) -> str:
         """An alias's target among those that can serve now (``_models/choice``)."""
-        eligible = [self._servable(self.by_name.get(target)) for target in alias.names]
+        eligible = [self._servable(target) for target in alias.names]
         if session is not None:
             index = sticky_choice(session, alias.names, alias.weights, eligible)
         else:
@@ -193,8 +204,24 @@ class ModelPools:
             self.on_pick(alias.name, target)
         return target
 
-    def _servable(self, route: ModelRoute | None) -> bool:
-        return route is not None and self.complete(route.pool)
+    def _servable(self, name: str) -> bool:
+        """Whether a model or adapter name can serve now (an alias's target): its pool is
+        complete, and an adapter is held on a live instance of each stage it needs (or may
+        be loaded)."""
+        route = self.by_name.get(name)
+        if route is not None:
+            return self.complete(route.pool)
+        adapter = self.catalog.adapters.get(name)
+        if adapter is None or not self.complete(adapter.pool):
+            return False
+        return (self._settings.lora_load and adapter.table is not None) or all(
+            self.holds(adapter, stage) for stage in ("prefill", "decode")
+            if stage in adapter.pool.needs)
+
+    def holds(self, adapter: AdapterOf, stage: str) -> bool:
+        """Whether a live instance of ``stage`` in the adapter's pool holds it."""
+        holders, usable = adapter.pool.holders(adapter.name), self._registry.usable(stage)
+        return any(inst.url in holders and usable(inst) for inst in adapter.pool.of(stage))
 
     def complete(self, pool: Pool) -> bool:
         """Whether every stage ``pool`` needs has a live instance now (what ``GET /v1/models``

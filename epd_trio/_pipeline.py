@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
-from ._core.errors import ModelUnavailable, NoInstance
+from ._core.errors import AdapterUnavailable, ModelUnavailable, NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
 from ._core.moriio import MoriioPeer
@@ -66,6 +66,14 @@ ModeOf = Callable[[], str | None]
 T = TypeVar("T")
 
 log = logging.getLogger("epd_trio")
+
+
+def _holding(holders: frozenset[str], routable: Callable[[Instance], bool] | None,
+             ) -> Callable[[Instance], bool]:
+    """``routable`` narrowed to the instances whose URL is in ``holders``."""
+    if routable is None:
+        return lambda inst: inst.url in holders
+    return lambda inst: inst.url in holders and routable(inst)
 
 
 def requested_tokens(body: dict[str, Any]) -> int:
@@ -167,10 +175,10 @@ class RequestRun:
     until the web layer closes its resources (the decode slot's load, the decode leg, the
     open stream). Its helpers are the legs every hand-off is made of (``_handoff``)."""
 
-    __slots__ = ("_decode_load", "_decode_size", "account", "attempts", "body", "committed",
-                 "encode", "hint", "items", "kv", "path", "pipeline", "prefills_tried", "relay",
-                 "request", "request_id", "route", "size", "stream_leg", "ticket",
-                 "with_prefill")
+    __slots__ = ("_decode_load", "_decode_size", "account", "adapter", "attempts", "body",
+                 "committed", "encode", "hint", "holders", "items", "kv", "path", "pipeline",
+                 "prefills_tried", "relay", "request", "request_id", "route", "size",
+                 "stream_leg", "ticket", "with_prefill")
 
     def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
                  request_id: str, ticket: Ticket | None = None) -> None:
@@ -203,12 +211,15 @@ class RequestRun:
         ticket = self.ticket
         trace = self.account.trace
         trace.model = asked = request.body.get("model")
-        route, leg_model = pipeline.models.resolve(
+        route, leg_model, adapter = pipeline.models.resolve(
             asked, session=session, allowed=None if ticket is None else ticket.tenant.models)
         if leg_model is not None:  # an alias's target, or the one model: every leg names it
             request = replace(request, body={**request.body, "model": leg_model})
         self.route = route
-        trace.pool = route.model
+        self.adapter = adapter
+        #: An adapter's legs go only to its holders (prefill and decode both).
+        self.holders = None if adapter is None else adapter.pool.holders(adapter.name)
+        trace.pool = route.model if adapter is None else adapter.name
         if route.admission is not None:  # the model's own cap, beside the proxy's
             await route.admission.enter(resources)
         if ticket is not None:  # its tenant's priority and token limit, on the body
@@ -230,8 +241,9 @@ class RequestRun:
         self._check_pool()
         self.hint = prefix_hint(prompt_text(body)) if route.hinted else None
         #: What the engines hold of this prompt (None: no index, or no render in time).
-        self.kv = (None if pipeline.kv is None else
-                   await pipeline.kv.lookup(self.path, body, self.request_id, account, route.pool))
+        self.kv = (None if pipeline.kv is None else await pipeline.kv.lookup(
+            self.path, body, self.request_id, account, route.pool,
+            None if adapter is None else adapter.name))
         self.size = requested_tokens(body) if route.settings.size_tiebreak else 0
         handoff = pipeline.handoff(self.with_prefill)
         first = await self.next_slot("decode", ())
@@ -256,6 +268,11 @@ class RequestRun:
                 usable = registry.usable(stage)
                 if not any(usable(inst) for inst in route.pool.of(stage)):
                     raise ModelUnavailable(route.model, stage)
+        adapter = self.adapter
+        if adapter is not None:
+            for stage, needed in (("decode", True), ("prefill", self.with_prefill)):
+                if needed and not self.pipeline.models.holds(adapter, stage):
+                    raise AdapterUnavailable(adapter.name, route.model, stage)
 
     async def attempt(self, slot: Slot) -> Reply:
         """One attempt from the client's body on the decode ``slot``: encode (again, on a
@@ -285,9 +302,12 @@ class RequestRun:
         pipeline, route = self.pipeline, self.route
         cursor = route.decodes if stage == "decode" else route.prefills
         kv = self.kv if stage in route.precise else None
+        routable, holders = pipeline.routable, self.holders
+        if holders is not None:  # an adapter: only its holders, on prefill and decode both
+            routable = _holding(holders, routable)
         slot = await choose_slot(cursor, pipeline.registry.usable(stage),
                                  self.hint if kv is None else kv.cached, tried,
-                                 routable=pipeline.routable, any_slot=any_slot)
+                                 routable=routable, any_slot=any_slot)
         if kv is not None and slot is not None and pipeline.kv is not None:
             pipeline.kv.decided(stage, (slot[0].url, slot[1]), kv, self.account)
         return slot
@@ -338,8 +358,10 @@ class RequestRun:
         rank = consumer[1] or 0
         consumer_zmq = addrs[rank] if rank < len(addrs) else None
         transfer_ids = [uuid.uuid4().hex for _ in items] if consumer_zmq else []
+        # An adapter's encoders run its base model's encoder: any of the pool, under its name.
+        encode_body = body if self.adapter is None else {**body, "model": self.route.model}
         calls = await run_encoder_fanout(
-            pipeline.pools, self.route.encoders, body=body, items=items,
+            pipeline.pools, self.route.encoders, body=encode_body, items=items,
             request_id=leg_id, max_batch=self.route.max_batch,
             deadline=settings.encode_timeout, usable=pipeline.registry.usable("encode"),
             failover=pipeline.stage_failover, observer=account, loads=pipeline.loads,

@@ -127,6 +127,7 @@ async def test_the_answers_404_400_and_503_each_before_any_leg(client: httpx.Asy
         # The other models serve on; /v1/models lists only what can serve now.
         assert (await client.post(url, json=body("embed"))).status_code == 200
         proxy = fleet.proxy
+        await trio.testing.wait_all_tasks_blocked()  # counted once its reply went out
         assert metric(proxy, "epd_trio_model_not_found_total") == 1  # one count, no name
         assert metric(proxy, "epd_trio_requests_total", model="nosuch") == 0
         assert metric(proxy, "epd_trio_requests_total", outcome="no_instance",
@@ -191,6 +192,7 @@ async def test_an_alias_splits_by_weight_exactly_and_each_leg_names_the_target(
         assert Counter(orjson.loads(a.content)["model"] for a in answers) == {
             "stable": 900, "canary": 100}
         assert legs(fleet) == {"stable": Counter(stable=900), "canary": Counter(canary=100)}
+        await trio.testing.wait_all_tasks_blocked()  # counted once its reply went out
         assert {target: metric(fleet.proxy, "epd_trio_alias_picks_total", alias="chat",
                                target=target) for target in TWO} == {"stable": 900, "canary": 100}
         # The request metrics' model is the pool each went to: a bounded label.
@@ -272,3 +274,58 @@ async def test_a_registered_instance_joins_the_pool_of_what_it_serves(
                                    headers={"x-api-key": "k"})).json()
         (entry,) = [e for e in listed["instances"]["prefill_decode"] if e["url"] == b.url]
         assert (entry["models"], entry["models_from"]) == (["B"], "/v1/models")
+
+
+async def adapter_fleet(nursery: trio.Nursery, held_by: tuple[int, int] | None = (1, 2),
+                        **settings: Any) -> Any:
+    """Four prefill and four decode instances of model L; prefill ``held_by[0]`` and decode
+    ``held_by[1]`` hold adapter ``sql``."""
+    prefills = [FakeVLLM("prefill", model="L") for _ in range(4)]
+    decodes = [FakeVLLM("decode", model="L") for _ in range(4)]
+    if held_by is not None:
+        prefills[held_by[0]].adapters["sql"] = "/adapters/sql"
+        decodes[held_by[1]].adapters["sql"] = "/adapters/sql"
+    await start_fakes(nursery, *prefills, *decodes)
+    config = Settings(prefill_urls=tuple(Instance(f.url) for f in prefills),
+                      decode_urls=tuple(Instance(f.url) for f in decodes), **settings)
+    return prefills, decodes, config
+
+
+async def test_an_adapter_request_reaches_a_holder_on_prefill_and_decode_both(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    prefills, decodes, config = await adapter_fleet(nursery)
+    async with serve_proxy(config) as (url, _proxy):
+        answers = await send_all(client, url, [body("sql", stream=n % 2 == 1)
+                                               for n in range(200)])
+        assert len(answers) == 200
+        assert [len(f.requests()) for f in prefills] == [0, 200, 0, 0]
+        assert [len(f.requests()) for f in decodes] == [0, 0, 200, 0]
+        # The base model's requests still go round every instance.
+        await send_all(client, url, [body("L") for _ in range(8)])
+        assert [len(f.requests()) for f in decodes] == [2, 2, 202, 2]
+        listing = (await client.get(url + "/v1/models")).json()
+        assert [(c["id"], c["parent"]) for c in listing["data"]] == [("L", None), ("sql", "L")]
+        # Its answers are the adapter's (the engine writes the adapter's name).
+        r = await client.post(url + CHAT, json=body("sql"))
+        assert r.json()["model"] == "sql"
+
+
+async def test_an_adapter_no_live_decode_holds_is_a_503_naming_it_and_the_stage(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    prefills, decodes, config = await adapter_fleet(nursery, health_interval=0.05,
+                                                    health_threshold=1)
+    async with serve_proxy(config) as (url, proxy):
+        decodes[2].behaviour.healthy = False
+        gone = trio.Event()
+        proxy.registry.on_change.append(lambda state: state.url == decodes[2].url
+                                        and not state.live and gone.set())
+        with trio.fail_after(10):
+            await gone.wait()
+        r = await client.post(url + CHAT, json=body("sql"))
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["code"] == "adapter_unavailable"
+        assert r.json()["error"]["message"] == ("adapter 'sql' of model 'L' is held by no "
+                                                "live decode instance")
+        assert not any(f.requests() for f in prefills)

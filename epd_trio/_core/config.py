@@ -63,6 +63,15 @@ class Settings:
     #: Model aliases (``[aliases."NAME"]`` tables, or JSON): ``targets`` (name -> weight) and
     #: ``hidden`` (checked by ``_models/tables``). A request for an alias goes to one target.
     model_aliases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: LoRA adapters the proxy may load (``[adapters."NAME"]`` tables, or JSON): ``base`` (the
+    #: model it adapts) and ``path`` (where the instances read it), checked by
+    #: ``_models/tables``. Known by name even where no instance holds them yet.
+    adapters: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Load a configured adapter (``adapters``) on an instance of each role that lacks one,
+    #: on demand (``POST /v1/load_lora_adapter``; vLLM needs
+    #: ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``). Off: such a request gets a 503 naming the
+    #: adapter and the role.
+    lora_load: bool = False
     #: The header whose value keeps a client on one alias target (``x-session-id``): the same
     #: value always gets the same target, by a hash weighted like the targets. None: each
     #: request is picked on its own, in exact weighted turns.
@@ -670,6 +679,8 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     "decode_urls": _instances,
     "models": _model_tables,
     "model_aliases": _tables,
+    "adapters": _tables,
+    "lora_load": _bool,
     "alias_sticky_header": _header_name,
     "models_interval": _seconds,
     "encoder_max_batch": _non_negative_int,

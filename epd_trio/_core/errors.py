@@ -12,6 +12,7 @@
     +-- RosterFull             the shared roster area has no room for a change (503)
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     |   +-- ModelUnavailable   a model's pool has no live instance of a stage (503, Retry-After)
+    |       +-- AdapterUnavailable  no live instance of a stage holds the LoRA adapter (503)
     +-- ModelNotFound          no pool, alias or any-name instance serves the name (vLLM's 404)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
@@ -225,6 +226,18 @@ class ModelUnavailable(NoInstance):
     def __init__(self, model: str, stage: str, *, what: str = "model") -> None:
         super().__init__(f"{what} {model!r} has no live {stage} instance in its pool")
         self.model, self.stage = model, stage
+
+
+class AdapterUnavailable(ModelUnavailable):
+    """A LoRA adapter no live instance of a stage it needs holds in its base model's pool
+    (and the proxy may not load it there): a request needs it on prefill and decode both."""
+
+    code = "adapter_unavailable"
+
+    def __init__(self, adapter: str, model: str, stage: str) -> None:
+        NoInstance.__init__(self, f"adapter {adapter!r} of model {model!r} is held by no live "
+                            f"{stage} instance")
+        self.model, self.stage = adapter, stage
 
 
 class ModelNotFound(ProxyError):

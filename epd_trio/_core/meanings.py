@@ -55,6 +55,11 @@ MEANINGS: dict[str, Meaning] = {
     "model_aliases": Meaning("model aliases with weighted targets, as [aliases.NAME] tables in "
                              "the config file or the same tables as a JSON object here",
                              metavar="JSON"),
+    "adapters": Meaning("LoRA adapters the proxy may load on demand, as [adapters.NAME] tables "
+                        "in the config file or the same tables as a JSON object here",
+                        metavar="JSON"),
+    "lora_load": Meaning("load a configured adapter on demand on an instance of each role that "
+                         "lacks one"),
     "alias_sticky_header": Meaning("the request header whose value keeps a client on one alias "
                                    "target", metavar="HEADER"),
     "models_interval": Meaning("seconds between two reads of every instance's /v1/models",

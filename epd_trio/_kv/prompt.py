@@ -35,9 +35,12 @@ class RenderedPrompt:
     token_ids: Sequence[int]
     media: tuple[MediaFeature, ...] = ()
 
-    def keys(self, block_size: int, *, cache_salt: str | None = None) -> list[int]:
-        """The index keys of the prompt's full blocks (``keys.request_keys``)."""
-        return request_keys(self.token_ids, block_size, media=self.media, cache_salt=cache_salt)
+    def keys(self, block_size: int, *, cache_salt: str | None = None,
+             lora_name: str | None = None) -> list[int]:
+        """The index keys of the prompt's full blocks (``keys.request_keys``); ``lora_name``:
+        the LoRA adapter the request runs, the first of every block's extra keys in vLLM."""
+        return request_keys(self.token_ids, block_size, media=self.media, cache_salt=cache_salt,
+                            lora_name=lora_name)
 
 
 def rendered_prompt(answer: Any) -> RenderedPrompt | None:

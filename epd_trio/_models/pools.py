@@ -26,7 +26,7 @@ when an instance joins or leaves it, and every worker maps a counter value alike
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .._core.names import STAGES
 from .._core.roster import MAX_MODELS, Card, Member, Roster, Served
@@ -50,9 +50,17 @@ class Pool:
     needs: frozenset[str]
     #: The cards its instances list for it (the first one's, for ``GET /v1/models``).
     cards: tuple[Card, ...] = ()
+    #: Its LoRA adapters (cards whose ``parent`` is this model): each one's card and the URLs
+    #: of the pool's instances that hold it (an adapter request goes only to those).
+    adapters: Mapping[str, tuple[Card, frozenset[str]]] = field(default_factory=dict)
 
     def of(self, stage: str) -> tuple[Instance, ...]:
         return self.members.get(stage, ())
+
+    def holders(self, adapter: str) -> frozenset[str]:
+        """The URLs of the pool's instances that hold ``adapter`` (none: an empty set)."""
+        found = self.adapters.get(adapter)
+        return frozenset() if found is None else found[1]
 
 
 def names_of(member: Member, served: Mapping[str, Served]) -> tuple[str, ...] | None:
@@ -95,8 +103,24 @@ def pools_of(roster: Roster, tables: Mapping[str, PoolTable]) -> dict[str, Pool]
         needs = {stage for stage, found_here in members.items() if found_here}
         needs |= table.roles() if table is not None else unanswered
         pools[model] = Pool(model, {s: tuple(m) for s, m in members.items()},
-                            frozenset(needs), tuple(cards))
+                            frozenset(needs), tuple(cards),
+                            _adapters(model, members, roster.served))
     return pools
+
+
+def _adapters(model: str, members: Mapping[str, list[Instance]],
+              served: Mapping[str, Served]) -> dict[str, tuple[Card, frozenset[str]]]:
+    """The LoRA adapters of ``model``'s pool: every card with ``parent`` == ``model`` that an
+    instance of the pool lists, with the instances that list it (the first card kept)."""
+    cards: dict[str, Card] = {}
+    holders: dict[str, set[str]] = {}
+    for instances in members.values():
+        for instance in instances:
+            for card in served.get(instance.url) or ():
+                if card.parent == model:
+                    cards.setdefault(card.id, card)
+                    holders.setdefault(card.id, set()).add(instance.url)
+    return {name: (card, frozenset(holders[name])) for name, card in cards.items()}
 
 
 def _pinned_elsewhere(member: Member, tables: Mapping[str, PoolTable]) -> bool:

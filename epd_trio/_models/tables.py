@@ -9,7 +9,7 @@ expected one of ...``), at start-up like every other setting.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._core.config import TABLE_ROLES, ConfigError, Settings, parse_setting
@@ -67,11 +67,21 @@ class Alias:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterTable:
+    """One ``[adapters."X"]`` table: the model it adapts, and where an instance reads it."""
+
+    name: str
+    base: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class Tables:
-    """Every model and alias table of a configuration."""
+    """Every model, alias and adapter table of a configuration."""
 
     pools: Mapping[str, PoolTable]
     aliases: Mapping[str, Alias]
+    adapters: Mapping[str, AdapterTable] = field(default_factory=dict)
 
 
 #: A target's weight's bounds: a share is relative; 0 is a target turned off (not listed).
@@ -82,6 +92,13 @@ def parse_tables(settings: Settings) -> Tables:
     """The typed tables of ``settings``; ``ConfigError`` names the first bad one."""
     pools = {name: _pool(name, table) for name, table in settings.models.items()}
     aliases = {name: _alias(name, table) for name, table in settings.model_aliases.items()}
+    adapters = {name: _adapter(name, table) for name, table in settings.adapters.items()}
+    for name in adapters:
+        if name in pools or name in aliases:
+            raise ConfigError(f'adapters."{name}"', "is also a model's or an alias's name")
+    if settings.lora_load and not adapters:
+        raise ConfigError("EPD_LORA_LOAD", "needs adapters to load (EPD_ADAPTERS: "
+                          '[adapters."NAME"] tables with base and path)')
     for name, alias in aliases.items():
         if name in pools:
             raise ConfigError(f'aliases."{name}"', "is also a model table's name: a name is "
@@ -90,7 +107,7 @@ def parse_tables(settings: Settings) -> Tables:
             if target in aliases:
                 raise ConfigError(f'aliases."{name}".targets', f"{target!r} is an alias: a "
                                   "target must be a model name (no chains)")
-    return Tables(pools, aliases)
+    return Tables(pools, aliases, adapters)
 
 
 def _pool(name: str, table: Mapping[str, Any]) -> PoolTable:
@@ -113,6 +130,20 @@ def _pool(name: str, table: Mapping[str, Any]) -> PoolTable:
     if cap is not None:
         cap = parse_setting("max_inflight", cap, f"{where}.max_inflight")
     return PoolTable(name, specs, settings, cap)
+
+
+def _adapter(name: str, table: Mapping[str, Any]) -> AdapterTable:
+    where = f'adapters."{name}"'
+    unknown = sorted(set(table) - {"base", "path"})
+    if unknown:
+        raise ConfigError(where, f"unknown key {unknown[0]!r} (known: base, path)")
+    values = []
+    for key in ("base", "path"):
+        value = table.get(key)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{where}.{key}", f"expected a non-empty string, got {value!r}")
+        values.append(value.strip())
+    return AdapterTable(name, *values)
 
 
 def _alias(name: str, table: Mapping[str, Any]) -> Alias:

@@ -101,6 +101,9 @@ class Behaviour:
     render_fail_status: int | None = None
     #: How many renders get ``render_fail_status`` (None: all of them, while it is set).
     render_fail_count: int | None = None
+    #: ``POST /v1/load_lora_adapter`` answers this status (vLLM's error body) instead of
+    #: loading (a 500: the engine failed to load it).
+    load_fail_status: int | None = None
 
 
 @dataclass
@@ -136,6 +139,14 @@ class FakeVLLM:
     #: Whether it has a ``/v1/models`` route (False: FastAPI's 404 there, as an
     #: OpenAI-compatible server without it; then it accepts any name, as such servers do).
     models_route: bool = True
+    #: The LoRA adapters it holds, name -> path (``vllm serve --enable-lora --lora-modules``):
+    #: listed in ``/v1/models`` with ``parent`` its first served name, and served.
+    adapters: dict[str, str] = field(default_factory=dict)
+    #: Where ``POST /v1/load_lora_adapter`` finds adapters (None: any path; else vLLM's 404
+    #: for any other), as ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` does.
+    lora_paths: frozenset[str] | None = None
+    #: Adapter loads answered 200, by name (a test counts them per instance).
+    loads: list[str] = field(default_factory=list)
     #: Like ``vllm serve --api-key``: ``/v1/...`` requests need ``Authorization: Bearer <key>``.
     api_key: str | None = None
     #: Between a successful ``/start_profile`` and ``/stop_profile``.
@@ -317,17 +328,48 @@ class FakeVLLM:
 
     def _answer_model(self, body: Any) -> str:
         """The ``model`` an answer names: like vLLM, its first served name, whichever of its
-        names the request used (a server without ``/v1/models`` echoes the request's)."""
-        if self.models_route:
-            return self.served_names[0]
+        names the request used, or the adapter a LoRA request named (a server without
+        ``/v1/models`` echoes the request's)."""
         name = body.get("model") if isinstance(body, dict) else None
+        if self.models_route:
+            return name if name in self.adapters else self.served_names[0]
         return name if isinstance(name, str) else self.model
+
+    async def _load_lora(self, body: Any, respond: Any) -> None:
+        """vLLM's ``POST /v1/load_lora_adapter`` (runtime updating on): plain-text success,
+        400 for a name already loaded (unless ``load_inplace``), 404 for a path it cannot
+        find, and ``behaviour.load_fail_status`` for an engine that failed."""
+        name = body.get("lora_name") if isinstance(body, dict) else None
+        path = body.get("lora_path") if isinstance(body, dict) else None
+        if not isinstance(name, str) or not isinstance(path, str):
+            await respond(400, _error("lora_name and lora_path are required",
+                                      "BadRequestError", 400))
+            return
+        failing = self.behaviour.load_fail_status
+        if failing is not None:
+            await respond(failing, _error(f"Loading lora {name} failed: engine error",
+                                          "InternalServerError", failing))
+            return
+        if name in self.adapters and not body.get("load_inplace"):
+            await respond(400, _error(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.", "InvalidUserInput", 400))
+            return
+        if self.lora_paths is not None and path not in self.lora_paths:
+            await respond(404, _error(f"Loading lora {name} failed: No adapter found for "
+                                      f"{path}", "NotFoundError", 404))
+            return
+        self.adapters[name] = path
+        self.loads.append(name)
+        await respond(200, f"Success: LoRA adapter '{name}' added successfully.".encode(),
+                      "text/plain; charset=utf-8")
 
     def _unknown_model(self, body: Any) -> bytes | None:
         """vLLM's 404 for a name it does not serve (its message lists the names it does);
         None for a served name, or a body without one (vLLM takes its first name then)."""
         name = body.get("model") if isinstance(body, dict) else None
-        if name is None or name in self.served_names or not self.models_route:
+        if (name is None or name in self.served_names or name in self.adapters
+                or not self.models_route):
             return None
         return _error(f"The model `{name}` does not exist. Valid aliases: "
                       f"{', '.join(self.served_names)}.", "NotFoundError", 404, "model")
@@ -361,10 +403,16 @@ class FakeVLLM:
             if not self.models_route:
                 await respond(404, orjson.dumps({"detail": "Not Found"}))
                 return
-            await respond(200, orjson.dumps({"object": "list", "data": [{
+            await respond(200, orjson.dumps({"object": "list", "data": [*({
                 "id": name, "object": "model", "created": 0, "owned_by": "vllm",
                 "root": self.served_names[0], "parent": None,
-                "max_model_len": b.max_model_len} for name in self.served_names]}))
+                "max_model_len": b.max_model_len} for name in self.served_names), *({
+                "id": name, "object": "model", "created": 0, "owned_by": "vllm",
+                "root": path, "parent": self.served_names[0], "max_model_len": None}
+                for name, path in self.adapters.items())]}))
+            return
+        if record.path == "/v1/load_lora_adapter" and record.method == "POST":
+            await self._load_lora(record.body, respond)
             return
         if record.path in ("/start_profile", "/stop_profile") and record.method == "POST":
             if not b.profiler:  # FastAPI's answer for a route that does not exist
@@ -584,8 +632,12 @@ class FakeVLLM:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 limit = min(limit, value)
+        # An adapter changes the answer (its weights do), as on real vLLM; the base's name
+        # does not (one engine, however it is named).
+        lora = body.get("model") if body.get("model") in self.adapters else None
+        prompt = body.get("messages", body.get("prompt"))
         seed = hashlib.sha256(orjson.dumps(
-            body.get("messages", body.get("prompt")), option=orjson.OPT_SORT_KEYS,
+            prompt if lora is None else [prompt, lora], option=orjson.OPT_SORT_KEYS,
         )).digest()
         return [_WORDS[seed[i % len(seed)] % len(_WORDS)] for i in range(max(limit, 0))]
 
