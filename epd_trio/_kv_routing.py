@@ -233,6 +233,15 @@ class KvRouting:
         if trust is Trust.EXACT:
             self.events.speculate(slot, lookup.keys)
 
+    def drop_adapter(self, url: str, adapter: str) -> None:
+        """Forget what every slot of the instance at ``url`` stored for ``adapter``: it was
+        loaded again under the same name (or went): its blocks must never be routed to."""
+        dropped = sum(self.events.index.drop_adapter(slot, adapter)
+                      for slot in self._followed if slot[0] == url)
+        if dropped:
+            log.info("KV index: %d blocks of adapter %s at %s dropped (reloaded under its name)",
+                     dropped, adapter, url)
+
     # -- what an operator sees -----------------------------------------------------------------
     def report(self) -> dict[SlotKey, dict[str, Any]]:
         """Each followed slot's trust state and counts (``GET /instances``)."""

@@ -215,13 +215,13 @@ class ModelPools:
         if adapter is None or not self.complete(adapter.pool):
             return False
         return (self._settings.lora_load and adapter.table is not None) or all(
-            self.holds(adapter, stage) for stage in ("prefill", "decode")
+            self.holds(adapter.pool, adapter.name, stage) for stage in ("prefill", "decode")
             if stage in adapter.pool.needs)
 
-    def holds(self, adapter: AdapterOf, stage: str) -> bool:
-        """Whether a live instance of ``stage`` in the adapter's pool holds it."""
-        holders, usable = adapter.pool.holders(adapter.name), self._registry.usable(stage)
-        return any(inst.url in holders and usable(inst) for inst in adapter.pool.of(stage))
+    def holds(self, pool: Pool, adapter: str, stage: str) -> bool:
+        """Whether a live instance of ``stage`` in ``pool`` holds ``adapter``."""
+        holders, usable = pool.holders(adapter), self._registry.usable(stage)
+        return any(inst.url in holders and usable(inst) for inst in pool.of(stage))
 
     def complete(self, pool: Pool) -> bool:
         """Whether every stage ``pool`` needs has a live instance now (what ``GET /v1/models``

@@ -37,6 +37,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
+from ._adapter_loading import AdapterLoader
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
@@ -45,12 +46,13 @@ from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
 from ._core.moriio import MoriioPeer
 from ._core.names import PATH_OF_KIND, RequestKind, Stage
-from ._core.policies import prefix_hint, prompt_text
+from ._core.policies import PrefixHint, prefix_hint, prompt_text
 from ._core.rewrite import parse_request, upstream_headers, with_item_uuids
 from ._core.routing import Instance
 from ._handoff import HandOff, choose_handoff
-from ._kv_routing import KvRouting
+from ._kv_routing import KvLookup, KvRouting
 from ._model_pools import ModelPools
+from ._models.catalog import AdapterOf
 from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
 from ._reply import Reply as Reply
@@ -68,12 +70,9 @@ T = TypeVar("T")
 log = logging.getLogger("epd_trio")
 
 
-def _holding(holders: frozenset[str], routable: Callable[[Instance], bool] | None,
-             ) -> Callable[[Instance], bool]:
-    """``routable`` narrowed to the instances whose URL is in ``holders``."""
-    if routable is None:
-        return lambda inst: inst.url in holders
-    return lambda inst: inst.url in holders and routable(inst)
+def _both(first: Callable[[Instance], bool],
+          second: Callable[[Instance], bool]) -> Callable[[Instance], bool]:
+    return lambda inst: first(inst) and second(inst)
 
 
 def requested_tokens(body: dict[str, Any]) -> int:
@@ -106,10 +105,13 @@ class Pipeline:
         transfer_mode: ModeOf | None = None,
         ec_zmq_addrs: Callable[[Instance], tuple[str, ...]] | None = None,
         kv: KvRouting | None = None,
+        adapter_loader: AdapterLoader | None = None,
     ) -> None:
         self.settings = settings
         #: The KV index and the render call (``precise_cache_aware``, the prefill bypass).
         self.kv = kv
+        #: Loads configured adapters on demand (``EPD_LORA_LOAD``); None: off.
+        self.adapter_loader = adapter_loader
         #: Each model's pool and its routes (cursors, policies): a request resolves its own.
         self.models = models
         #: In-flight requests per stage and slot, shared by every pool (an instance's load
@@ -201,6 +203,10 @@ class RequestRun:
         self.stream_leg: Leg | None = None
         self._decode_load: Callable[[], None] | None = None
         self._decode_size: Callable[[], None] | None = None
+        self.adapter: AdapterOf | None = None
+        self.holders: frozenset[str] | None = None
+        self.hint: PrefixHint | None = None
+        self.kv: KvLookup | None = None
 
     async def reply(self, kind: RequestKind, raw_body: bytes, resources: AsyncExitStack,
                     session: str | None = None) -> Reply:
@@ -238,6 +244,8 @@ class RequestRun:
         self.body, self.items = body, items = with_item_uuids(request)
         self.with_prefill = route.needs("prefill")
         self.encode = bool(items) and route.needs("encode")
+        if adapter is not None and adapter.table is not None and pipeline.adapter_loader:
+            await self._load_adapter()
         self._check_pool()
         self.hint = prefix_hint(prompt_text(body)) if route.hinted else None
         #: What the engines hold of this prompt (None: no index, or no render in time).
@@ -271,8 +279,28 @@ class RequestRun:
         adapter = self.adapter
         if adapter is not None:
             for stage, needed in (("decode", True), ("prefill", self.with_prefill)):
-                if needed and not self.pipeline.models.holds(adapter, stage):
+                if needed and not self.pipeline.models.holds(route.pool, adapter.name, stage):
                     raise AdapterUnavailable(adapter.name, route.model, stage)
+
+    async def _load_adapter(self) -> None:
+        """A configured adapter no live instance of a needed stage holds, loaded there on
+        demand (``_adapter_loading``): on the instance the pool's policy picks, or after the
+        load another request started for it; then the request routes to its holders."""
+        adapter, pipeline = self.adapter, self.pipeline
+        loader = pipeline.adapter_loader
+        assert adapter is not None and adapter.table is not None and loader is not None
+        name = adapter.name
+        for stage, needed in (("prefill", self.with_prefill), ("decode", True)):
+            while needed and not pipeline.models.holds(self.route.pool, name, stage):
+                load = loader.loading(name, stage)
+                if load is not None:
+                    await loader.wait(load)
+                    continue
+                slot = await self._slot(stage, (), lambda inst: loader.may_load(inst.url, name))
+                if slot is None:
+                    break  # nowhere to load it: the check below says so
+                await loader.load(adapter.table, stage, slot[0])
+        self.holders = self.route.pool.holders(name)
 
     async def attempt(self, slot: Slot) -> Reply:
         """One attempt from the client's body on the decode ``slot``: encode (again, on a
@@ -299,12 +327,21 @@ class RequestRun:
     async def next_slot(self, stage: Stage, tried: Collection[Slot],
                         any_slot: bool = False) -> Slot | None:
         """``choose_slot`` on this stage's health view and the instances a leg may go to."""
+        routable = self.holders
+        return await self._slot(stage, tried, None if routable is None else (
+            lambda inst: inst.url in routable), any_slot)
+
+    async def _slot(self, stage: Stage, tried: Collection[Slot],
+                    allowed: Callable[[Instance], bool] | None,
+                    any_slot: bool = False) -> Slot | None:
+        """``next_slot`` among the instances ``allowed`` (an adapter's holders, those that
+        may load it: None, any)."""
         pipeline, route = self.pipeline, self.route
         cursor = route.decodes if stage == "decode" else route.prefills
         kv = self.kv if stage in route.precise else None
-        routable, holders = pipeline.routable, self.holders
-        if holders is not None:  # an adapter: only its holders, on prefill and decode both
-            routable = _holding(holders, routable)
+        routable = pipeline.routable
+        if allowed is not None:
+            routable = allowed if routable is None else _both(allowed, routable)
         slot = await choose_slot(cursor, pipeline.registry.usable(stage),
                                  self.hint if kv is None else kv.cached, tried,
                                  routable=routable, any_slot=any_slot)

@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from functools import partial
@@ -26,19 +26,20 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ._adapter_loading import AdapterLoader
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.counters import CursorCounters, LocalPoolCounters
 from ._core.errors import NoInstance, UpstreamStatusError, UpstreamTransportError
 from ._core.health import Registry
 from ._core.names import ROLES, STAGES, RequestKind
-from ._core.roster import Member, Roster, layout_name
+from ._core.roster import Card, Member, Roster, layout_name
 from ._core.routing import Instance
 from ._kv_routing import KvRouting
 from ._membership.roster_owner import Membership
 from ._model_pools import ModelPools, ModelRoute
 from ._models.learner import ModelLearner
-from ._models.pools import Pool
+from ._models.pools import Pool, reloaded_adapters
 from ._models.tables import Tables, parse_tables
 from ._observe.accounting import Accounting
 from ._observe.metrics import ProxyMetrics
@@ -50,7 +51,7 @@ from ._state.cursors import Follow
 from ._state.loads import Loads, LocalLoadTable
 from ._state.roster_store import RosterStore, SharedRoutingState, routing_state
 from ._state.tasks import Supervisor, named
-from ._upstream.legs import get, make_client, upstream_auth_headers
+from ._upstream.legs import get, make_client, post_json, upstream_auth_headers
 from ._upstream.load_scraper import run_load_scraper
 from ._upstream.pool import UpstreamClient, UpstreamPool
 from ._upstream.prober import health_check, run_prober
@@ -136,9 +137,13 @@ class Proxy:
                                  kv=self.kv is not None)
         self.models.on_pick = self.metrics.alias_picked
         self.registry.on_change.append(lambda state: self._publish_pools())
+        #: Configured adapters loaded on demand (``EPD_LORA_LOAD``).
+        self.adapter_loader = (AdapterLoader(self._post_load, self._adapter_loaded,
+                                             retry_after=settings.health_interval)
+                               if settings.lora_load else None)
         self.pipeline = Pipeline(
             settings, pools=self.client, kv=self.kv, models=self.models, loads=self.loads,
-            registry=self.registry,
+            adapter_loader=self.adapter_loader, registry=self.registry,
             accounting=Accounting(self.registry, self.metrics, request_log=settings.request_log,
                                   tracing=tracing),
             moriio_peer=lambda inst: self.roster.moriio_peer(inst.url),
@@ -147,6 +152,9 @@ class Proxy:
         self._upstream: UpstreamClient | None = None
         self._probe_client: UpstreamClient | None = None
         self._prober: trio.CancelScope | None = None
+        #: What each instance served in the roster last followed (adapter reloads are found
+        #: against it).
+        self._served_seen: Mapping[str, Any] = {}
         #: Who is in the roster (registrations, discovery, MoRIIO, expiry): pulled by ``sync``.
         self.membership = Membership(settings, store, moriio_listener=moriio_listener,
                                      discovery=discovery, clock=clock,
@@ -181,6 +189,10 @@ class Proxy:
         self.metrics.set_members(self.registry.states())
         self.models.follow(roster)
         self._publish_pools()
+        if self.kv is not None:  # an adapter reloaded under its name: its blocks are stale
+            for url, adapter in reloaded_adapters(self._served_seen, roster.served):
+                self.kv.drop_adapter(url, adapter)
+        self._served_seen = roster.served
         for client in (self._upstream, self._probe_client):
             if client is not None:
                 client.follow(m.instance for m in roster.members)
@@ -225,6 +237,20 @@ class Proxy:
         except UpstreamStatusError as error:
             return error.upstream_status, error.upstream_body
         return answer.status, answer.content
+
+    async def _post_load(self, stage: str, instance: Instance, body: dict[str, str]) -> object:
+        """``POST /v1/load_lora_adapter`` (the adapter loader's one call): a load takes the
+        time of reading the weights, bounded like a prefill."""
+        return await post_json(self.client(instance), stage=stage, instance=instance,
+                               path="/v1/load_lora_adapter", body=body, headers={},
+                               deadline=self.settings.prefill_timeout,
+                               detail="loading a LoRA adapter: ")
+
+    def _adapter_loaded(self, url: str, card: Card) -> None:
+        """The instance at ``url`` loaded ``card``'s adapter: it serves it now (as its next
+        ``/v1/models`` will say), in the roster every worker routes on; followed at once."""
+        served = self.membership.current().served.get(url) or ()
+        self._learned({url: (*(c for c in served if c.id != card.id), card)})
 
     def _learned(self, answers: Any) -> None:
         """A learner round's answers, into the roster; followed here at once."""

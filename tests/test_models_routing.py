@@ -15,6 +15,7 @@ import trio
 import trio.testing
 
 from epd_trio import Instance, Settings
+from epd_trio._core.config import parse_setting
 from epd_trio.testing import FakeVLLM, Fleet, run_fleet, serve_proxy
 
 from helpers import CHAT, chat_body, image, metric, start_fakes
@@ -276,6 +277,11 @@ async def test_a_registered_instance_joins_the_pool_of_what_it_serves(
         assert (entry["models"], entry["models_from"]) == (["B"], "/v1/models")
 
 
+def parse_file_tables(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings' values as a config file's (its tables parsed)."""
+    return {key: parse_setting(key, value, key) for key, value in values.items()}
+
+
 async def adapter_fleet(nursery: trio.Nursery, held_by: tuple[int, int] | None = (1, 2),
                         **settings: Any) -> Any:
     """Four prefill and four decode instances of model L; prefill ``held_by[0]`` and decode
@@ -329,3 +335,49 @@ async def test_an_adapter_no_live_decode_holds_is_a_503_naming_it_and_the_stage(
         assert r.json()["error"]["message"] == ("adapter 'sql' of model 'L' is held by no "
                                                 "live decode instance")
         assert not any(f.requests() for f in prefills)
+
+
+LOADABLE = {"adapters": {"sql-v2": {"base": "L", "path": "/adapters/sql-v2"}},
+            "lora_load": True}
+
+
+async def test_fifty_requests_for_an_adapter_nobody_holds_load_it_once_per_stage(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    prefills, decodes, config = await adapter_fleet(nursery, **parse_file_tables(LOADABLE))
+    async with serve_proxy(config) as (url, proxy):
+        listing = (await client.get(url + "/v1/models")).json()
+        assert ("sql-v2", "L") in [(c["id"], c["parent"]) for c in listing["data"]]
+        answers = await send_all(client, url, [body("sql-v2") for _ in range(50)])
+        assert {orjson.loads(a.content)["model"] for a in answers} == {"sql-v2"}
+        loads = [(f.role, f.loads) for f in prefills + decodes if f.loads]
+        assert sorted(role for role, _ in loads) == ["decode", "prefill"]  # one each
+        assert all(names == ["sql-v2"] for _, names in loads)
+        holders = [f for f in prefills + decodes if f.loads]
+        assert sum(len(f.requests(CHAT)) for f in holders) == 100  # every leg to them
+        # Every worker routes to it now: the load is in the roster, like an answer.
+        (entry,) = [e for e in proxy.instances()["instances"]["decode"]
+                    if "sql-v2" in e.get("adapters", ())]
+        assert entry["url"] == [f for f in holders if f.role == "decode"][0].url
+
+
+async def test_a_failed_load_is_a_503_naming_the_instance_and_it_is_not_asked_again(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    prefills, decodes, config = await adapter_fleet(
+        nursery, held_by=None, health_interval=3600, **parse_file_tables(LOADABLE))
+    for fake in decodes:
+        fake.lora_paths = frozenset()  # it finds no such path: vLLM's 404
+    async with serve_proxy(config) as (url, _proxy):
+        r = await client.post(url + CHAT, json=body("sql-v2"))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_load_failed"
+        message = r.json()["error"]["message"]
+        (asked,) = [f for f in decodes if f.requests("/v1/load_lora_adapter")]
+        assert message.startswith(f"loading adapter 'sql-v2' at decode instance {asked.url} "
+                                  "failed:")
+        assert "No adapter found for /adapters/sql-v2" in message  # vLLM's own words
+        for _ in range(3):
+            assert (await client.post(url + CHAT, json=body("sql-v2"))).status_code == 503
+        # Each instance asked once: the one that failed is not asked again.
+        assert [len(f.requests("/v1/load_lora_adapter")) for f in decodes] == [1, 1, 1, 1]
+        assert not any(f.requests(CHAT) for f in decodes)

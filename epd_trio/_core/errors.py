@@ -13,6 +13,7 @@
     +-- NoInstance             no instance of a needed role is configured or registered (503)
     |   +-- ModelUnavailable   a model's pool has no live instance of a stage (503, Retry-After)
     |       +-- AdapterUnavailable  no live instance of a stage holds the LoRA adapter (503)
+    |           +-- AdapterLoadFailed  loading it on demand failed at an instance (503)
     +-- ModelNotFound          no pool, alias or any-name instance serves the name (vLLM's 404)
     +-- ProxyOverloaded        no free upstream connection in time (503, the proxy's own limit)
     |   +-- AtCapacity         too many client requests in flight (503 with Retry-After)
@@ -238,6 +239,18 @@ class AdapterUnavailable(ModelUnavailable):
         NoInstance.__init__(self, f"adapter {adapter!r} of model {model!r} is held by no live "
                             f"{stage} instance")
         self.model, self.stage = adapter, stage
+
+
+class AdapterLoadFailed(AdapterUnavailable):
+    """Loading a LoRA adapter on demand failed at an instance: vLLM's own message and the
+    instance's URL (that instance is not asked again for it for a health interval)."""
+
+    code = "adapter_load_failed"
+
+    def __init__(self, adapter: str, stage: str, instance: str, why: str) -> None:
+        NoInstance.__init__(self, f"loading adapter {adapter!r} at {stage} instance {instance} "
+                            f"failed: {why}")
+        self.model, self.stage, self.instance = adapter, stage, instance
 
 
 class ModelNotFound(ProxyError):

@@ -94,6 +94,9 @@ class _Slot:
     slot: Slot
     bit: int
     blocks: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)
+    #: The blocks stored for each LoRA adapter (an event's ``lora_name``), so that a reload
+    #: of the adapter under its name drops them (``drop_adapter``); base blocks are not here.
+    adapters: dict[str, set[BlockHash]] = field(default_factory=dict)
     speculative: dict[int, float] = field(default_factory=dict)
     exact_at: float = float("inf")  # when a degraded slot becomes exact
     stats: SlotStats = field(default_factory=SlotStats)
@@ -217,20 +220,24 @@ class KvIndex:
             return
         held = self._held
         bit = 1 << state.bit
+        lora = state.adapters.setdefault(event.lora_name, set()) if event.lora_name else None
         for block_hash, key in zip(hashes, chain_keys(parent_key, event.token_ids, size,
                                                       event.extra_keys), strict=True):
             old = blocks.pop(block_hash, None)
             if old is not None and old != key:
                 self._unhold(old, bit)
             blocks[block_hash] = key
+            if lora is not None:
+                lora.add(block_hash)
             held[key] = held.get(key, 0) | bit
             if state.speculative and state.speculative.pop(key, None) is not None:
                 self._unspeculate(key, bit)
         state.stats.stored += len(hashes)
         overflow = len(blocks) - self.max_blocks_per_slot
         for _ in range(max(overflow, 0)):
-            _, key = blocks.popitem(last=False)
+            block_hash, key = blocks.popitem(last=False)
             self._unhold(key, bit)
+            self._forget_lora(state, block_hash)
             state.stats.evictions += 1
 
     def _removed(self, state: _Slot, event: BlockRemoved) -> None:
@@ -244,7 +251,31 @@ class KvIndex:
                 # Another of the slot's blocks may have the same key (only if vLLM's hashes
                 # differ where ours do not): clearing the bit then under-counts, as allowed.
                 self._unhold(key, bit)
+                self._forget_lora(state, block_hash)
                 state.stats.removed += 1
+
+    @staticmethod
+    def _forget_lora(state: _Slot, block_hash: BlockHash) -> None:
+        if state.adapters:
+            for held in state.adapters.values():
+                held.discard(block_hash)
+
+    def drop_adapter(self, slot: Slot, adapter: str) -> int:
+        """Forget every block ``slot`` stored for the LoRA ``adapter``: it was loaded again
+        under the same name (vllm #42125: its blocks would still match, stale). How many
+        blocks went. The slot keeps its trust state: what it holds of the base and of other
+        adapters is still exact."""
+        state = self._slots.get(slot)
+        if state is None:
+            return 0
+        dropped = 0
+        bit = 1 << state.bit
+        for block_hash in state.adapters.pop(adapter, set()):
+            key = state.blocks.pop(block_hash, None)
+            if key is not None:
+                self._unhold(key, bit)
+                dropped += 1
+        return dropped
 
     def _unhold(self, key: int, bit: int) -> None:
         mask = self._held.get(key, 0) & ~bit
@@ -265,6 +296,7 @@ class KvIndex:
         for key in state.blocks.values():
             self._unhold(key, bit)
         state.blocks.clear()
+        state.adapters.clear()
         for key in state.speculative:
             self._unspeculate(key, bit)
         state.speculative.clear()

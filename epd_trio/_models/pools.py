@@ -182,6 +182,20 @@ def pending(roster: Roster) -> str | None:
     return None
 
 
+def reloaded_adapters(before: Mapping[str, Served],
+                      after: Mapping[str, Served]) -> list[tuple[str, str]]:
+    """``(URL, adapter)`` for each adapter an instance listed in one roster and not the same
+    in the other: it appeared, went, or its ``root`` changed. Whatever the KV index holds of
+    it there may be another adapter's blocks under the same name (vllm #42125): drop them."""
+    found = []
+    for url in before.keys() & after.keys():
+        old = {c.id: c.root for c in before[url] or () if c.parent is not None}
+        new = {c.id: c.root for c in after[url] or () if c.parent is not None}
+        found += [(url, name) for name in sorted(old.keys() | new.keys())
+                  if old.get(name, "\0") != new.get(name, "\0")]
+    return found
+
+
 def set_served(roster: Roster, answers: Mapping[str, Served]) -> Roster:
     """``roster`` with the instances' new answers (``_models/learner``); the same roster when
     nothing changed (the version moves in ``with_pool_epochs``, if a pool did)."""

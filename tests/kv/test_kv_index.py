@@ -67,6 +67,33 @@ def test_extra_keys_from_an_event_match_the_same_request() -> None:
     assert index.match(keys(tokens, **other_image), 0) == {A: 4}       # block 0 has no image
 
 
+def test_an_adapters_blocks_match_only_that_adapter_and_go_when_it_is_reloaded() -> None:
+    """vLLM keys an adapter's blocks with its name (a bare string first in each block's extra
+    keys, as its events carry it: llm-d-router #2927 read it as a media hash): a base prompt
+    never matches them, nor another adapter's prompt. A reload under the same name (vllm
+    #42125) drops them, and only them: the slot's base blocks and other adapters' stay."""
+    tokens = prompt(3, seed=7)
+    index = index_with(A)
+    events = [stored(tokens, 100),
+              stored(tokens, 200, extra_keys=extras_for(tokens, lora_name="sql"),
+                     lora_name="sql"),
+              stored(tokens, 300, extra_keys=extras_for(tokens, lora_name="chat"),
+                     lora_name="chat")]
+    index.apply(A, decode_batch(encode_batch(events)).events)
+    assert index.match(keys(tokens, lora_name="sql"), 0) == {A: 12}
+    assert index.match(keys(tokens, lora_name="chat"), 0) == {A: 12}
+    assert index.match(keys(tokens), 0) == {A: 12}  # the base's own blocks
+    assert index.match(keys(tokens, lora_name="other"), 0) == {}
+    assert index.drop_adapter(A, "sql") == 3
+    assert index.match(keys(tokens, lora_name="sql"), 0) == {}
+    assert index.match(keys(tokens, lora_name="chat"), 0) == {A: 12}
+    assert index.match(keys(tokens), 0) == {A: 12}
+    assert index.drop_adapter(A, "sql") == 0 and index.drop_adapter(("nope", None), "chat") == 0
+    # Removed and evicted blocks leave its list: a later drop finds nothing stale.
+    index.apply(A, [BlockRemoved((300, 301, 302), "GPU")])
+    assert index.drop_adapter(A, "chat") == 0
+
+
 def test_a_block_whose_parent_is_unknown_is_not_indexed() -> None:
     """Taking it for a root would match prompts that merely start with the same tokens."""
     index = index_with(A)

@@ -12,6 +12,7 @@ from epd_trio._models.pools import (
     ANY_POOL,
     pending,
     pools_of,
+    reloaded_adapters,
     set_served,
     unserved_pins,
     with_pool_epochs,
@@ -127,3 +128,14 @@ def test_answers_of_instances_that_left_are_dropped_and_model_slots_are_kept() -
     after = with_pool_epochs(roster, smaller, {}, lambda i, s: 0)
     assert D2.url not in after.served
     assert after.models == ("A", "B")  # B's counters keep their slot
+
+
+def test_an_adapter_that_appears_goes_or_changes_root_is_a_reload() -> None:
+    base = Card("L", root="/m/L")
+    before = {"http://d0:1": (base, Card("sql", "/a/sql-v1", "L"), Card("x", "/a/x", "L")),
+              "http://d1:1": (base, Card("sql", "/a/sql-v1", "L")), "http://gone:1": (base,)}
+    after = {"http://d0:1": (base, Card("sql", "/a/sql-v2", "L"), Card("new", "/a/new", "L")),
+             "http://d1:1": (base, Card("sql", "/a/sql-v1", "L")), "http://d2:1": None}
+    assert reloaded_adapters(before, after) == [
+        ("http://d0:1", "new"), ("http://d0:1", "sql"), ("http://d0:1", "x")]
+    assert reloaded_adapters(after, after) == []
