@@ -358,13 +358,14 @@ async def test_fifty_requests_for_an_adapter_nobody_holds_load_it_once_per_stage
         # Every worker routes to it now: the load is in the roster, like an answer.
         (entry,) = [e for e in proxy.instances()["instances"]["decode"]
                     if "sql-v2" in e.get("adapters", ())]
-        assert entry["url"] == [f for f in holders if f.role == "decode"][0].url
+        (decode,) = [f for f in holders if f.role == "decode"]
+        assert entry["url"] == decode.url
 
 
 async def test_a_failed_load_is_a_503_naming_the_instance_and_it_is_not_asked_again(
     client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
-    prefills, decodes, config = await adapter_fleet(
+    _, decodes, config = await adapter_fleet(
         nursery, held_by=None, health_interval=3600, **parse_file_tables(LOADABLE))
     for fake in decodes:
         fake.lora_paths = frozenset()  # it finds no such path: vLLM's 404
