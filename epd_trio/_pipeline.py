@@ -49,7 +49,7 @@ from ._core.names import PATH_OF_KIND, RequestKind, Stage
 from ._core.policies import PrefixHint, prefix_hint, prompt_text
 from ._core.rewrite import parse_request, upstream_headers, with_item_uuids
 from ._core.routing import Instance
-from ._handoff import HandOff, choose_handoff
+from ._handoff import DECODE_ONLY, HandOff, choose_handoff
 from ._kv_routing import KvLookup, KvRouting
 from ._model_pools import ModelPools
 from ._models.catalog import AdapterOf
@@ -152,18 +152,30 @@ class Pipeline:
         ``EPD_ALIAS_STICKY_HEADER``, which keeps the client on one alias target. Raises
         ``ProxyError`` for anything the client must be told.
         """
-        path = PATH_OF_KIND[kind]
+        return await self.run_on(RequestRun, PATH_OF_KIND[kind], partial(
+            RequestRun.reply, kind=kind, raw_body=raw_body, resources=resources,
+            session=session), request_id=request_id, resources=resources,
+            trace_context=trace_context, ticket=ticket)
+
+    async def run_on(
+        self, kind_of_run: type[RequestRun], path: str,
+        reply: Callable[[Any], Awaitable[Reply]], *, request_id: str,
+        resources: AsyncExitStack, trace_context: TraceHeaders, ticket: Ticket | None,
+    ) -> Reply:
+        """One request of ``path``, as a ``kind_of_run`` (a ``RequestRun``, or a run of the
+        other endpoints: ``_model_api``) whose ``reply`` makes its answer: the account, the
+        one clean-up, the failure counted, the request id on the answer."""
         account = self.accounting.begin(path, request_id, trace_context)
-        run = RequestRun(self, account, path, request_id, ticket)
+        run = kind_of_run(self, account, path, request_id, ticket)
         resources.push_async_callback(run.close)
         try:
-            reply = await run.reply(kind, raw_body, resources, session)
+            answer = await reply(run)
         except BaseException as exc:
             account.failed(exc)  # a cancellation is counted by the stage the client waited on
             raise
-        reply.headers["x-request-id"] = request_id
+        answer.headers["x-request-id"] = request_id
         account.replied()
-        return reply
+        return answer
 
     def handoff(self, with_prefill: bool) -> HandOff:
         """The hand-off of an attempt, on the roster as it is now (``choose_handoff``)."""
@@ -178,9 +190,11 @@ class RequestRun:
     open stream). Its helpers are the legs every hand-off is made of (``_handoff``)."""
 
     __slots__ = ("_decode_load", "_decode_size", "account", "adapter", "attempts", "body",
-                 "committed", "encode", "hint", "holders", "items", "kv", "path", "pipeline",
-                 "prefills_tried", "relay", "request", "request_id", "route", "size",
+                 "committed", "content_type", "encode", "hint", "holders", "items", "kv", "path",
+                 "pipeline", "prefills_tried", "relay", "request", "request_id", "route", "size",
                  "stream_leg", "ticket", "with_prefill")
+    #: A request of vLLM's other endpoints (``_model_api``): decode alone, whatever the layout.
+    api = False
 
     def __init__(self, pipeline: Pipeline, account: RequestAccount, path: str,
                  request_id: str, ticket: Ticket | None = None) -> None:
@@ -207,8 +221,10 @@ class RequestRun:
         self.holders: frozenset[str] | None = None
         self.hint: PrefixHint | None = None
         self.kv: KvLookup | None = None
+        #: The legs' content type when their body is not JSON (a multipart form).
+        self.content_type: str | None = None
 
-    async def reply(self, kind: RequestKind, raw_body: bytes, resources: AsyncExitStack,
+    async def reply(self, *, kind: RequestKind, raw_body: bytes, resources: AsyncExitStack,
                     session: str | None = None) -> Reply:
         """Parse and validate the body, find its model's pool, then decode with failover:
         each attempt on its own decode slot (``attempt``)."""
@@ -216,18 +232,10 @@ class RequestRun:
         pipeline = self.pipeline
         ticket = self.ticket
         trace = self.account.trace
-        trace.model = asked = request.body.get("model")
-        route, leg_model, adapter = pipeline.models.resolve(
-            asked, session=session, allowed=None if ticket is None else ticket.tenant.models)
+        leg_model = await self.resolve(request.body.get("model"), resources, session)
         if leg_model is not None:  # an alias's target, or the one model: every leg names it
             request = replace(request, body={**request.body, "model": leg_model})
-        self.route = route
-        self.adapter = adapter
-        #: An adapter's legs go only to its holders (prefill and decode both).
-        self.holders = None if adapter is None else adapter.pool.holders(adapter.name)
-        trace.pool = route.model if adapter is None else adapter.name
-        if route.admission is not None:  # the model's own cap, beside the proxy's
-            await route.admission.enter(resources)
+        route, adapter = self.route, self.adapter
         if ticket is not None:  # its tenant's priority and token limit, on the body
             trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
             try:
@@ -261,6 +269,24 @@ class RequestRun:
             pipeline.decode_failover, "decode", first, self.attempt,
             partial(self.next_slot, "decode", any_slot=True), account.retried,
             also_retry=handoff.also_retry)
+
+    async def resolve(self, asked: Any, resources: AsyncExitStack,
+                      session: str | None) -> str | None:
+        """The request's model name resolved (``ModelPools.resolve``): its route, adapter and
+        holders set on the run, its model's own cap taken; the name every leg must carry
+        instead of the client's, if any."""
+        pipeline, ticket, trace = self.pipeline, self.ticket, self.account.trace
+        trace.model = asked
+        route, leg_model, adapter = pipeline.models.resolve(
+            asked, session=session, allowed=None if ticket is None else ticket.tenant.models)
+        self.route = route
+        self.adapter = adapter
+        #: An adapter's legs go only to its holders (prefill and decode both).
+        self.holders = None if adapter is None else adapter.pool.holders(adapter.name)
+        trace.pool = route.model if adapter is None else adapter.name
+        if route.admission is not None:  # the model's own cap, beside the proxy's
+            await route.admission.enter(resources)
+        return leg_model
 
     def _check_pool(self) -> None:
         """A 503 naming the model and the stage when its pool has no live instance of a stage
@@ -308,7 +334,8 @@ class RequestRun:
         attempts = self.attempts
         leg_id = self.request_id if not attempts else f"{self.request_id}-retry{attempts}"
         self.attempts = attempts + 1
-        handoff = self.pipeline.handoff(self.with_prefill and not self._bypass(slot))
+        handoff = (DECODE_ONLY if self.api else
+                   self.pipeline.handoff(self.with_prefill and not self._bypass(slot)))
         # The decode slot is counted from its choice (this attempt starts right after it,
         # with no checkpoint between), through the prefill, until the stream ends.
         loads, key = self.pipeline.loads, (slot[0].url, slot[1])
@@ -423,7 +450,7 @@ class RequestRun:
             with self.account.leg(stage, slot, beside=beside) as leg:
                 answer = await post_json(
                     pipeline.pools(instance), stage=stage, instance=instance, path=self.path,
-                    body=body, headers=leg.traced(upstream_headers(leg_id, rank)),
+                    body=body, headers=leg.traced(self._headers(leg_id, rank)),
                     deadline=(pipeline.settings.prefill_timeout if prefill
                               else pipeline.settings.decode_timeout))
                 leg.answered(answer.status)
@@ -447,7 +474,7 @@ class RequestRun:
         with self.account.leg("decode", slot) as leg:
             relay = await open_stream(
                 self.pipeline.pools(instance), stage="decode", instance=instance,
-                path=self.path, body=body, headers=leg.traced(upstream_headers(leg_id, rank)),
+                path=self.path, body=body, headers=leg.traced(self._headers(leg_id, rank)),
                 deadline=settings.decode_timeout, idle_timeout=settings.stream_idle_timeout,
                 on_error=leg.stream_failed, on_abandon=self._abandoned,
             )
@@ -461,6 +488,12 @@ class RequestRun:
             {"content-type": "text/event-stream", "cache-control": "no-cache"},
             stream=relay,
         )
+
+    def _headers(self, leg_id: str, rank: int | None) -> dict[str, str]:
+        headers = upstream_headers(leg_id, rank)
+        if self.content_type is not None:
+            headers["content-type"] = self.content_type
+        return headers
 
     def _abandoned(self) -> None:
         """The stream was closed before its end: the client left, unless the stream was a

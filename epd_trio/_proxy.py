@@ -32,11 +32,12 @@ from ._core.config import Settings
 from ._core.counters import CursorCounters, LocalPoolCounters
 from ._core.errors import NoInstance, UpstreamStatusError, UpstreamTransportError
 from ._core.health import Registry
-from ._core.names import ROLES, STAGES, RequestKind
+from ._core.names import MODEL_ENDPOINTS, ROLES, STAGES, RequestKind
 from ._core.roster import Card, Member, Roster, layout_name
 from ._core.routing import Instance
 from ._kv_routing import KvRouting
 from ._membership.roster_owner import Membership
+from ._model_api import ApiRun
 from ._model_pools import ModelPools, ModelRoute
 from ._models.learner import ModelLearner
 from ._models.pools import Pool, reloaded_adapters
@@ -436,6 +437,20 @@ class Proxy:
         return await self.pipeline.run(kind, raw_body, request_id=request_id,
                                        resources=resources, trace_context=trace_context,
                                        ticket=ticket, session=session)
+
+    async def handle_api(
+        self, path: str, raw_body: bytes, *, content_type: str | None, request_id: str,
+        resources: AsyncExitStack, trace_context: TraceHeaders = NO_TRACE_CONTEXT,
+        ticket: Ticket | None = None, session: str | None = None,
+    ) -> Reply:
+        """One request of vLLM's other endpoints (``MODEL_ENDPOINTS``): ``_model_api``."""
+        self.sync()
+        return await self.pipeline.run_on(
+            ApiRun, path, partial(ApiRun.answer, form=MODEL_ENDPOINTS[path] == "form",
+                                  raw_body=raw_body, content_type=content_type,
+                                  resources=resources, session=session),
+            request_id=request_id, resources=resources, trace_context=trace_context,
+            ticket=ticket)
 
     # -- other endpoints -----------------------------------------------------------------------
     def models_listing(self, allowed: Any = None) -> dict[str, Any]:

@@ -221,6 +221,8 @@ class ServerProcess:
     url: str
     #: Everything the process wrote to stderr, growing while it runs (drained in a task).
     log: bytearray = field(default_factory=bytearray)
+    #: Its process id.
+    pid: int = 0
 
 
 @asynccontextmanager
@@ -237,7 +239,7 @@ async def server_process(
         stderr = process.stderr
         assert stderr is not None
         match, seen = await read_until(stderr, pattern, limit=limit)
-        served = ServerProcess(match.group(1).decode(), bytearray(seen))
+        served = ServerProcess(match.group(1).decode(), bytearray(seen), process.pid)
 
         async def drain() -> None:
             async for chunk in stderr:

@@ -426,7 +426,10 @@ def _is_error_json(body: bytes) -> bool:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(parsed, dict) and isinstance(parsed.get("error"), dict | str)
+    # vLLM's own errors ({"error": ...}), and FastAPI's, which vLLM answers for a route it
+    # does not have ({"detail": "Not Found"}: a model without the task).
+    return isinstance(parsed, dict) and (isinstance(parsed.get("error"), dict | str)
+                                         or isinstance(parsed.get("detail"), str | list))
 
 
 class MalformedRegistration(ValueError):

@@ -29,3 +29,14 @@ PATH_OF_KIND: dict[RequestKind, str] = {"chat": "/v1/chat/completions",
 KIND_OF_PATH: dict[str, RequestKind] = {path: kind for kind, path in PATH_OF_KIND.items()}
 #: The path of the chat endpoint (encoder legs always use it).
 CHAT_PATH = PATH_OF_KIND["chat"]
+
+#: vLLM's other endpoints a model serves (pooling, scoring, tokenizing, audio), each routed by
+#: its ``model`` to that model's pool, to its decode (combined) instances, on the same path,
+#: and relayed as the instance answers; with how its body comes: a JSON object, or a
+#: multipart form whose ``model`` is a field (the audio uploads).
+MODEL_ENDPOINTS: dict[str, str] = {
+    "/v1/embeddings": "json", "/pooling": "json", "/classify": "json", "/score": "json",
+    "/v1/score": "json", "/rerank": "json", "/v1/rerank": "json", "/v2/rerank": "json",
+    "/tokenize": "json", "/detokenize": "json",
+    "/v1/audio/transcriptions": "form", "/v1/audio/translations": "form",
+}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,87 @@ def json_object(raw: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
+
+
+@dataclass(frozen=True, slots=True)
+class FormField:
+    """A small text field of a multipart form: its value, and where its bytes are in the body
+    (``start:end``), so it can be replaced without parsing the rest again."""
+
+    value: str
+    start: int
+    end: int
+
+
+#: The longest value read from a form field (a model name, a flag): files are skipped.
+MAX_FORM_VALUE = 4096
+
+
+def form_fields(raw: bytes, content_type: str | None,
+                names: Collection[str]) -> dict[str, FormField]:
+    """The text fields ``names`` of a ``multipart/form-data`` body (the first of each name).
+
+    Read where they are, never copying the body: the parts are found with ``bytes.find``
+    from delimiter to delimiter and a file part is only stepped over, so a 20 MB upload is
+    held once, as it arrived. ``BadRequest`` (400) for a body that is not such a form."""
+    boundary = _boundary(content_type)
+    delimiter = b"--" + boundary
+    found: dict[str, FormField] = {}
+    position = raw.find(delimiter)
+    if position < 0:
+        raise BadRequest("the multipart body has no part (no boundary line)")
+    while True:
+        position += len(delimiter)
+        if raw.startswith(b"--", position):
+            return found  # the closing delimiter
+        if not raw.startswith(b"\r\n", position):
+            raise BadRequest("the multipart body is malformed (a boundary line not ended)")
+        head_end = raw.find(b"\r\n\r\n", position + 2)
+        following = raw.find(b"\r\n" + delimiter, head_end + 4) if head_end >= 0 else -1
+        if head_end < 0 or following < 0:
+            raise BadRequest("the multipart body is malformed (a part with no end)")
+        name = _part_name(raw[position + 2:head_end])
+        start = head_end + 4
+        if (name in names and name not in found
+                and following - start <= MAX_FORM_VALUE):
+            try:
+                value = raw[start:following].decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadRequest(f"'{name}' is not UTF-8 text") from None
+            found[name] = FormField(value, start, following)
+        position = following + 2
+
+
+def _boundary(content_type: str | None) -> bytes:
+    kind, _, params = (content_type or "").partition(";")
+    if kind.strip().lower() != "multipart/form-data":
+        raise BadRequest("this endpoint takes a multipart/form-data body (content-type "
+                         f"{kind.strip() or 'none'})")
+    for param in params.split(";"):
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary" and value.strip('"'):
+            boundary = value.strip('"')
+            if len(boundary) <= 70 and boundary.isascii():
+                return boundary.encode("ascii")
+    raise BadRequest("the multipart content-type has no usable boundary")
+
+
+def _part_name(head: bytes) -> str | None:
+    """The ``name`` of a part's ``Content-Disposition: form-data; name="..."``."""
+    for line in head.split(b"\r\n"):
+        key, _, value = line.partition(b":")
+        if key.strip().lower() != b"content-disposition":
+            continue
+        for param in value.split(b";")[1:]:
+            pkey, _, pvalue = param.strip().partition(b"=")
+            if pkey.lower() == b"name":
+                return pvalue.strip(b'"').decode("utf-8", "replace")
+    return None
+
+
+def with_form_field(raw: bytes, field: FormField, value: str) -> bytes:
+    """``raw`` with ``field``'s value replaced (an alias's target in a form): one copy."""
+    return b"".join((raw[:field.start], value.encode("utf-8"), raw[field.end:]))
 
 
 def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:

@@ -372,14 +372,17 @@ class Connection:
         return now >= self.expires_at or self._transport.has_data_or_eof()
 
     async def send_request(self, data: bytes, timeout: float | None = None,  # noqa: ASYNC109
-                           ) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """Write one request (from ``encode_request``); the response's status and headers."""
+                           body: bytes = b"") -> tuple[int, list[tuple[bytes, bytes]]]:
+        """Write one request (from ``encode_request``; ``body``: its body when it was not
+        joined to the head there, written after it); the response's status and headers."""
         if self._state != "idle":
             raise RuntimeError(f"connection is {self._state}, not idle")
         self._state = "head"
         message = self._message = _Message()
         try:
             await self._send(data, timeout)
+            if body:
+                await self._send(body, timeout)
             while not message.headers_done:
                 data = await self._receive(timeout)
                 if not data:

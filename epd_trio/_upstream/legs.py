@@ -133,8 +133,10 @@ class map_upstream_errors:  # used as a function: ``with map_upstream_errors(...
         return False
 
 
-def _encode_json(body: Mapping[str, Any]) -> bytes:
-    return orjson.dumps(body)
+def _encode_json(body: Mapping[str, Any] | bytes) -> bytes:
+    """A leg's body: a JSON object encoded, or bytes already made (a form relayed as it
+    came, a JSON body the leg needs unchanged)."""
+    return body if isinstance(body, bytes | bytearray) else orjson.dumps(body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +154,7 @@ async def post_json(
     stage: str,
     instance: Instance,
     path: str,
-    body: Mapping[str, Any],
+    body: Mapping[str, Any] | bytes,
     headers: Mapping[str, str],
     deadline: float,
     detail: str = "",
@@ -323,7 +325,7 @@ async def open_stream(
     stage: str,
     instance: Instance,
     path: str,
-    body: Mapping[str, Any],
+    body: Mapping[str, Any] | bytes,
     headers: Mapping[str, str],
     deadline: float,
     idle_timeout: float,

@@ -148,6 +148,11 @@ class _Release:
             self._borrower = None
 
 
+#: Bodies larger than this are written after their head rather than joined to it in one
+#: buffer (one write for the small ones, no copy of the large ones).
+SEPARATE_BODY_BYTES = 256 * 1024
+
+
 class UpstreamPool:
     """Connections to one upstream instance (base URL), at most ``limit`` requests at once."""
 
@@ -231,7 +236,12 @@ class UpstreamPool:
             names = {name for name, _ in own}  # the caller's value wins (one Authorization)
             request_headers += [h for h in self._default_headers if h[0] not in names]
         request_headers += own
-        data = encode_request(method, self._prefix + path, request_headers, content)
+        # A large body (an audio upload, base64 media) goes out after its head, not joined to
+        # it: joining would hold a second copy of it for the time of the write.
+        joined = len(content) <= SEPARATE_BODY_BYTES
+        data = encode_request(method, self._prefix + path, request_headers,
+                              content if joined else b"")
+        body = b"" if joined else content
         borrower = object()
         try:  # a free place needs no cancel scope (one per request saved)
             self.limiter.acquire_on_behalf_of_nowait(borrower)
@@ -248,7 +258,7 @@ class UpstreamPool:
             # No resend on a failed reused connection: the server may have processed the
             # request (a POST that runs a generation); the failover layer decides, on another
             # instance, with a new request id.
-            status, response_headers = await conn.send_request(data, read_timeout)
+            status, response_headers = await conn.send_request(data, read_timeout, body)
         except BaseException:
             release()
             if conn is not None:  # abandoned or failed mid-request: vLLM must abort it

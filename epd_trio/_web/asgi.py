@@ -39,7 +39,7 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent
 
-from .._core.names import KIND_OF_PATH
+from .._core.names import KIND_OF_PATH, MODEL_ENDPOINTS
 from .direct_body import PARTIAL, WRITTEN, WRITTEN_YIELD, chunk_writer
 from .endpoints import CompletionEndpoints
 
@@ -128,7 +128,8 @@ class ProxyASGI:
             watch = _Watch(resources)
             self._watches.add(watch)
             try:
-                if self.endpoints is not None and scope["path"] in KIND_OF_PATH:
+                if self.endpoints is not None and (scope["path"] in KIND_OF_PATH
+                                                   or scope["path"] in MODEL_ENDPOINTS):
                     await self.endpoints(scope, receive, send_watched, resources)
                     return
                 await self.app(scope, receive, send_watched)

@@ -1,6 +1,7 @@
-"""``POST /v1/chat/completions`` and ``/v1/completions`` as plain ASGI: the proxy's hot path.
+"""``POST /v1/chat/completions``, ``/v1/completions`` and vLLM's other model endpoints
+(``MODEL_ENDPOINTS``: embeddings, scores, tokenizing, audio...) as plain ASGI: the hot path.
 
-Why below Quart: these two routes are nearly all the traffic, and they need nothing Quart
+Why below Quart: these routes are nearly all the traffic, and they need nothing Quart
 offers (no form parsing, sessions, templates or hooks): the body is read as bytes, handed to
 ``Proxy.handle`` and the ``Reply`` is sent as it is. Going through Quart's request and response
 objects, its contexts and its per-chunk body wrapper cost measurable CPU per request and per
@@ -20,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import trio
@@ -30,6 +32,7 @@ from .._admission.gate import Admission
 from .._core.auth import ClientKeys, first_header
 from .._core.errors import (
     INTERNAL_ERROR,
+    BadRequest,
     BodyTimeout,
     BodyTooLarge,
     MethodNotAllowed,
@@ -37,7 +40,7 @@ from .._core.errors import (
     error_reply,
     sse_error_event,
 )
-from .._core.names import KIND_OF_PATH, RequestKind
+from .._core.names import KIND_OF_PATH
 from .._core.rewrite import new_request_id
 from .._core.tracing import client_context
 from .._observe.tracing import NO_TRACE_CONTEXT
@@ -55,8 +58,13 @@ class _ClientGone(Exception):
     """The client disconnected before its body was complete: there is no one to answer."""
 
 
+#: Bodies longer than this (by their content-length) are read into one buffer of that size.
+LARGE_BODY_BYTES = 1024 * 1024
+
+
 class CompletionEndpoints:
-    """Serves the paths of ``KIND_OF_PATH`` for one ``Proxy``; ``ProxyASGI`` routes them here."""
+    """Serves the paths of ``KIND_OF_PATH`` and ``MODEL_ENDPOINTS`` for one ``Proxy``;
+    ``ProxyASGI`` routes them here."""
 
     def __init__(self, proxy: Proxy, max_body_bytes: int,
                  client_keys: ClientKeys | None = None,
@@ -149,17 +157,23 @@ class CompletionEndpoints:
         traceparent = first_header(headers, b"traceparent")
         trace_context = (NO_TRACE_CONTEXT if traceparent is None
                          else client_context(traceparent, first_header(headers, b"tracestate")))
-        kind = KIND_OF_PATH[scope["path"]]
+        path = scope["path"]
+        kind = KIND_OF_PATH.get(path)
         entry.handed = True
         session = None if self._sticky is None else first_header(headers, self._sticky)
+        if kind is None:  # vLLM's other endpoints (MODEL_ENDPOINTS)
+            handle = partial(self._proxy.handle_api, path, raw,
+                             content_type=first_header(headers, b"content-type"))
+        else:
+            handle = partial(self._proxy.handle, kind, raw)
+        respond = partial(self._respond, handle, request_id, send, resources, trace_context,
+                          entry, ticket, session)
         if not watch:
-            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
-                                ticket, session)
+            await respond()
             return
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            await self._respond(kind, raw, request_id, send, resources, trace_context, entry,
-                                ticket, session)
+            await respond()
             nursery.cancel_scope.cancel()
 
     async def _read_body(self, headers: list[tuple[bytes, bytes]],
@@ -168,6 +182,8 @@ class CompletionEndpoints:
         declared = first_header(headers, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BodyTooLarge(limit)
+        if declared is not None and declared.isdigit() and int(declared) > LARGE_BODY_BYTES:
+            return await self._read_large_body(int(declared), receive)
         parts: list[bytes] = []
         size = 0
         while True:
@@ -182,17 +198,40 @@ class CompletionEndpoints:
             if not message.get("more_body", False):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def _respond(self, kind: RequestKind, raw: bytes, request_id: str, send: Send,
-                       resources: AsyncExitStack, trace_context: Mapping[str, str],
-                       entry: InFlight, ticket: Ticket | None, session: str | None) -> None:
+    async def _read_large_body(self, declared: int, receive: ASGIReceiveCallable) -> bytes:
+        """A large body (an audio upload) read into one buffer of its declared length, so it
+        is held once while it arrives: joined from its chunks it would be held twice at the
+        end. The server has checked the length against the bytes that come."""
+        body = bytearray(declared)
+        view = memoryview(body)
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            if size + len(chunk) > declared:
+                raise BadRequest("the body is longer than its content-length")
+            view[size:size + len(chunk)] = chunk
+            size += len(chunk)
+            if not message.get("more_body", False):
+                if size != declared:
+                    raise BadRequest("the body is shorter than its content-length")
+                view.release()
+                return body  # type: ignore[return-value]  # bytes-like, read as bytes
+
+    async def _respond(self, handle: Callable[..., Awaitable[Reply]], request_id: str,
+                       send: Send, resources: AsyncExitStack,
+                       trace_context: Mapping[str, str], entry: InFlight,
+                       ticket: Ticket | None, session: str | None) -> None:
+        """The request through the proxy (``handle``: its kind's, given the body), and its
+        reply or its error sent."""
         try:
-            reply = await self._proxy.handle(kind, raw, request_id=request_id,
-                                             resources=resources, trace_context=trace_context,
-                                             ticket=ticket, session=session)
+            reply = await handle(request_id=request_id, resources=resources,
+                                 trace_context=trace_context, ticket=ticket, session=session)
         except Exception as exc:
             if not isinstance(exc, ProxyError):
-                log.exception("unexpected error while handling POST %s request %s", kind,
-                              request_id)
+                log.exception("unexpected error while handling request %s", request_id)
             entry.started = True
             await _send_error(send, exc, {"x-request-id": request_id})
             return

@@ -38,6 +38,7 @@ import orjson
 import trio
 
 from .._serve.serving import quiet_config, serve_app
+from . import fake_api
 from .fake_kv import FakeKV, KVConfig
 from .moriio import MoriioSide
 from .render import (
@@ -147,6 +148,10 @@ class FakeVLLM:
     lora_paths: frozenset[str] | None = None
     #: Adapter loads answered 200, by name (a test counts them per instance).
     loads: list[str] = field(default_factory=list)
+    #: What it serves besides chat and completions (``fake_api.TASK_ENDPOINTS``): ``generate``
+    #: as ``vllm serve``; ``embed``, ``score``, ``classify`` as ``--runner pooling``
+    #: (chat and completions are then FastAPI's 404); ``transcription``, a speech model.
+    tasks: frozenset[str] = frozenset({"generate"})
     #: Like ``vllm serve --api-key``: ``/v1/...`` requests need ``Authorization: Bearer <key>``.
     api_key: str | None = None
     #: Between a successful ``/start_profile`` and ``/stop_profile``.
@@ -326,6 +331,36 @@ class FakeVLLM:
             self.disconnects += record.disconnected
             self._notify()
 
+    async def _api(self, record: Received, respond: Any, body_chunk: Any) -> None:
+        """One of the other endpoints (``fake_api``), where its tasks serve it."""
+        if not any(record.path in fake_api.TASK_ENDPOINTS[t] for t in self.tasks):
+            await respond(404, orjson.dumps({"detail": "Not Found"}))  # FastAPI's: no route
+            return
+        if await self._misbehave(respond):  # the engine's time, and any injected failure
+            return
+        body: Any = record.body
+        if fake_api.is_form(record.path):
+            try:
+                fields = fake_api.form_of(body if isinstance(body, bytes) else b"",
+                                          record.headers.get("content-type", ""))
+            except ValueError:
+                await respond(400, _error("expected a multipart form", "BadRequestError", 400))
+                return
+            body = {"model": fields["model"].decode()} if "model" in fields else {}
+        unknown = self._unknown_model(body)
+        if unknown is not None:
+            await respond(404, unknown)
+            return
+        model = self._answer_model(body)
+        if fake_api.is_form(record.path):
+            await fake_api.answer_form(record.path, fields, model, respond, body_chunk,
+                                       self._generate({"prompt": str(len(fields))}))
+            return
+        if not isinstance(body, dict):
+            await respond(400, _error("expected a JSON object", "BadRequestError", 400))
+            return
+        await respond(200, orjson.dumps(fake_api.json_answer(record.path, body, model)))
+
     def _answer_model(self, body: Any) -> str:
         """The ``model`` an answer names: like vLLM, its first served name, whichever of its
         names the request used, or the adapter a LoRA request named (a server without
@@ -421,8 +456,15 @@ class FakeVLLM:
                 self.profiling = record.path == "/start_profile"
                 await respond(200, b"")
             return
-        if record.method != "POST" or record.path not in ("/v1/chat/completions", "/v1/completions"):
-            await respond(404, _error("Not Found", "NotFoundError", 404))
+        if record.method == "POST" and record.path in fake_api.ENDPOINTS:
+            await self._api(record, respond, body_chunk)
+            return
+        if (record.method != "POST" or record.path not in ("/v1/chat/completions",
+                                                            "/v1/completions")
+                or "generate" not in self.tasks):
+            await respond(404, orjson.dumps({"detail": "Not Found"}) if record.method == "POST"
+                          and "generate" not in self.tasks
+                          else _error("Not Found", "NotFoundError", 404))
             return
         body = record.body
         streams = self.role != "encode" and isinstance(body, dict) and body.get("stream") is True
