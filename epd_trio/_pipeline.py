@@ -41,6 +41,7 @@ from ._adapter_loading import AdapterLoader
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
+from ._core.engine_load import adapter_ranks
 from ._core.errors import AdapterUnavailable, ModelUnavailable, NoInstance
 from ._core.failover import Failover, Slot, with_failover
 from ._core.health import Registry
@@ -353,10 +354,28 @@ class RequestRun:
 
     async def next_slot(self, stage: Stage, tried: Collection[Slot],
                         any_slot: bool = False) -> Slot | None:
-        """``choose_slot`` on this stage's health view and the instances a leg may go to."""
+        """``choose_slot`` on this stage's health view and the instances a leg may go to (an
+        adapter's holders, the best ranked first: ``_best_holders``)."""
         routable = self.holders
+        if routable is not None and self.pipeline.loads.lora:
+            routable = self._best_holders(stage, routable, tried)
         return await self._slot(stage, tried, None if routable is None else (
             lambda inst: inst.url in routable), any_slot)
+
+    def _best_holders(self, stage: Stage, holders: frozenset[str],
+                      tried: Collection[Slot]) -> frozenset[str]:
+        """The holders of the request's adapter in its best rank that has a live instance of
+        ``stage`` not yet tried (``engine_load.adapter_ranks``: running it, room for it,
+        queueing it, the rest), read from the instances' own ``vllm:lora_requests_info``."""
+        assert self.adapter is not None
+        usable = self.pipeline.registry.usable(stage)
+        gone = {slot[0].url for slot in tried}
+        open_urls = {inst.url for inst in self.route.pool.of(stage)
+                     if usable(inst) and inst.url not in gone}
+        for rank in adapter_ranks(self.adapter.name, holders, self.pipeline.loads.lora):
+            if rank & open_urls:
+                return rank
+        return holders
 
     async def _slot(self, stage: Stage, tried: Collection[Slot],
                     allowed: Callable[[Instance], bool] | None,

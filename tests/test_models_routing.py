@@ -18,7 +18,7 @@ from epd_trio import Instance, Settings
 from epd_trio._core.config import parse_setting
 from epd_trio.testing import FakeVLLM, Fleet, run_fleet, serve_proxy
 
-from helpers import CHAT, chat_body, image, metric, start_fakes
+from helpers import CHAT, chat_body, image, metric, poll_until, start_fakes
 
 #: qwen: E -> P -> D; llama: P -> D; embed: decode alone.
 THREE = {"qwen": (2, (2, 1), (2, 1)), "llama": (0, (1, 1), (2, 2)), "embed": (0, (0, 1), (2, 1))}
@@ -382,3 +382,25 @@ async def test_a_failed_load_is_a_503_naming_the_instance_and_it_is_not_asked_ag
         # Each instance asked once: the one that failed is not asked again.
         assert [len(f.requests("/v1/load_lora_adapter")) for f in decodes] == [1, 1, 1, 1]
         assert not any(f.requests(CHAT) for f in decodes)
+
+
+async def test_an_adapters_holders_running_it_are_preferred_when_loads_are_scraped(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """With the load scrape on, holders are ranked by vLLM's ``vllm:lora_requests_info``:
+    the decode running the adapter takes its requests before one that would have to swap it
+    in; the pool's policy still chooses among equals."""
+    prefills, decodes, config = await adapter_fleet(nursery, load_scrape_interval=0.05)
+    decodes[0].adapters["sql"] = "/adapters/sql"  # two decode holders now: 0 and 2
+    decodes[0].lora_info = (("a", "b"), (), 2)  # full: it would have to swap sql in
+    decodes[2].lora_info = (("sql",), (), 2)
+    async with serve_proxy(config) as (url, proxy):
+        # The scrape has no event to wait on: polled.
+        await poll_until(lambda: len(proxy.loads.lora) == 2, 10)
+        await send_all(client, url, [body("sql") for _ in range(6)])
+        assert [len(f.requests(CHAT)) for f in decodes] == [0, 0, 6, 0]
+        decodes[2].lora_info = (("x", "y"), (), 2)  # now the other one has room
+        decodes[0].lora_info = (("a",), (), 2)
+        await poll_until(lambda: proxy.loads.lora[decodes[0].url].running == {"a"}, 10)
+        await send_all(client, url, [body("sql") for _ in range(4)])
+        assert [len(f.requests(CHAT)) for f in decodes] == [4, 0, 6, 0]

@@ -26,6 +26,7 @@ from ctypes import c_int64
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
+from .._core.engine_load import LoraState
 from .._core.policies import SlotKey
 
 #: Entries of the shared table: one per (stage, slot) ever seen; instances that leave keep
@@ -157,6 +158,9 @@ class Loads:
         self.table: LoadTable = table if table is not None else LocalLoadTable()
         self.remote: Mapping[tuple[str, SlotKey], int] = {}
         self.scraped: Mapping[tuple[str, SlotKey], int] = {}
+        #: Each scraped instance's LoRA adapters, running and queued, by URL (from the same
+        #: scrape): which holder of an adapter to prefer.
+        self.lora: Mapping[str, LoraState] = {}
 
     def read(self, stage: str, keys: Sequence[SlotKey]) -> list[int]:
         counts = self.table.read(stage, keys)

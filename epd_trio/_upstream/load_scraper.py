@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 
 import trio
 
-from .._core.engine_load import engine_loads, rank_loads
+from .._core.engine_load import LoraState, engine_loads, lora_state, rank_loads
 from .._core.errors import ProxyError
 from .._core.policies import SlotKey
 from .._core.routing import Instance
@@ -32,9 +32,10 @@ Targets = Callable[[], Iterable[tuple[str, Instance]]]
 
 async def scrape_once(
     targets: Iterable[tuple[str, Instance]], pool_for: Callable[[Instance], UpstreamPool],
-    deadline: float,
+    deadline: float, lora: dict[str, LoraState] | None = None,
 ) -> dict[tuple[str, SlotKey], int]:
-    """One round: each target's requests per slot, from whichever targets answered."""
+    """One round: each target's requests per slot, from whichever targets answered; and,
+    into ``lora`` when given, each one's LoRA adapters (``vllm:lora_requests_info``)."""
     scraped: dict[tuple[str, SlotKey], int] = {}
 
     async def scrape(stage: str, instance: Instance) -> None:
@@ -43,8 +44,10 @@ async def scrape_once(
         except ProxyError as exc:
             log.debug("load scrape of %s failed: %s", instance.url, exc)
             return
-        per_rank = rank_loads(engine_loads(answer.content.decode("utf-8", "replace")),
-                              instance.dp_size)
+        text = answer.content.decode("utf-8", "replace")
+        if lora is not None and (state := lora_state(text)) is not None:
+            lora[instance.url] = state
+        per_rank = rank_loads(engine_loads(text), instance.dp_size)
         for rank, requests in per_rank.items():
             scraped[stage, (instance.url, rank)] = requests
 
@@ -62,5 +65,7 @@ async def run_load_scraper(
     this task). A round that overruns the interval starts the next one at once."""
     while True:
         started = trio.current_time()
-        loads.scraped = await scrape_once(list(targets()), pool_for, deadline)
+        lora: dict[str, LoraState] = {}
+        loads.scraped = await scrape_once(list(targets()), pool_for, deadline, lora)
+        loads.lora = lora
         await trio.sleep_until(started + interval)

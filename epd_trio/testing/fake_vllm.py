@@ -148,6 +148,9 @@ class FakeVLLM:
     lora_paths: frozenset[str] | None = None
     #: Adapter loads answered 200, by name (a test counts them per instance).
     loads: list[str] = field(default_factory=list)
+    #: ``/metrics``' ``vllm:lora_requests_info``: the adapters it runs, those it queues, and
+    #: its ``max_lora`` (None: no such series).
+    lora_info: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
     #: What it serves besides chat and completions (``fake_api.TASK_ENDPOINTS``): ``generate``
     #: as ``vllm serve``; ``embed``, ``score``, ``classify`` as ``--runner pooling``
     #: (chat and completions are then FastAPI's 404); ``transcription``, a speech model.
@@ -421,10 +424,17 @@ class FakeVLLM:
         if record.path == "/fake/stats":
             await respond(200, orjson.dumps(self.stats()))
             return
-        if record.path == "/metrics" and (self.engine is not None or self.kv_state is not None):
+        if record.path == "/metrics" and (self.engine is not None or self.kv_state is not None
+                                          or self.lora_info is not None):
             text = (self.engine.metrics_text(self.model, self.role == "encode")
                     if self.engine is not None
-                    else self.kv_state.metrics_text(self.model))  # type: ignore[union-attr]
+                    else self.kv_state.metrics_text(self.model) if self.kv_state is not None
+                    else "")
+            if self.lora_info is not None:
+                running, waiting, most = self.lora_info
+                text += ("# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{"
+                         f'max_lora="{most}",running_lora_adapters="{",".join(running)}",'
+                         f'waiting_lora_adapters="{",".join(waiting)}"}} {time.time()}\n')
             await respond(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
             return
         if record.path == "/reset_prefix_cache" and self.kv_state is not None:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from epd_trio._core.engine_load import engine_loads, rank_loads
+from epd_trio._core.engine_load import (
+    LoraState,
+    adapter_ranks,
+    engine_loads,
+    lora_state,
+    rank_loads,
+)
 
 #: The shape vLLM 0.32 writes (label order and the HELP/TYPE lines as prometheus_client does).
 PAGE = """\
@@ -54,3 +60,33 @@ def test_values_that_are_no_count_are_skipped() -> None:
     loads = engine_loads(page)
     assert rank_loads(loads, 2) == {1: 2}  # engine 0 said nothing usable
     assert rank_loads(loads, 1) == {None: 2}
+
+
+LORA_PAGE = """# HELP vllm:lora_requests_info Running stats on lora requests.
+# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="x"} 1.7000002e9
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7000001e9
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+"""
+
+
+def test_the_newest_lora_series_says_what_runs_and_waits() -> None:
+    state = lora_state(LORA_PAGE)
+    assert state == LoraState(frozenset({"sql", "chat"}), frozenset({"x"}), 2)
+    assert lora_state("vllm:num_requests_running 1.0\n") is None
+    assert lora_state('vllm:lora_requests_info{max_lora="4"} 1.0\n') == LoraState(
+        frozenset(), frozenset(), 4)
+
+
+def test_an_adapters_holders_are_ranked_running_room_waiting_rest() -> None:
+    states = {"http://run:1": LoraState(frozenset({"sql"}), frozenset(), 2),
+              "http://room:1": LoraState(frozenset({"a"}), frozenset(), 2),
+              "http://wait:1": LoraState(frozenset({"a", "b"}), frozenset({"sql"}), 2),
+              "http://full:1": LoraState(frozenset({"a", "b"}), frozenset(), 2)}
+    holders = frozenset({*states, "http://unknown:1"})
+    assert adapter_ranks("sql", holders, states) == [
+        frozenset({"http://run:1"}), frozenset({"http://room:1"}),
+        frozenset({"http://wait:1"}), frozenset({"http://full:1", "http://unknown:1"})]
+    assert adapter_ranks("sql", frozenset({"http://full:1"}), states) == [
+        frozenset({"http://full:1"})]
