@@ -390,7 +390,7 @@ async def test_an_adapters_holders_running_it_are_preferred_when_loads_are_scrap
     """With the load scrape on, holders are ranked by vLLM's ``vllm:lora_requests_info``:
     the decode running the adapter takes its requests before one that would have to swap it
     in; the pool's policy still chooses among equals."""
-    prefills, decodes, config = await adapter_fleet(nursery, load_scrape_interval=0.05)
+    _, decodes, config = await adapter_fleet(nursery, load_scrape_interval=0.05)
     decodes[0].adapters["sql"] = "/adapters/sql"  # two decode holders now: 0 and 2
     decodes[0].lora_info = (("a", "b"), (), 2)  # full: it would have to swap sql in
     decodes[2].lora_info = (("sql",), (), 2)
