@@ -243,7 +243,8 @@ class Proxy:
         """``POST /v1/load_lora_adapter`` (the adapter loader's one call): a load takes the
         time of reading the weights, bounded like a prefill."""
         return await post_json(self.client(instance), stage=stage, instance=instance,
-                               path="/v1/load_lora_adapter", body=body, headers={},
+                               path="/v1/load_lora_adapter", body=body,
+                               headers={"content-type": "application/json"},
                                deadline=self.settings.prefill_timeout,
                                detail="loading a LoRA adapter: ")
 

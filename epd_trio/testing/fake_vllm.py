@@ -457,6 +457,11 @@ class FakeVLLM:
                 for name, path in self.adapters.items())]}))
             return
         if record.path == "/v1/load_lora_adapter" and record.method == "POST":
+            if record.headers.get("content-type") != "application/json":  # as vLLM 0.32
+                await respond(400, _error("1 validation error:\n  Unsupported Media Type: Only "
+                                          "'application/json' is allowed", "BadRequestError",
+                                          400))
+                return
             await self._load_lora(record.body, respond)
             return
         if record.path in ("/start_profile", "/stop_profile") and record.method == "POST":

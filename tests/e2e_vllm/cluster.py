@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,6 +86,8 @@ class Server:
     kv_replay_port: int | None = None
     pid: int | None = None
     ticks: int | None = None
+    #: Environment variables of its own (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``...).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -158,6 +160,7 @@ class Cluster:
             trace_args = ["--otlp-traces-endpoint", f"http://{HOST}:{self.traces_port}{TRACES_PATH}"]
         if server.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(server.nixl_port)
+        env.update(server.env)
         pass_fds: tuple[int, ...] = ()
         if self.owned:
             if self._lifeline_read is None:
@@ -516,44 +519,100 @@ def start_kv_cluster(home: Home | None = None, *, log: Log = print) -> Cluster:
     left alone), logs ``run/kv-NAME.log``, tied to this process by its lifeline; a failed start
     is retried once on fresh ports. Raises ``ClusterError`` with the log tails.
     """
-    home = home or Home.from_env()
+
+    def plan(home: Home, ports: Iterator[int]) -> dict[str, Server]:
+        servers = {}
+        for name in KV_SERVERS:
+            port, nixl_port, events, replay = (next(ports) for _ in range(4))
+            role = "consumer" if name == "decode" else "producer"
+            args = [*_nixl(role), *kv_events_args(events, replay)]
+            servers[name] = Server(name, port, args, log=str(home.run / f"kv-{name}.log"),
+                                   tmpdir=str(home.run / "tmp" / f"kv-{name}"),
+                                   nixl_port=nixl_port, kv_events_port=events,
+                                   kv_replay_port=replay)
+        return servers
+
+    return _start_beside(home or Home.from_env(), "kv", 4 * len(KV_SERVERS), plan, log)
+
+
+def _nixl(role: str) -> list[str]:
+    """A NIXL KV connector of ``role`` (``producer``: a prefill; ``consumer``: a decode)."""
+    config = {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}",
+              "kv_buffer_device": "cpu", "kv_connector_extra_config": NIXL_EXTRA_CONFIG}
+    return ["--kv-transfer-config", json.dumps(config)]
+
+
+#: The LoRA servers: a prefill and a decode holding adapter ``sql`` (P -> D over NIXL, and
+#: runtime loading on), and the text model as a pooling (embedding) instance.
+LORA_SERVERS = ("lora-prefill", "lora-decode", "pooler")
+#: The name the pooling instance serves.
+POOLER_MODEL = "tiny-embed"
+
+
+def start_lora_cluster(adapter: Path, home: Home | None = None, *, log: Log = print) -> Cluster:
+    """A prefill (NIXL producer) and a decode (NIXL consumer) of the text model with LoRA on,
+    both holding ``adapter`` as ``sql`` and loading more at run time
+    (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``), and a pooling instance of the text model
+    serving ``POOLER_MODEL`` (``--runner pooling --convert embed``). Beside the home's
+    cluster, like ``start_kv_cluster``."""
+    lora = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules",
+            json.dumps({"name": "sql", "path": str(adapter), "base_model_name": MODEL_NAME})]
+    runtime = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+    def plan(home: Home, ports: Iterator[int]) -> dict[str, Server]:
+        servers = {}
+        for name in LORA_SERVERS:
+            port, nixl_port = next(ports), next(ports)
+            if name == "pooler":
+                args = ["--runner", "pooling", "--convert", "embed", "--served-model-name",
+                        POOLER_MODEL]
+                servers[name] = Server(name, port, args, log=str(home.run / f"{name}.log"),
+                                       tmpdir=str(home.run / "tmp" / name))
+                continue
+            role = "consumer" if name == "lora-decode" else "producer"
+            servers[name] = Server(name, port, [*_nixl(role), *lora],
+                                   log=str(home.run / f"{name}.log"),
+                                   tmpdir=str(home.run / "tmp" / name), nixl_port=nixl_port,
+                                   env=dict(runtime))
+        return servers
+
+    return _start_beside(home or Home.from_env(), "lora", 2 * len(LORA_SERVERS), plan, log)
+
+
+def _start_beside(home: Home, label: str, ports_needed: int,
+                  plan: Callable[[Home, Iterator[int]], dict[str, Server]], log: Log) -> Cluster:
+    """Servers of the text model beside the home's cluster (``plan`` makes them on the free
+    ports it is given), started and healthy: not recorded, tied to this process by its
+    lifeline, a failed start retried once on fresh ports. ``ClusterError`` with the log
+    tails."""
     with _provisioning(home):
         ensure_venv(home, log)
         ensure_model(home, "text", log)
     home.run.mkdir(parents=True, exist_ok=True)
     failures = []
     for attempt in range(1, START_ATTEMPTS + 1):
-        servers = {}
-        ports = iter(free_ports(4 * len(KV_SERVERS)))  # all distinct
-        for name in KV_SERVERS:
-            port, nixl_port, events, replay = (next(ports) for _ in range(4))
-            role = "consumer" if name == "decode" else "producer"
-            config = {"kv_connector": "NixlConnector", "kv_role": f"kv_{role}",
-                      "kv_buffer_device": "cpu", "kv_connector_extra_config": NIXL_EXTRA_CONFIG}
-            args = ["--kv-transfer-config", json.dumps(config), *kv_events_args(events, replay)]
-            servers[name] = Server(name, port, args, log=str(home.run / f"kv-{name}.log"),
-                                   tmpdir=str(home.run / "tmp" / f"kv-{name}"),
-                                   nixl_port=nixl_port, kv_events_port=events,
-                                   kv_replay_port=replay)
-        kv = Cluster(home, "kv", "text", servers, None, owned=True, recorded=False)
+        servers = plan(home, iter(free_ports(ports_needed)))  # all distinct
+        started_servers = Cluster(home, label, "text", servers, None, owned=True,
+                                  recorded=False)
         started = time.monotonic()
         try:
             for name in servers:
-                kv.launch(name)
-            kv.wait_ready(list(servers), start_timeout())
+                started_servers.launch(name)
+            started_servers.wait_ready(list(servers), start_timeout())
         except (ClusterError, OSError) as exc:
-            failures.append(f"attempt {attempt}: {exc}\n{kv.log_tails()}")
-            kv.stop()
-            kept = kv.keep_logs(f"attempt{attempt}")
+            failures.append(f"attempt {attempt}: {exc}\n{started_servers.log_tails()}")
+            started_servers.stop()
+            kept = started_servers.keep_logs(f"attempt{attempt}")
             if attempt < START_ATTEMPTS:
-                log(f"kv cluster start failed ({exc}); logs kept in {kept}; retrying once")
+                log(f"{label} cluster start failed ({exc}); logs kept in {kept}; retrying once")
             continue
         except BaseException:
-            kv.stop()
+            started_servers.stop()
             raise
-        log(f"kv cluster (prefill0, prefill1, decode) ready in {time.monotonic() - started:.0f} s")
-        return kv
-    raise ClusterError("could not start the kv cluster:\n" + "\n".join(failures))
+        log(f"{label} cluster ({', '.join(servers)}) ready in "
+            f"{time.monotonic() - started:.0f} s")
+        return started_servers
+    raise ClusterError(f"could not start the {label} cluster:\n" + "\n".join(failures))
 
 
 def main(argv: list[str] | None = None) -> int:

