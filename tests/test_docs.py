@@ -172,7 +172,8 @@ def sample_value(field: dataclasses.Field[Any]) -> str:
     special = {"dns_nameserver": "127.0.0.1:5353", "service_discovery_api": "http://127.0.0.1:8001",
                "state_url": "redis://sample:1/0", "tenants": '{"sample": {"priority": 1}}',
                "models": '{"sample": {"decode": ["http://sample:2"]}}',
-               "model_aliases": '{"chat": {"targets": {"sample": 1}}}'}
+               "model_aliases": '{"chat": {"targets": {"sample": 1}}}',
+               "adapters": '{"sql": {"base": "sample", "path": "/a/sql"}}'}
     if field.name in special:
         return special[field.name]
     if default is None or default == ():

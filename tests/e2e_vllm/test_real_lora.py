@@ -75,8 +75,14 @@ async def test_adapters_on_prefill_and_decode_and_embeddings_through_the_proxy(
 
             # 2. A second adapter, loaded through the proxy on both legs on demand.
             body = prompt("sql2", "Count on please: five six seven")
+            started = trio.current_time()
             proxied = await client.post(url + COMPLETIONS, json=body)
+            first = trio.current_time() - started
             assert proxied.status_code == 200, proxied.text
+            started = trio.current_time()
+            again = await client.post(url + COMPLETIONS, json=body)
+            later = trio.current_time() - started
+            assert again.json()["choices"] == proxied.json()["choices"]
             for server in (prefill, decode):
                 names = [c["id"] for c in (await client.get(server + "/v1/models")).json()["data"]]
                 assert "sql2" in names, (server, names)
@@ -99,6 +105,7 @@ async def test_adapters_on_prefill_and_decode_and_embeddings_through_the_proxy(
     finally:
         await trio.to_thread.run_sync(servers.stop)
     observe(f"adapter sql P -> D through the proxy = decode's own answer ({text!r}), != the "
-            "base's; sql2 loaded on demand on P and D by the proxy, = decode's own; "
+            f"base's; sql2 loaded on demand on P and D by the proxy, = decode's own (its first "
+            f"request {first:.2f} s with the loads, the next {later:.2f} s); "
             "/v1/embeddings of tiny-embed = the pooler's own; a generate model's embeddings "
             f"error relayed as vLLM's ({wrong.status_code})")
