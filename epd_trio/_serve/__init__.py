@@ -7,6 +7,7 @@ doubles import it.
     runner   ``epd-trio serve``: the workers, their shared memory, the bounded shutdown
     serving  an ASGI app served in-process on Hypercorn's trio worker (tests, demo, bench)
     server   the connection class ``epd-trio serve`` runs on Hypercorn's trio worker
-    process  process-wide set-up: logging, the garbage collector, the fd limit
+    process  process-wide set-up: logging, the garbage collector, the fd limit; the CPU
+             limit ``--workers auto`` follows
     logs     the log output: level, and text or JSON lines
 """

@@ -17,6 +17,7 @@ import pytest
 import trio
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from epd_trio._serve.process import auto_workers
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
@@ -399,6 +400,24 @@ async def test_a_taken_port_is_one_line_naming_the_address_and_exit_2(workers: s
     (line,) = err.splitlines()  # one line, in the log format, no traceback
     assert line.endswith(" ERROR epd_trio.serve: cannot listen on 127.0.0.1:"
                          f"{port} (--host/--port): Address already in use"), line
+
+
+async def test_workers_auto_says_how_many_and_why_before_anything_else() -> None:
+    """``--workers auto`` follows this process's cgroup CPU limit (``_serve/process``; the
+    container suite runs it under a real limit): the first line says the count and its source.
+    A taken port makes the run end right after, with no server started."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, _, err = await run_cli("serve", "--port", str(port), "--workers", "auto",
+                                       "--decode", "http://127.0.0.1:9")
+    assert status == 2
+    first, second = err.splitlines()
+    workers, note = auto_workers()  # the same cgroup as the child's
+    assert first.endswith(f" INFO epd_trio.serve: {note}"), first
+    assert note.startswith(f"--workers auto: {workers} (")
+    assert "cannot listen" in second
 
 
 @pytest.mark.parametrize("command", ["serve", "demo"])
