@@ -1,0 +1,81 @@
+"""The image's suite (marker ``container``): the image built once per session with the build
+script anyone runs (``deploy/container/build``), on a base made from Debian's packages, and what
+the tests observed, printed at the end of the session (sizes, times).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, RUN_FLAGS, Image, podman
+
+from real_servers import missing, require_binary
+
+_OBSERVED = pytest.StashKey[list[str]]()
+
+
+def _say(config: pytest.Config) -> Callable[[str], None]:
+    """A progress line shown live (the first build makes the base: tens of seconds)."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+
+    def say(message: str) -> None:
+        with capture.global_and_fixture_disabled():
+            print(f"\n[container] {message}", file=sys.stderr, flush=True)
+
+    return say
+
+
+@pytest.fixture(scope="session")
+def built(request: pytest.FixtureRequest) -> Iterator[Image]:
+    """The image, built from this checkout's Containerfile by ``deploy/container/build``.
+
+    A machine without podman, or one where podman cannot run a container, skips the suite
+    locally and fails it under ``CI=true`` (``tests/real_servers.py``). A build that fails on a
+    machine that runs containers is a failure everywhere: the Containerfile's fault."""
+    say = _say(request.config)
+    require_binary("podman")
+    if podman("image", "exists", DEBIAN_BASE, check=False).returncode != 0:
+        require_binary("mmdebstrap")
+        say(f"making {DEBIAN_BASE} from Debian's packages (once per machine)")
+    started = time.monotonic()
+    base = subprocess.run([str(BUILD), "--debian-base", "--base-only"], capture_output=True,
+                          text=True, check=False)
+    assert base.returncode == 0, f"making the base failed:\n{base.stdout}{base.stderr}"
+    probe = podman("run", "--rm", *RUN_FLAGS, DEBIAN_BASE, "true", check=False)
+    if probe.returncode != 0:
+        missing(f"this machine cannot run containers (podman run {DEBIAN_BASE} true: "
+                f"{probe.stderr.strip()[-500:]})")
+    built = subprocess.run([str(BUILD), "--debian-base", "--tag", IMAGE, "--", *BUILD_FLAGS],
+                           capture_output=True, text=True, check=False)
+    seconds = time.monotonic() - started
+    assert built.returncode == 0, f"the build failed:\n{built.stdout[-6000:]}{built.stderr[-6000:]}"
+    size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
+    lines = request.config.stash.setdefault(_OBSERVED, [])
+    said = [line for line in (base.stderr + built.stderr).splitlines() if line.startswith("build:")]
+    lines += [f"image {IMAGE}: {size / 1e6:.0f} MB (FROM {DEBIAN_BASE}); made in {seconds:.0f} s",
+              *said]
+    say(lines[0])
+    yield Image(IMAGE, size)
+
+
+@pytest.fixture
+def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
+    """Record what a test measured; printed in the session's summary."""
+    lines = request.config.stash.setdefault(_OBSERVED, [])
+
+    def record(line: str) -> None:
+        lines.append(f"{request.node.name}: {line}")
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = terminalreporter.config.stash.get(_OBSERVED, [])
+    if lines:
+        terminalreporter.section("observed on the image")
+        for line in lines:
+            terminalreporter.write_line(line)

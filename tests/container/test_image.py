@@ -1,0 +1,415 @@
+"""The image, built from ``deploy/container/Containerfile`` and run with podman against fake vLLM
+servers on the host's loopback (marker ``container``: ``python -m pytest -m container``, after
+the main suite in ``.ci/run``; docs/contributing/tests.md).
+
+What a container changes, checked here and nowhere else: the image is what the manifests were
+checked against (``tests/image_facts.py``); the proxy answers as it does on the host, byte for
+byte; it runs as its user on a read-only root with ``/tmp`` its only writable place;
+``podman stop`` drains as SIGTERM does on a host (tini passes the signal on); ``--workers
+auto`` follows the container's CPU limit; metrics add up over two workers whose files are on
+the ``/tmp`` volume.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import trio
+from containers import DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
+
+from epd_trio._core.cpu_limit import CpuLimit, workers_for
+from epd_trio.testing import FakeVLLM
+from epd_trio.testing.process import read_until
+
+from helpers import CHAT, SERVING, Samples, chat_body, image, scrape, server_process, start_fakes
+from image_facts import ROOT, containerfile_facts
+
+pytestmark = pytest.mark.container
+
+#: The read-only root of a pod: nothing writable but a tmpfs at /tmp (``--read-only`` alone
+#: would also mount podman's own tmpfs on /run and /var/tmp).
+READ_ONLY = ["--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp:rw,size=64m"]
+#: What a container starts with and exits for, at most (a slow machine: imports, spawns).
+START_LIMIT = 60.0
+
+
+@dataclass
+class Running:
+    """A container started by ``container``: its name, the proxy's URL, its stderr so far."""
+
+    name: str
+    url: str
+    process: trio.Process
+    log: bytearray = field(default_factory=bytearray)
+
+    def lines(self) -> list[dict[str, Any]]:
+        """Its JSON log lines (``--log-format json``)."""
+        return [orjson.loads(line) for line in bytes(self.log).splitlines()
+                if line.startswith(b"{")]
+
+
+@asynccontextmanager
+async def container(nursery: trio.Nursery, built: Image, *args: str,
+                    options: tuple[str, ...] = ()) -> AsyncIterator[Running]:
+    """``podman run`` the image (attached: its stderr is the proxy's), ``--port 0`` then
+    ``args`` after the entrypoint; yields once the proxy listens. Removed on the way out."""
+    name = f"epd-trio-test-{uuid.uuid4().hex[:8]}"
+    command = ["podman", "run", "--rm", "--name", name, *RUN_FLAGS, *options, built.name,
+               "--port", "0", *args]
+    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE,
+                                               stdout=subprocess.DEVNULL)
+    try:
+        assert process.stderr is not None
+        match, seen = await read_until(process.stderr, SERVING, limit=START_LIMIT)
+        port = match.group(1).decode().rpartition(":")[2]  # http://0.0.0.0:PORT
+        running = Running(name, f"http://127.0.0.1:{port}", process, bytearray(seen))
+        stderr = process.stderr
+
+        async def drain() -> None:
+            async for chunk in stderr:
+                running.log.extend(chunk)
+
+        nursery.start_soon(drain)
+        yield running
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.run_process(["podman", "rm", "--force", "--time", "0", name],
+                                   capture_stdout=True, capture_stderr=True, check=False)
+            await process.wait()
+
+
+async def until_ready(url: str) -> None:
+    """``/ready`` is 503 until every role has answered a probe: ask until it is 200."""
+    async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+        with trio.fail_after(30):
+            while (await client.get(url + "/ready")).status_code != 200:
+                pass
+
+
+# -- the process inside, seen from the host --------------------------------------------------------
+
+def children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+async def process_tree(name: str) -> list[int]:
+    """The container's processes, PID 1 (tini) first, as host process ids."""
+    tree = [int((await podman_async("inspect", "--format", "{{.State.Pid}}", name)).stdout)]
+    for pid in tree:
+        tree += children(pid)
+    return tree
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+
+
+def ids(pid: int, which: str) -> set[int]:
+    """A process's real, effective, saved and file-system ``Uid`` (or ``Gid``)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return {int(n) for n in re.search(rf"^{which}:\s+(.*)$", status, re.M).group(1).split()}
+
+
+def mount(pid: int, point: str) -> tuple[str, str]:
+    """(mount options, file-system type) of ``point`` as the process sees it."""
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == point:
+            return fields[5], fields[fields.index("-") + 1]
+    raise AssertionError(f"{point} is not a mount point of process {pid}")
+
+
+def pid_inside(pid: int) -> int:
+    """The process id that the process has in its container's namespace."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"^NSpid:.*\s(\d+)$", status, re.M).group(1))
+
+
+def environ(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
+# -- the tests ---------------------------------------------------------------------------------------
+
+def test_the_image_is_what_the_manifests_were_checked_against(
+    built: Image, observe: Callable[[str], None]
+) -> None:
+    facts = containerfile_facts()
+    config = orjson.loads(podman("image", "inspect", "--format", "{{json .Config}}",
+                                 built.name).stdout)
+    assert config["User"] == facts.user
+    assert set(config["ExposedPorts"]) == {f"{facts.port}/tcp"}
+    assert config["Entrypoint"] == list(facts.entrypoint)
+    assert config["StopSignal"] == facts.stop_signal
+    env = dict(pair.split("=", 1) for pair in config["Env"])
+    assert env["TMPDIR"] == facts.env["TMPDIR"] and env["PATH"].startswith("/opt/epd-trio/bin:")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    labels = config["Labels"]
+    assert labels["org.opencontainers.image.version"] == project["version"]
+    assert labels["org.opencontainers.image.licenses"] == project["license"]
+    assert labels["org.opencontainers.image.revision"].removesuffix("-dirty") == head
+    assert labels["org.opencontainers.image.base.name"] == DEBIAN_BASE
+    assert labels["org.opencontainers.image.title"] == "epd-trio"
+    assert "org.opencontainers.image.source" in labels
+    version = podman("run", "--rm", *RUN_FLAGS, built.name, "--version").stdout
+    assert version == f"epd-trio {project['version']}\n"
+    # The runtime stage holds the venv and nothing of the build: no pip, no wheel, no source.
+    inside = podman("run", "--rm", *RUN_FLAGS, "--entrypoint", "sh", built.name, "-c",
+                    "ls /opt; ls /opt/epd-trio/bin; ls -d /wheels /src /opt/build 2>&1; "
+                    "python3 -c 'import importlib.util as u; print(u.find_spec(\"pip\"))'; "
+                    "command -v python3; id -u").stdout.split("\n")
+    assert inside[0] == "epd-trio"
+    assert not [name for name in inside if name.startswith("pip")]
+    assert sum("No such file or directory" in line for line in inside) == 3
+    assert inside[-4:] == ["None", "/opt/epd-trio/bin/python3", str(facts.uid), ""]
+    observe(f"{built.size / 1e6:.0f} MB; entrypoint {' '.join(facts.entrypoint)}")
+
+
+async def test_it_answers_byte_for_byte_as_without_the_container(
+    nursery: trio.Nursery, built: Image
+) -> None:
+    """The same requests through ``epd-trio serve`` on the host, then through the container:
+    each answer is the bytes decode sent, and every leg each fake received is the same."""
+    encode, prefill, decode = (FakeVLLM("encode"), FakeVLLM("prefill", dp_size=2),
+                               FakeVLLM("decode", dp_size=2))
+    fakes = await start_fakes(nursery, encode, prefill, decode)
+    flags = ["--encode", encode.url, "--prefill", f"{prefill.url}#dp=2",
+             "--decode", f"{decode.url}#dp=2"]
+    bodies = [chat_body(image(1), stream=True), chat_body(image(2)),
+              chat_body(image(3), stream=True, max_tokens=3)]
+
+    async def through(url: str) -> list[list[tuple[str, str, int | None, Any, dict[str, str]]]]:
+        await until_ready(url)
+        legs = []
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+            for n, body in enumerate(bodies):
+                seen = [len(fake.requests()) for fake in fakes]
+                r = await client.post(url + CHAT, json=body, headers={"x-request-id": f"r{n}"})
+                assert r.status_code == 200, r.text
+                assert r.content == bytes(decode.requests()[-1].sent)  # relayed as decode sent
+                assert r.headers["content-type"].startswith(
+                    "text/event-stream" if body.get("stream") else "application/json")
+                legs.append([(fake.role, rec.path, rec.rank, rec.body, rec.headers)
+                             for fake, before in zip(fakes, seen, strict=True)
+                             for rec in fake.requests()[before:]])
+        return legs
+
+    command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", *flags]
+    async with server_process(nursery, command, env=dict(os.environ)) as host:
+        on_host = await through(host.url)
+    async with container(nursery, built, *flags) as inside:
+        in_container = await through(inside.url)
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            health = await client.get(inside.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert [[role for role, *_ in request] for request in in_container] == [
+        ["encode", "prefill", "decode"]] * len(bodies)
+    assert in_container == on_host
+
+
+async def test_the_proxy_runs_as_its_user_on_a_read_only_root(
+    nursery: trio.Nursery, built: Image
+) -> None:
+    facts = containerfile_facts()
+    async with container(nursery, built, "--decode", "http://127.0.0.1:9", "--workers", "1",
+                         options=tuple(READ_ONLY)) as inside:
+        tini, *rest = await process_tree(inside.name)
+        assert cmdline(tini)[:2] == ["tini", "--"]
+        (proxy,) = rest
+        assert cmdline(proxy)[1:3] == ["/opt/epd-trio/bin/epd-trio", "serve"]
+        for pid in (tini, proxy):
+            assert ids(pid, "Uid") == {facts.uid} and ids(pid, "Gid") == {facts.gid}
+        options, _ = mount(proxy, "/")
+        assert "ro" in options.split(",")
+        options, fs_type = mount(proxy, "/tmp")
+        assert "rw" in options.split(",") and fs_type == "tmpfs"
+        touched = await podman_async("exec", inside.name, "sh", "-c",
+                                     "touch /probe || echo refused", check=False)
+        assert "Read-only file system" in touched.stderr and "refused" in touched.stdout
+
+
+async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
+    nursery: trio.Nursery, built: Image, observe: Callable[[str], None]
+) -> None:
+    """A 10 s stream in flight when ``podman stop`` sends SIGTERM: it goes on for
+    ``EPD_SHUTDOWN_GRACE`` (2 s), then ends with the ``shutting_down`` event; the container
+    exits 0 well before podman's SIGKILL; the request is logged as ``shutdown``, not as a
+    client that left (499)."""
+    grace = 2.0
+    decode = FakeVLLM("prefill_decode")
+    decode.behaviour.tokens, decode.behaviour.chunk_delay = 100, 0.1  # a 10 s stream
+    await start_fakes(nursery, decode)
+    options = ("--env", f"EPD_SHUTDOWN_GRACE={grace:g}", *READ_ONLY)
+    async with container(nursery, built, "--decode", decode.url, "--request-log",
+                         "--log-format", "json", "--access-log", options=options) as inside:
+        await until_ready(inside.url)
+        stop_timeout = 30
+        stopped: list[subprocess.CompletedProcess[bytes]] = []
+
+        async def stop() -> None:
+            stopped.append(await trio.run_process(
+                ["podman", "stop", "--time", str(stop_timeout), inside.name],
+                capture_stdout=True, capture_stderr=True, check=False))
+
+        events: list[tuple[float, bytes]] = []
+        async with httpx.AsyncClient(trust_env=False, timeout=30) as client, client.stream(
+                "POST", inside.url + CHAT, json=chat_body(stream=True, max_tokens=100),
+                headers={"x-request-id": "cut"}) as r:
+            assert r.status_code == 200
+            chunks = r.aiter_bytes()
+            events.append((trio.current_time(), await anext(chunks)))
+            signalled = trio.current_time()
+            nursery.start_soon(stop)
+            async for chunk in chunks:
+                events.append((trio.current_time(), chunk))
+        ended = trio.current_time()
+        with trio.fail_after(stop_timeout):
+            status = await inside.process.wait()
+        exited = trio.current_time()
+    text = b"".join(chunk for _, chunk in events).decode()
+    frames = text.strip().split("\n\n")
+    assert frames[-1].startswith("data: {"), text[-500:]
+    error = orjson.loads(frames[-1].removeprefix("data: "))["error"]
+    assert error["code"] == "shutting_down" and "[DONE]" not in text
+    tokens = sum('"content":"' in frame for frame in frames)
+    assert 0 < tokens < 100  # cut, not finished
+    after_signal = [at for at, _ in events if at > signalled]
+    assert len(after_signal) > 2  # the stream went on after the signal: the grace
+    assert ended - signalled >= grace  # the stop was sent after `signalled`, the grace after it
+    assert status == 0 and stopped[0].returncode == 0  # SIGKILL would be 137
+    lines = inside.lines()
+    assert any(f"SIGTERM: shutting down (shutdown grace {grace:g} s)" in str(line.get("message"))
+               for line in lines)  # tini passed podman's SIGTERM on to the proxy
+    (request,) = [line for line in lines if line.get("logger") == "epd_trio.requests"]
+    assert (request["request_id"], request["outcome"], request["status"]) == (
+        "cut", "shutdown", 200)  # not "cancelled" 499, as for a client that left
+    (access,) = [line for line in lines if line.get("logger") == "epd_trio.access"
+                 and line["request_id"] == "cut"]
+    assert access["status"] == 200
+    observe(f"SSE error {ended - signalled:.1f} s after podman stop (grace {grace:g} s), "
+            f"{tokens} tokens relayed; container exited {exited - signalled:.1f} s after it, "
+            "status 0")
+
+
+async def test_metrics_add_up_over_two_workers_whose_files_are_on_the_tmp_volume(
+    nursery: trio.Nursery, built: Image
+) -> None:
+    decode = FakeVLLM("prefill_decode", dp_size=2)
+    await start_fakes(nursery, decode)
+    n = 20
+    async with container(nursery, built, "--decode", f"{decode.url}#dp=2", "--workers", "2",
+                         options=tuple(READ_ONLY)) as inside:
+        assert b"(PD, 2 workers) listening on" in inside.log
+
+        async def fresh_scrape() -> Samples:
+            # A fresh connection each time, so that either worker may answer.
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                return await scrape(client, inside.url)
+
+        async def one(k: int) -> None:
+            async with httpx.AsyncClient(trust_env=False, timeout=30) as client:
+                r = await client.post(inside.url + CHAT, json=chat_body(stream=k % 2 == 0))
+                assert r.status_code == 200
+
+        async with trio.open_nursery() as requests:
+            for k in range(n):
+                requests.start_soon(one, k)
+
+        def ok(m: Samples) -> float:
+            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
+
+        with trio.fail_after(10):  # counted just after each request's last byte went out
+            while ok(await fresh_scrape()) < n:
+                pass
+        for _ in range(6):
+            m = await fresh_scrape()
+            assert ok(m) == n
+            assert m.by("epd_trio_dp_rank_requests_total", "rank", role="decode",
+                        upstream=decode.url) == {"0": n / 2, "1": n / 2}
+        _tini, _proxy, *rest = await process_tree(inside.name)
+        workers = [pid for pid in rest if "multiprocessing.spawn" in " ".join(cmdline(pid))]
+        assert len(workers) == 2
+        directories = {environ(pid)["PROMETHEUS_MULTIPROC_DIR"] for pid in workers}
+        (directory,) = directories
+        assert directory.startswith("/tmp/epd-trio-metrics-")
+        assert mount(workers[0], "/tmp")[1] == "tmpfs" and "ro" in mount(workers[0], "/")[0]
+        # Each worker's files, named by its process id inside the container, are there.
+        files = os.listdir(f"/proc/{workers[0]}/root{directory}")
+        assert {f"counter_{pid_inside(pid)}.db" for pid in workers} <= set(files)
+
+
+async def test_workers_auto_follows_the_containers_cpu_limit(
+    nursery: trio.Nursery, built: Image, observe: Callable[[str], None]
+) -> None:
+    """The image passes ``--workers auto``: under ``--cpus`` the proxy starts one worker per
+    CPU of the quota, naming the cgroup file it read; without a limit, one."""
+    cpus = min(2, len(os.sched_getaffinity(0)))
+    expected = workers_for(CpuLimit(cpus, ""), len(os.sched_getaffinity(0)))
+    async with container(nursery, built, "--decode", "http://127.0.0.1:9",
+                         options=("--cpus", str(cpus))) as inside:
+        log = bytes(inside.log).decode()
+    note = re.search(r"--workers auto: (\d+) \(CPU limit ([\d.]+) in (\S+), [^)]*\)", log)
+    assert note, log
+    assert (int(note.group(1)), float(note.group(2))) == (expected, cpus)
+    # cgroup v2, or v1 (this machine): the container's own cgroup, at the root of the mount.
+    assert note.group(3) in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
+                             "/sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us")
+    plural = "s" if expected != 1 else ""
+    assert f"(PD, {expected} worker{plural}) listening on" in log
+    async with container(nursery, built, "--decode", "http://127.0.0.1:9") as inside:
+        log = bytes(inside.log).decode()
+    assert "--workers auto: 1 (no CPU limit found in this process's cgroup)" in log
+    observe(f"--cpus {cpus}: {note.group(0)}")
+
+
+async def test_two_workers_on_a_read_only_root_without_tmp_say_what_to_mount(
+    built: Image,
+) -> None:
+    done = await trio.run_process(
+        ["podman", "run", "--rm", *RUN_FLAGS, "--read-only", "--read-only-tmpfs=false",
+         built.name, "--workers", "2", "--port", "0", "--decode", "http://127.0.0.1:9"],
+        capture_stdout=True, capture_stderr=True, check=False)
+    assert done.returncode == 2
+    last = done.stderr.decode().strip().splitlines()[-1]
+    assert "--workers N keeps its metrics in a directory of its own under TMPDIR (/tmp)" in last
+    assert "mount a writable volume there" in last and "Traceback" not in done.stderr.decode()
+
+
+def test_a_stop_during_start_up_ends_the_container_at_once(
+    built: Image, observe: Callable[[str], None]
+) -> None:
+    """Why tini is PID 1: the proxy as PID 1 ignores SIGTERM until its handler is installed,
+    after its imports, and podman then waits for its SIGKILL (exit 137). Under tini the signal
+    ends the starting proxy (143), or the started one drains (0)."""
+    name = f"epd-trio-test-{uuid.uuid4().hex[:8]}"
+    podman("run", "--detach", "--name", name, *RUN_FLAGS, built.name, "--port", "0",
+           "--decode", "http://127.0.0.1:9")
+    try:
+        started = time.monotonic()
+        podman("stop", "--time", "30", name)
+        took = time.monotonic() - started
+        status = int(podman("inspect", "--format", "{{.State.ExitCode}}", name).stdout)
+    finally:
+        podman("rm", "--force", "--time", "0", name, check=False)
+    assert status in (0, 143), f"exit status {status}: the SIGTERM was not acted on"
+    observe(f"stopped right after start: exit {status} after {took:.1f} s")
