@@ -29,13 +29,23 @@ import httpx
 import orjson
 import pytest
 import trio
-from containers import DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
+from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
 
 from epd_trio._core.cpu_limit import CpuLimit, workers_for
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_until
 
-from helpers import CHAT, SERVING, Samples, chat_body, image, scrape, server_process, start_fakes
+from helpers import (
+    CHAT,
+    SERVING,
+    Samples,
+    chat_body,
+    image,
+    poll_until,
+    scrape,
+    server_process,
+    start_fakes,
+)
 from image_facts import ROOT, containerfile_facts
 
 pytestmark = pytest.mark.container
@@ -413,3 +423,40 @@ def test_a_stop_during_start_up_ends_the_container_at_once(
         podman("rm", "--force", "--time", "0", name, check=False)
     assert status in (0, 143), f"exit status {status}: the SIGTERM was not acted on"
     observe(f"stopped right after start: exit {status} after {took:.1f} s")
+
+
+async def test_the_extras_are_chosen_at_build(
+    nursery: trio.Nursery, built: Image, observe: Callable[[str], None]
+) -> None:
+    """``EXTRAS`` (``deploy/container/build --extras``) adds the optional features' packages;
+    without it the image has neither, and tracing asked of it stops the start with one line.
+    Built with the same script, under a tag of its own."""
+    tag = f"{built.name}-extras"
+    started = trio.current_time()
+    done = await trio.run_process([str(BUILD), "--debian-base", "--extras", "otel,kubeconfig",
+                                   "--tag", tag, "--", *BUILD_FLAGS],
+                                  capture_stdout=True, capture_stderr=True, check=False)
+    took = trio.current_time() - started
+    assert done.returncode == 0, done.stderr.decode()[-4000:]
+    probe = ("import importlib.util as u; "
+             "print(*(bool(u.find_spec(m)) for m in ('opentelemetry', 'yaml')))")
+    for name, expected, extras in ((built.name, "False False", ""),
+                                   (tag, "True True", "otel,kubeconfig")):
+        found = await podman_async("run", "--rm", *RUN_FLAGS, "--entrypoint", "python3", name,
+                                   "-c", probe)
+        assert found.stdout.strip() == expected, name
+        labels = orjson.loads((await podman_async(
+            "image", "inspect", "--format", "{{json .Config.Labels}}", name)).stdout)
+        assert labels["io.epd-trio.extras"] == extras
+    otlp = ("--env", "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9")
+    refused = await podman_async("run", "--rm", *RUN_FLAGS, *otlp, built.name, "--port", "0",
+                                 "--decode", "http://127.0.0.1:9", check=False)
+    assert refused.returncode == 2
+    assert "the OpenTelemetry SDK is missing" in refused.stderr
+    size = int((await podman_async("image", "inspect", "--format", "{{.Size}}", tag)).stdout)
+    async with container(nursery, Image(tag, size), "--decode", "http://127.0.0.1:9",
+                         options=otlp) as run:
+        # Said just after the listening line, by the serving process: a line to wait for.
+        await poll_until(lambda: b"tracing on: OTLP/HTTP to http://127.0.0.1:9/v1/traces"
+                         in run.log, 30)
+    observe(f"--extras otel,kubeconfig: {size / 1e6:.0f} MB, built in {took:.0f} s")
