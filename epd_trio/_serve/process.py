@@ -75,10 +75,17 @@ def read_cpu_limit(root: str = "/") -> CpuLimit | None:
     return cpu_limit((directory, [read(path) for path in directory.files]) for directory in dirs)
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a cpuset), where the system has one."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS: no affinity, and no cgroup to read either
+
+
 def auto_workers(root: str = "/") -> tuple[int, str]:
     """``--workers auto``: how many workers, and the line that says why (said at start)."""
     limit = read_cpu_limit(root)
-    cpus = len(os.sched_getaffinity(0))
+    cpus = available_cpus()
     workers = workers_for(limit, cpus)
     if limit is None:
         return workers, f"--workers auto: {workers} (no CPU limit found in this process's cgroup)"

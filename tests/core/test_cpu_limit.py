@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from epd_trio._core.cpu_limit import CpuLimit, QuotaDir, cpu_limit, quota_dirs, quota_of, workers_for
-from epd_trio._serve.process import auto_workers, read_cpu_limit
+from epd_trio._serve.process import auto_workers, available_cpus, read_cpu_limit
 
 #: /proc/self/mountinfo lines, as the kernel writes them.
 V2_ROOT = "30 23 0:26 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw"
@@ -133,7 +132,7 @@ def test_the_shell_reads_the_files_the_core_names(tmp_path: Path) -> None:
     })
     assert read_cpu_limit(root) == CpuLimit(2.0, "/sys/fs/cgroup/limited.slice/cpu.max")
     workers, note = auto_workers(root)
-    cpus = len(os.sched_getaffinity(0))
+    cpus = available_cpus()
     assert workers == min(2, cpus)
     assert note == (f"--workers auto: {workers} (CPU limit 2 in "
                     f"/sys/fs/cgroup/limited.slice/cpu.max, {cpus} CPU{'s' * (cpus != 1)} "
