@@ -315,7 +315,7 @@ AUTO_WORKERS = "auto"
 
 def workers_option(text: str) -> int | str:
     """``--workers``: a count, or ``auto`` (resolved at start from the cgroup's CPU limit:
-    ``_core/cpu_limit``, ``_serve/process.auto_workers``)."""
+    ``_serve/cpu_quota``, ``_serve/process.auto_workers``)."""
     if text == AUTO_WORKERS:
         return text
     try:

@@ -34,5 +34,4 @@ siblings.
     tenants       tenant tables, who a request is, its priority and its token reservation
     fair_queue    the admission queue: priority bands, aging, weighted turns inside a band
     token_bucket  a per-minute limit as a bucket holding one minute's worth
-    cpu_limit     a cgroup's CPU quota, read from its files' text: what ``--workers auto`` starts
 """

@@ -13,7 +13,7 @@ import os
 import resource
 
 from .._core.config import Settings
-from .._core.cpu_limit import CpuLimit, cpu_limit, quota_dirs, workers_for
+from .cpu_quota import CpuLimit, cpu_limit, quota_dirs, workers_for
 from .logs import configure_logging
 
 
@@ -59,7 +59,7 @@ def setup_serving_process(settings: Settings) -> None:
 
 
 def read_cpu_limit(root: str = "/") -> CpuLimit | None:
-    """This process's CPU limit from its cgroup files (``_core/cpu_limit``); None without one.
+    """This process's CPU limit from its cgroup files (``_serve/cpu_quota``); None without one.
 
     ``root`` stands for ``/`` (tests point it at a directory laid out like one). A file that
     cannot be read counts as setting no limit: a system without cgroups has none to follow."""

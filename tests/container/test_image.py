@@ -31,7 +31,7 @@ import pytest
 import trio
 from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
 
-from epd_trio._core.cpu_limit import CpuLimit, workers_for
+from epd_trio._serve.cpu_quota import CpuLimit, workers_for
 from epd_trio._serve.process import available_cpus
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_until

@@ -25,7 +25,7 @@ import yaml
 from epd_trio import settings_from
 from epd_trio.__main__ import build_parser, serve_flags
 from epd_trio._core.config import SETTING_DEFAULTS
-from epd_trio._core.cpu_limit import CpuLimit, workers_for
+from epd_trio._serve.cpu_quota import CpuLimit, workers_for
 from epd_trio._serve.runner import WATCHDOG_MARGIN
 
 from image_facts import MANIFESTS, ROOT, ImageFacts, containerfile_facts, cpu_quantity

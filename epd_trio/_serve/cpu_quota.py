@@ -21,7 +21,10 @@ cgroup namespace, or a bind mount of that cgroup). Every cgroup from the process
 the mount's root bounds it, so the smallest quota among them is the limit.
 
 Pure: the caller reads the files (``epd_trio._serve.process.read_cpu_limit``) and passes their
-text in; a file that could not be read is None.
+text in; a file that could not be read is None. Why here and not in ``_core``: its one user is
+``process``, process plumbing, and ``_core`` holds what the request path shares. It keeps the
+core's rule all the same (the standard library only: ``tests/test_layout.py``,
+``PURE_OUTSIDE_CORE``), so it is tested with plain asserts on the files' text.
 """
 
 from __future__ import annotations

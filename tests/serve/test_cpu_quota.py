@@ -1,5 +1,5 @@
 """``--workers auto``: the cgroup files that bound a process, their quota, the worker count
-(``_core/cpu_limit``, pure), and the reading shell (``_serve/process``) on a fake root."""
+(``_serve/cpu_quota``, pure), and the reading shell (``_serve/process``) on a fake root."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from epd_trio._core.cpu_limit import CpuLimit, QuotaDir, cpu_limit, quota_dirs, quota_of, workers_for
+from epd_trio._serve.cpu_quota import CpuLimit, QuotaDir, cpu_limit, quota_dirs, quota_of, workers_for
 from epd_trio._serve.process import auto_workers, available_cpus, read_cpu_limit
 
 #: /proc/self/mountinfo lines, as the kernel writes them.
