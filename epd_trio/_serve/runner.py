@@ -249,14 +249,25 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
     return 1 if failures else 0
 
 
-def cannot_make_metrics_dir(exc: OSError) -> str:
+def cannot_make_metrics_dir(exc: OSError, tempdir: str | None) -> str:
     """The one line for a metrics directory that could not be made: where, why, and the fix
-    (a read-only root file system without a writable ``/tmp`` is the usual cause)."""
-    where = os.environ.get("TMPDIR") or "/tmp"
-    return (f"--workers N keeps its metrics in a directory of its own under TMPDIR ({where}) "
-            f"and cannot make one: {exc.strerror or exc}. On a read-only root file system, "
-            "mount a writable volume there (docs/how-to/kubernetes.md), or run with "
-            "--no-metrics")
+    (a read-only root file system without a writable ``/tmp`` is the usual cause).
+
+    ``tempdir`` is the temporary directory Python's ``tempfile`` settled on
+    (``tempfile.tempdir``), None when it found none writable. Why not name TMPDIR: tempfile
+    takes TMPDIR only if it can write a file there, and otherwise falls back on its own (TEMP,
+    TMP, ``/tmp``, ``/var/tmp``, ``/usr/tmp``, the working directory), so "under TMPDIR" would
+    send the reader to a directory that was never used."""
+    if tempdir is None:
+        where = ("in a temporary directory, and found none writable (Python's tempfile tries "
+                 "TMPDIR, TEMP and TMP when set, then /tmp, /var/tmp, /usr/tmp and the working "
+                 "directory)")
+    else:
+        where = (f"under the temporary directory ({tempdir}) and cannot make one there: "
+                 f"{exc.strerror or exc}")
+    return (f"--workers N keeps its metrics in a directory of its own {where}. On a read-only "
+            "root file system, mount a writable volume at /tmp or at TMPDIR "
+            "(docs/how-to/kubernetes.md), or run with --no-metrics")
 
 
 @contextmanager
@@ -289,7 +300,7 @@ def _serve_workers(
     try:
         fresh = tempfile.mkdtemp(prefix="epd-trio-metrics-") if settings.metrics else None
     except OSError as exc:
-        _say(cannot_make_metrics_dir(exc), logging.ERROR)
+        _say(cannot_make_metrics_dir(exc, tempfile.tempdir), logging.ERROR)
         return 2
     with _metrics_dir(fresh) as metrics_dir:
         return _run_workers(settings, options, config, sockets, metrics_dir)

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, RUN_FLAGS, Image, podman
 
+from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, RUN_FLAGS, Image, podman
 from real_servers import missing, require_binary
 
 _OBSERVED = pytest.StashKey[list[str]]()

@@ -29,13 +29,13 @@ import httpx
 import orjson
 import pytest
 import trio
-from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
 
 from epd_trio._serve.cpu_quota import CpuLimit, workers_for
 from epd_trio._serve.process import available_cpus
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.process import read_until
 
+from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
 from helpers import (
     CHAT,
     SERVING,
@@ -181,7 +181,10 @@ def test_the_image_is_what_the_manifests_were_checked_against(
     assert labels["org.opencontainers.image.revision"].removesuffix("-dirty") == head
     assert labels["org.opencontainers.image.base.name"] == DEBIAN_BASE
     assert labels["org.opencontainers.image.title"] == "epd-trio"
-    assert "org.opencontainers.image.source" in labels
+    origin = subprocess.run(["git", "-C", str(ROOT), "remote", "get-url", "origin"],
+                            capture_output=True, text=True, check=False)
+    assert labels["org.opencontainers.image.source"] == (
+        origin.stdout.strip() if origin.returncode == 0 else "unknown")
     version = podman("run", "--rm", *RUN_FLAGS, built.name, "--version").stdout
     assert version == f"epd-trio {project['version']}\n"
     # The runtime stage holds the venv and nothing of the build: no pip, no wheel, no source.
@@ -405,8 +408,9 @@ async def test_two_workers_on_a_read_only_root_without_tmp_say_what_to_mount(
         capture_stdout=True, capture_stderr=True, check=False)
     assert done.returncode == 2
     last = done.stderr.decode().strip().splitlines()[-1]
-    assert "--workers N keeps its metrics in a directory of its own under TMPDIR (/tmp)" in last
-    assert "mount a writable volume there" in last and "Traceback" not in done.stderr.decode()
+    assert "--workers N keeps its metrics in a directory of its own in a temporary directory, " \
+           "and found none writable" in last
+    assert "mount a writable volume at /tmp" in last and "Traceback" not in done.stderr.decode()
 
 
 def test_a_stop_during_start_up_ends_the_container_at_once(

@@ -18,6 +18,7 @@ import trio
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_trio._serve.process import auto_workers
+from epd_trio._serve.runner import cannot_make_metrics_dir
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
 from epd_trio.testing.process import read_until, read_url
@@ -418,6 +419,21 @@ async def test_workers_auto_says_how_many_and_why_before_anything_else() -> None
     assert first.endswith(f" INFO epd_trio.serve: {note}"), first
     assert note.startswith(f"--workers auto: {workers} (")
     assert "cannot listen" in second
+
+
+def test_a_metrics_directory_that_cannot_be_made_says_where_tempfile_looked() -> None:
+    """``--workers N`` without a writable temporary directory (the image's suite sees the real
+    line, on a read-only root): tempfile falls back from an unwritable TMPDIR on its own, so the
+    line names the places it tries when it found none, and the one it chose otherwise."""
+    none = cannot_make_metrics_dir(FileNotFoundError(2, "No usable temporary directory"), None)
+    assert "found none writable" in none and "TMPDIR, TEMP and TMP when set, then /tmp" in none
+    assert "under TMPDIR" not in none
+    full = cannot_make_metrics_dir(OSError(28, "No space left on device"), "/var/tmp")
+    assert "under the temporary directory (/var/tmp) and cannot make one there: No space " in full
+    for line in (none, full):
+        assert line.endswith("mount a writable volume at /tmp or at TMPDIR "
+                             "(docs/how-to/kubernetes.md), or run with --no-metrics")
+        assert "\n" not in line
 
 
 @pytest.mark.parametrize("command", ["serve", "demo"])
