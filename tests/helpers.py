@@ -4,9 +4,10 @@ integration tests."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import re
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,14 +146,21 @@ def metric(proxy: Any, name: str, **labels: str) -> float:
     return 0.0 if registry is None else registry.get_sample_value(name, labels) or 0.0
 
 
-async def poll_until(check: Callable[[], bool], limit: float) -> float:
+async def poll_until(check: Callable[[], bool | Awaitable[bool]], limit: float) -> float:
     """Seconds until ``check()`` held (polled every 10 ms); fails after ``limit`` seconds.
+    ``check`` may be async (a request to ask: ``/ready``, a scrape), then it is awaited.
 
     Polling, not sleeping as synchronisation, for what has no event to wait on: the kernel's
-    socket table, another process's fds, a proxy's gauge while a request crosses a socket."""
+    socket table, another process's fds, a proxy's gauge while a request crosses a socket, a
+    server in another process or a container becoming ready."""
     began = trio.current_time()
     with trio.fail_after(limit):
-        while not check():  # noqa: ASYNC110
+        while True:
+            held = check()
+            if inspect.isawaitable(held):
+                held = await held
+            if held:
+                break
             await trio.sleep(0.01)
     return trio.current_time() - began
 
@@ -205,37 +213,51 @@ SERVING = rb"listening on (http://[^\s\"]+)"  # text, or inside a JSON line
 
 @dataclass
 class ServerProcess:
-    """A server started by ``server_process``: its URL, and its stderr so far."""
+    """A server started by ``server_process``: its URL, its stderr so far, and its process."""
 
     url: str
+    process: trio.Process
     #: Everything the process wrote to stderr, growing while it runs (drained in a task).
     log: bytearray = field(default_factory=bytearray)
+    #: Set when the drain read the end of that stderr: wait for it before reading ``log`` for
+    #: what the process said last (at exit), or a line still in the pipe is missed.
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    async def whole_log(self, limit: float = 30.0) -> bytes:
+        """``log`` once stderr has ended (the process exited): all of it."""
+        with trio.fail_after(limit):
+            await self.ended.wait()
+        return bytes(self.log)
 
 
 @asynccontextmanager
 async def server_process(
     nursery: trio.Nursery, command: list[str], env: dict[str, str], *,
     pattern: bytes = SERVING, limit: float = 30.0,
+    stop: Callable[[trio.Process], Awaitable[None]] = stop_process,
 ) -> AsyncIterator[ServerProcess]:
-    """Start a server as a subprocess (``epd-trio serve``, plain ``hypercorn``), and yield once
-    ``pattern`` shows its URL in its stderr. A task in ``nursery`` keeps reading that stderr
-    into ``log`` so the process never blocks on a full pipe; on the way out it is stopped with
-    ``stop_process`` (SIGTERM, then SIGKILL), also when the test fails or is cancelled."""
+    """Start a server as a subprocess (``epd-trio serve``, plain ``hypercorn``, ``podman
+    run``), and yield once ``pattern`` shows its URL in its stderr. A task in ``nursery`` keeps
+    reading that stderr into ``log`` so the process never blocks on a full pipe, and sets
+    ``ended`` at its end. On the way out ``stop`` ends it (``stop_process``: SIGTERM, then
+    SIGKILL; a container is removed by name instead), also when the test fails or is
+    cancelled."""
     process = await trio.lowlevel.open_process(command, env=env, stderr=subprocess.PIPE)
     try:
         stderr = process.stderr
         assert stderr is not None
         match, seen = await read_until(stderr, pattern, limit=limit)
-        served = ServerProcess(match.group(1).decode(), bytearray(seen))
+        served = ServerProcess(match.group(1).decode(), process, bytearray(seen))
 
         async def drain() -> None:
             async for chunk in stderr:
                 served.log.extend(chunk)
+            served.ended.set()
 
         nursery.start_soon(drain)
         yield served
     finally:
-        await stop_process(process)
+        await stop(process)
 
 
 async def instances_listing(url: str, api_key: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ the tests observed, printed at the end of the session (sizes, times).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,19 +13,9 @@ import pytest
 
 from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, RUN_FLAGS, Image, podman
 from real_servers import missing, require_binary
+from session_notes import SessionNotes
 
-_OBSERVED = pytest.StashKey[list[str]]()
-
-
-def _say(config: pytest.Config) -> Callable[[str], None]:
-    """A progress line shown live (the first build makes the base: tens of seconds)."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-
-    def say(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"\n[container] {message}", file=sys.stderr, flush=True)
-
-    return say
+NOTES = SessionNotes("observed on the image", "container")
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +25,7 @@ def built(request: pytest.FixtureRequest) -> Iterator[Image]:
     A machine without podman, or one where podman cannot run a container, skips the suite
     locally and fails it under ``CI=true`` (``tests/real_servers.py``). A build that fails on a
     machine that runs containers is a failure everywhere: the Containerfile's fault."""
-    say = _say(request.config)
+    say = NOTES.say(request.config)
     require_binary("podman")
     if podman("image", "exists", DEBIAN_BASE, check=False).returncode != 0:
         require_binary("mmdebstrap")
@@ -54,7 +43,7 @@ def built(request: pytest.FixtureRequest) -> Iterator[Image]:
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"the build failed:\n{built.stdout[-6000:]}{built.stderr[-6000:]}"
     size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
-    lines = request.config.stash.setdefault(_OBSERVED, [])
+    lines = NOTES.lines(request.config)
     said = [line for line in (base.stderr + built.stderr).splitlines() if line.startswith("build:")]
     lines += [f"image {IMAGE}: {size / 1e6:.0f} MB (FROM {DEBIAN_BASE}); made in {seconds:.0f} s",
               *said]
@@ -65,17 +54,8 @@ def built(request: pytest.FixtureRequest) -> Iterator[Image]:
 @pytest.fixture
 def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record what a test measured; printed in the session's summary."""
-    lines = request.config.stash.setdefault(_OBSERVED, [])
-
-    def record(line: str) -> None:
-        lines.append(f"{request.node.name}: {line}")
-
-    return record
+    return NOTES.recorder(request)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    lines = terminalreporter.config.stash.get(_OBSERVED, [])
-    if lines:
-        terminalreporter.section("observed on the image")
-        for line in lines:
-            terminalreporter.write_line(line)
+    NOTES.summary(terminalreporter)

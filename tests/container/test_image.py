@@ -21,7 +21,7 @@ import tomllib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,12 @@ import trio
 from epd_trio._serve.cpu_quota import CpuLimit, workers_for
 from epd_trio._serve.process import available_cpus
 from epd_trio.testing import FakeVLLM
-from epd_trio.testing.process import read_until
 
 from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
 from helpers import (
     CHAT,
-    SERVING,
     Samples,
+    ServerProcess,
     chat_body,
     image,
     poll_until,
@@ -60,55 +59,62 @@ START_LIMIT = 60.0
 
 @dataclass
 class Running:
-    """A container started by ``container``: its name, the proxy's URL, its stderr so far."""
+    """A container started by ``container``: its name, and the ``podman run`` serving it (its
+    stderr is the proxy's)."""
 
     name: str
-    url: str
-    process: trio.Process
-    log: bytearray = field(default_factory=bytearray)
+    served: ServerProcess
 
-    def lines(self) -> list[dict[str, Any]]:
-        """Its JSON log lines (``--log-format json``)."""
-        return [orjson.loads(line) for line in bytes(self.log).splitlines()
-                if line.startswith(b"{")]
+    @property
+    def url(self) -> str:
+        """The proxy's URL from the host (it listens on 0.0.0.0 in the host's network)."""
+        return self.served.url.replace("0.0.0.0", "127.0.0.1")
+
+    @property
+    def log(self) -> bytearray:
+        return self.served.log
+
+    @property
+    def process(self) -> trio.Process:
+        return self.served.process
+
+    def lines(self, log: bytes) -> list[dict[str, Any]]:
+        """The JSON log lines (``--log-format json``) of ``log``."""
+        return [orjson.loads(line) for line in log.splitlines() if line.startswith(b"{")]
 
 
 @asynccontextmanager
 async def container(nursery: trio.Nursery, built: Image, *args: str,
                     options: tuple[str, ...] = ()) -> AsyncIterator[Running]:
     """``podman run`` the image (attached: its stderr is the proxy's), ``--port 0`` then
-    ``args`` after the entrypoint; yields once the proxy listens. Removed on the way out."""
+    ``args`` after the entrypoint; yields once the proxy listens. Removed on the way out.
+
+    Served by ``helpers.server_process`` like ``epd-trio serve`` on the host, with one
+    difference: it is stopped by ``podman rm --force`` on its name, not by a signal to the
+    ``podman run`` client, which would leave the container running were the client killed."""
     name = f"epd-trio-test-{uuid.uuid4().hex[:8]}"
     command = ["podman", "run", "--rm", "--name", name, *RUN_FLAGS, *options, built.name,
                "--port", "0", *args]
-    process = await trio.lowlevel.open_process(command, stderr=subprocess.PIPE,
-                                               stdout=subprocess.DEVNULL)
-    try:
-        assert process.stderr is not None
-        match, seen = await read_until(process.stderr, SERVING, limit=START_LIMIT)
-        port = match.group(1).decode().rpartition(":")[2]  # http://0.0.0.0:PORT
-        running = Running(name, f"http://127.0.0.1:{port}", process, bytearray(seen))
-        stderr = process.stderr
 
-        async def drain() -> None:
-            async for chunk in stderr:
-                running.log.extend(chunk)
-
-        nursery.start_soon(drain)
-        yield running
-    finally:
+    async def remove(process: trio.Process) -> None:
         with trio.CancelScope(shield=True):
             await trio.run_process(["podman", "rm", "--force", "--time", "0", name],
                                    capture_stdout=True, capture_stderr=True, check=False)
             await process.wait()
 
+    async with server_process(nursery, command, dict(os.environ), limit=START_LIMIT,
+                              stop=remove) as served:
+        yield Running(name, served)
+
 
 async def until_ready(url: str) -> None:
     """``/ready`` is 503 until every role has answered a probe: ask until it is 200."""
     async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
-        with trio.fail_after(30):
-            while (await client.get(url + "/ready")).status_code != 200:
-                pass
+
+        async def ready() -> bool:
+            return (await client.get(url + "/ready")).status_code == 200
+
+        await poll_until(ready, 30)
 
 
 # -- the process inside, seen from the host --------------------------------------------------------
@@ -313,7 +319,7 @@ async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
     assert len(after_signal) > 2  # the stream went on after the signal: the grace
     assert ended - signalled >= grace  # the stop was sent after `signalled`, the grace after it
     assert status == 0 and stopped[0].returncode == 0  # SIGKILL would be 137
-    lines = inside.lines()
+    lines = inside.lines(bytes(inside.log))
     assert any(f"SIGTERM: shutting down (shutdown grace {grace:g} s)" in str(line.get("message"))
                for line in lines)  # tini passed podman's SIGTERM on to the proxy
     (request,) = [line for line in lines if line.get("logger") == "epd_trio.requests"]
@@ -354,9 +360,10 @@ async def test_metrics_add_up_over_two_workers_whose_files_are_on_the_tmp_volume
         def ok(m: Samples) -> float:
             return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
 
-        with trio.fail_after(10):  # counted just after each request's last byte went out
-            while ok(await fresh_scrape()) < n:
-                pass
+        async def all_counted() -> bool:
+            return ok(await fresh_scrape()) >= n
+
+        await poll_until(all_counted, 10)  # counted just after each request's last byte went out
         for _ in range(6):
             m = await fresh_scrape()
             assert ok(m) == n
