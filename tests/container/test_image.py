@@ -78,7 +78,13 @@ class Running:
     def process(self) -> trio.Process:
         return self.served.process
 
-    def lines(self, log: bytes) -> list[dict[str, Any]]:
+    async def whole_log(self) -> bytes:
+        """Its stderr once it ended (the container exited, or was removed): all of it. Why
+        wait: the drain task may not have read the last lines yet when ``podman run`` exits."""
+        return await self.served.whole_log()
+
+    @staticmethod
+    def lines(log: bytes) -> list[dict[str, Any]]:
         """The JSON log lines (``--log-format json``) of ``log``."""
         return [orjson.loads(line) for line in log.splitlines() if line.startswith(b"{")]
 
@@ -319,7 +325,7 @@ async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
     assert len(after_signal) > 2  # the stream went on after the signal: the grace
     assert ended - signalled >= grace  # the stop was sent after `signalled`, the grace after it
     assert status == 0 and stopped[0].returncode == 0  # SIGKILL would be 137
-    lines = inside.lines(bytes(inside.log))
+    lines = inside.lines(await inside.whole_log())
     assert any(f"SIGTERM: shutting down (shutdown grace {grace:g} s)" in str(line.get("message"))
                for line in lines)  # tini passed podman's SIGTERM on to the proxy
     (request,) = [line for line in lines if line.get("logger") == "epd_trio.requests"]
@@ -391,7 +397,8 @@ async def test_workers_auto_follows_the_containers_cpu_limit(
     expected = workers_for(CpuLimit(cpus, ""), available_cpus())
     async with container(nursery, built, "--decode", "http://127.0.0.1:9",
                          options=("--cpus", str(cpus))) as inside:
-        log = bytes(inside.log).decode()
+        pass
+    log = (await inside.whole_log()).decode()
     note = re.search(r"--workers auto: (\d+) \(CPU limit ([\d.]+) in (\S+), [^)]*\)", log)
     assert note, log
     assert (int(note.group(1)), float(note.group(2))) == (expected, cpus)
@@ -401,7 +408,8 @@ async def test_workers_auto_follows_the_containers_cpu_limit(
     plural = "s" if expected != 1 else ""
     assert f"(PD, {expected} worker{plural}) listening on" in log
     async with container(nursery, built, "--decode", "http://127.0.0.1:9") as inside:
-        log = bytes(inside.log).decode()
+        pass
+    log = (await inside.whole_log()).decode()
     assert "--workers auto: 1 (no CPU limit found in this process's cgroup)" in log
     observe(f"--cpus {cpus}: {note.group(0)}")
 
