@@ -15,7 +15,9 @@ Podman's flags, and why each (measured on these machines, ``../shared/STACK-NOTE
 
 from __future__ import annotations
 
+import os
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,3 +50,32 @@ def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 async def podman_async(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """``podman`` from a Trio test: the fakes in its nursery go on serving meanwhile."""
     return await trio.to_thread.run_sync(lambda: podman(*args, check=check))
+
+
+def cannot_run_containers(flags: tuple[str, ...] = tuple(RUN_FLAGS)) -> str | None:
+    """Why podman cannot run a container on this machine with ``flags``, or None when it can.
+
+    Asked before anything is made (the Debian base takes tens of seconds, and a machine that
+    cannot run containers would fail there with a message about the base). Needs no image:
+    ``podman info`` (the storage and the runtime are set up), then ``true`` run with the
+    suite's flags in a container whose root is an empty directory with the host's ``/usr``
+    mounted read-only (``--rootfs``), ``/bin`` and ``/lib`` linked or mounted as the host has
+    them. That run goes through everything a test's does: namespaces, cgroups, the runtime,
+    the limits this sandbox may not raise."""
+    info = podman("info", check=False)
+    if info.returncode != 0:
+        return f"podman info: {info.stderr.strip()[-500:]}"
+    with tempfile.TemporaryDirectory(prefix="epd-trio-probe-") as rootfs:
+        mounts = ["--volume", "/usr:/usr:ro"]
+        Path(rootfs, "usr").mkdir()
+        for name in ("bin", "sbin", "lib", "lib64"):
+            host = Path("/", name)
+            if host.is_symlink():  # merged /usr (Debian 12): bin -> usr/bin
+                Path(rootfs, name).symlink_to(os.readlink(host))
+            elif host.is_dir():
+                Path(rootfs, name).mkdir()
+                mounts += ["--volume", f"{host}:{host}:ro"]
+        run = podman("run", "--rm", *flags, *mounts, "--rootfs", rootfs, "true", check=False)
+    if run.returncode != 0:
+        return f"podman run true: {run.stderr.strip()[-500:]}"
+    return None

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, RUN_FLAGS, Image, podman
+from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, Image, cannot_run_containers, podman
 from real_servers import missing, require_binary
 from session_notes import SessionNotes
 
@@ -22,11 +22,16 @@ NOTES = SessionNotes("observed on the image", "container")
 def built(request: pytest.FixtureRequest) -> Iterator[Image]:
     """The image, built from this checkout's Containerfile by ``deploy/container/build``.
 
-    A machine without podman, or one where podman cannot run a container, skips the suite
-    locally and fails it under ``CI=true`` (``tests/real_servers.py``). A build that fails on a
-    machine that runs containers is a failure everywhere: the Containerfile's fault."""
+    First the machine is asked whether it runs containers at all (``cannot_run_containers``:
+    no image needed). A machine without podman, or one where podman cannot run a container,
+    skips the suite locally and fails it under ``CI=true`` (``tests/real_servers.py``), saying
+    why. A build that fails on a machine that runs containers is a failure everywhere: the
+    Containerfile's fault, or the build script's."""
     say = NOTES.say(request.config)
     require_binary("podman")
+    reason = cannot_run_containers()
+    if reason is not None:
+        missing(f"this machine cannot run containers ({reason})")
     if podman("image", "exists", DEBIAN_BASE, check=False).returncode != 0:
         require_binary("mmdebstrap")
         say(f"making {DEBIAN_BASE} from Debian's packages (once per machine)")
@@ -34,20 +39,15 @@ def built(request: pytest.FixtureRequest) -> Iterator[Image]:
     base = subprocess.run([str(BUILD), "--debian-base", "--base-only"], capture_output=True,
                           text=True, check=False)
     assert base.returncode == 0, f"making the base failed:\n{base.stdout}{base.stderr}"
-    probe = podman("run", "--rm", *RUN_FLAGS, DEBIAN_BASE, "true", check=False)
-    if probe.returncode != 0:
-        missing(f"this machine cannot run containers (podman run {DEBIAN_BASE} true: "
-                f"{probe.stderr.strip()[-500:]})")
     built = subprocess.run([str(BUILD), "--debian-base", "--tag", IMAGE, "--", *BUILD_FLAGS],
                            capture_output=True, text=True, check=False)
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"the build failed:\n{built.stdout[-6000:]}{built.stderr[-6000:]}"
     size = int(podman("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout)
-    lines = NOTES.lines(request.config)
+    made = f"image {IMAGE}: {size / 1e6:.0f} MB (FROM {DEBIAN_BASE}); made in {seconds:.0f} s"
     said = [line for line in (base.stderr + built.stderr).splitlines() if line.startswith("build:")]
-    lines += [f"image {IMAGE}: {size / 1e6:.0f} MB (FROM {DEBIAN_BASE}); made in {seconds:.0f} s",
-              *said]
-    say(lines[0])
+    NOTES.lines(request.config).extend([made, *said])
+    say(made)
     yield Image(IMAGE, size)
 
 

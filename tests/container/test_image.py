@@ -34,7 +34,16 @@ from epd_trio._serve.cpu_quota import CpuLimit, workers_for
 from epd_trio._serve.process import available_cpus
 from epd_trio.testing import FakeVLLM
 
-from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, RUN_FLAGS, Image, podman, podman_async
+from containers import (
+    BUILD,
+    BUILD_FLAGS,
+    DEBIAN_BASE,
+    RUN_FLAGS,
+    Image,
+    cannot_run_containers,
+    podman,
+    podman_async,
+)
 from helpers import (
     CHAT,
     Samples,
@@ -47,6 +56,7 @@ from helpers import (
     start_fakes,
 )
 from image_facts import ROOT, containerfile_facts
+from real_servers import missing, require_binary
 
 pytestmark = pytest.mark.container
 
@@ -144,10 +154,17 @@ def cmdline(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
 
 
-def ids(pid: int, which: str) -> set[int]:
-    """A process's real, effective, saved and file-system ``Uid`` (or ``Gid``)."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return {int(n) for n in re.search(rf"^{which}:\s+(.*)$", status, re.M).group(1).split()}
+async def ids_inside(name: str, pid: int) -> tuple[set[int], set[int]]:
+    """A process's real, effective, saved and file-system user and group ids as the container
+    sees them (``pid``: its id there). Read inside, not from the host's ``/proc``: under
+    rootless podman the host sees the ids the user namespace maps them to (a subordinate
+    range), not the image's 10001."""
+    status = (await podman_async("exec", name, "cat", f"/proc/{pid}/status")).stdout
+
+    def field(which: str) -> set[int]:
+        return {int(n) for n in re.search(rf"^{which}:\s+(.*)$", status, re.M).group(1).split()}
+
+    return field("Uid"), field("Gid")
 
 
 def mount(pid: int, point: str) -> tuple[str, str]:
@@ -171,6 +188,18 @@ def environ(pid: int) -> dict[str, str]:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
+
+def test_the_probe_says_why_a_container_cannot_run() -> None:
+    """The suite's first question (``conftest.built``) can answer no, with podman's reason:
+    here, a runtime that does not exist."""
+    require_binary("podman")
+    if (why := cannot_run_containers()) is not None:
+        missing(f"this machine cannot run containers ({why})")
+    reason = cannot_run_containers((*RUN_FLAGS, "--runtime", "/nonexistent/runc"))
+    assert reason is not None and reason.startswith("podman run true: ")
+    assert "/nonexistent/runc" in reason
+
+
 
 def test_the_image_is_what_the_manifests_were_checked_against(
     built: Image, observe: Callable[[str], None]
@@ -263,8 +292,9 @@ async def test_the_proxy_runs_as_its_user_on_a_read_only_root(
         assert cmdline(tini)[:2] == ["tini", "--"]
         (proxy,) = rest
         assert cmdline(proxy)[1:3] == ["/opt/epd-trio/bin/epd-trio", "serve"]
+        assert pid_inside(tini) == 1
         for pid in (tini, proxy):
-            assert ids(pid, "Uid") == {facts.uid} and ids(pid, "Gid") == {facts.gid}
+            assert await ids_inside(inside.name, pid_inside(pid)) == ({facts.uid}, {facts.gid})
         options, _ = mount(proxy, "/")
         assert "ro" in options.split(",")
         options, fs_type = mount(proxy, "/tmp")
