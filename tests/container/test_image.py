@@ -304,21 +304,35 @@ async def test_the_proxy_runs_as_its_user_on_a_read_only_root(
         assert "Read-only file system" in touched.stderr and "refused" in touched.stdout
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
-    nursery: trio.Nursery, built: Image, observe: Callable[[str], None]
+    nursery: trio.Nursery, built: Image, observe: Callable[[str], None], tmp_path: Path,
+    workers: int,
 ) -> None:
     """A 10 s stream in flight when ``podman stop`` sends SIGTERM: it goes on for
     ``EPD_SHUTDOWN_GRACE`` (2 s), then ends with the ``shutting_down`` event; the container
     exits 0 well before podman's SIGKILL; the request is logged as ``shutdown``, not as a
-    client that left (499)."""
+    client that left (499). With one worker (the proxy is tini's child) and with two, as the
+    manifest runs it (tini's child is the parent, which stops its workers): then the parent
+    removed the workers' metrics directory before it exited.
+
+    ``/tmp`` is a host directory here, not a tmpfs, so that what the proxy left in it is
+    still there to look at once the container is gone."""
     grace = 2.0
     decode = FakeVLLM("prefill_decode")
     decode.behaviour.tokens, decode.behaviour.chunk_delay = 100, 0.1  # a 10 s stream
     await start_fakes(nursery, decode)
-    options = ("--env", f"EPD_SHUTDOWN_GRACE={grace:g}", *READ_ONLY)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)  # as /tmp: the image's user writes there
+    options = ("--env", f"EPD_SHUTDOWN_GRACE={grace:g}", "--read-only",
+               "--read-only-tmpfs=false", "--volume", f"{tmp}:/tmp:rw")
     async with container(nursery, built, "--decode", decode.url, "--request-log",
-                         "--log-format", "json", "--access-log", options=options) as inside:
+                         "--log-format", "json", "--access-log", "--workers", str(workers),
+                         options=options) as inside:
         await until_ready(inside.url)
+        # --workers N keeps its metrics files in a directory of its own there; one alone, none.
+        assert len(list(tmp.glob("epd-trio-metrics-*"))) == (workers > 1)
         stop_timeout = 30
         stopped: list[subprocess.CompletedProcess[bytes]] = []
 
@@ -355,6 +369,7 @@ async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
     assert len(after_signal) > 2  # the stream went on after the signal: the grace
     assert ended - signalled >= grace  # the stop was sent after `signalled`, the grace after it
     assert status == 0 and stopped[0].returncode == 0  # SIGKILL would be 137
+    assert list(tmp.glob("epd-trio-metrics-*")) == []  # removed before the proxy exited
     lines = inside.lines(await inside.whole_log())
     assert any(f"SIGTERM: shutting down (shutdown grace {grace:g} s)" in str(line.get("message"))
                for line in lines)  # tini passed podman's SIGTERM on to the proxy
@@ -364,7 +379,8 @@ async def test_podman_stop_drains_a_stream_then_ends_it_with_an_error_event(
     (access,) = [line for line in lines if line.get("logger") == "epd_trio.access"
                  and line["request_id"] == "cut"]
     assert access["status"] == 200
-    observe(f"SSE error {ended - signalled:.1f} s after podman stop (grace {grace:g} s), "
+    observe(f"--workers {workers}: SSE error {ended - signalled:.1f} s after podman stop "
+            f"(grace {grace:g} s), "
             f"{tokens} tokens relayed; container exited {exited - signalled:.1f} s after it, "
             "status 0")
 
