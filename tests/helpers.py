@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import os
 import re
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import orjson
 import trio
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_trio._core.names import PATH_OF_KIND
@@ -134,6 +137,20 @@ async def scrape(
     assert r.status_code == 200, r.text
     assert r.headers["content-type"].startswith("text/plain")
     return Samples(r.text)
+
+
+def requests_per_worker(metrics_dir: str | os.PathLike[str]) -> dict[int, float]:
+    """Each worker's own count of successful requests, from its own counter file in the
+    ``PROMETHEUS_MULTIPROC_DIR`` of ``epd-trio serve --workers N`` (``counter_<pid>.db``;
+    the pid as the worker knows it, in its container if it runs in one), keyed by that pid.
+    A scrape adds the files up; this shows which worker served what."""
+    counts = {}
+    for path in Path(metrics_dir).glob("counter_*.db"):
+        samples = [s for family in MultiProcessCollector.merge([str(path)])
+                   for s in family.samples
+                   if s.name == "epd_trio_requests_total" and s.labels.get("outcome") == "ok"]
+        counts[int(path.stem.removeprefix("counter_"))] = sum(s.value for s in samples)
+    return counts
 
 
 # -- reading a proxy's own metrics in-process (no scrape) -----------------------------------------

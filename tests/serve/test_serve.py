@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import socket
@@ -15,7 +14,6 @@ import httpx
 import orjson
 import pytest
 import trio
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from epd_trio._serve.process import auto_workers
 from epd_trio._serve.runner import cannot_make_metrics_dir
@@ -31,6 +29,8 @@ from helpers import (
     image,
     moriio_pair,
     open_stuck_stream,
+    poll_until,
+    requests_per_worker,
     scrape,
     start_fakes,
 )
@@ -279,16 +279,6 @@ def _environ_of(pid: int) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in pairs}
 
 
-def _requests_per_process(metrics_dir: str) -> dict[str, float]:
-    """Each worker's own count of successful requests, from its own counter file."""
-    counts = {}
-    for path in glob.glob(os.path.join(metrics_dir, "counter_*.db")):
-        samples = [s for family in MultiProcessCollector.merge([path]) for s in family.samples
-                   if s.name == "epd_trio_requests_total" and s.labels.get("outcome") == "ok"]
-        counts[os.path.basename(path)] = sum(s.value for s in samples)
-    return counts
-
-
 async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
     decode = FakeVLLM("prefill_decode", dp_size=2)
     await start_fakes(nursery, decode)
@@ -319,11 +309,12 @@ async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
         def ok(m: Samples) -> float:
             return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
 
+        async def all_counted() -> bool:
+            return ok(await fresh_scrape()) >= n
+
         # A request is counted just after its last byte went out: wait until all 40 are.
-        with trio.fail_after(10):
-            while ok(await fresh_scrape()) < n:
-                pass
-        per_worker = _requests_per_process(metrics_dir)
+        await poll_until(all_counted, 10)
+        per_worker = requests_per_worker(metrics_dir)
         assert len(per_worker) == 2 and sum(per_worker.values()) == n
         for _ in range(8):  # whichever worker answers, the totals are the same
             m = await fresh_scrape()
