@@ -15,8 +15,10 @@ Podman's flags, and why each (measured on these machines, ``../shared/STACK-NOTE
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,9 @@ import trio
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "deploy" / "container" / "build"
+REQUIREMENTS = ROOT / "deploy" / "container" / "requirements.py"
+#: The extras of the suite's second image (the first has none).
+EXTRAS = "otel,kubeconfig"
 #: The base made from Debian's packages (``deploy/container/build --debian-base``).
 DEBIAN_BASE = "localhost/debian-python:bookworm"
 #: The session's image: a tag of its own, so a test run never replaces a user's epd-trio tag.
@@ -40,6 +45,25 @@ class Image:
     name: str
     #: Bytes, as ``podman image inspect`` reports them (uncompressed layers).
     size: int
+
+
+def test_venv_pins(path: Path) -> Path:
+    """Write to ``path`` the versions this test venv has of the image's dependencies (both
+    extras' too), as ``deploy/container/build --constraints`` takes them: so the images the
+    suite builds hold what the main suite ran with, and the build's dependency layer is
+    rebuilt when the venv's resolution changed (not reused from an older build for ever)."""
+    done = subprocess.run([sys.executable, str(REQUIREMENTS), str(ROOT / "pyproject.toml"),
+                           EXTRAS, "--installed"], capture_output=True, text=True, check=True)
+    path.write_text(done.stdout)
+    return path
+
+
+def versions_in(image: str) -> dict[str, str]:
+    """Every distribution in the image's venv: canonical name -> version."""
+    probe = ("import importlib.metadata as m, json, re; print(json.dumps({re.sub(r'[-_.]+', "
+             "'-', d.metadata['Name']).lower(): d.version for d in m.distributions()}))")
+    done = podman("run", "--rm", *RUN_FLAGS, "--entrypoint", "python3", image, "-c", probe)
+    return json.loads(done.stdout)
 
 
 def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -8,10 +8,20 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from containers import BUILD, BUILD_FLAGS, DEBIAN_BASE, IMAGE, Image, cannot_run_containers, podman
+from containers import (
+    BUILD,
+    BUILD_FLAGS,
+    DEBIAN_BASE,
+    IMAGE,
+    Image,
+    cannot_run_containers,
+    podman,
+    test_venv_pins,
+)
 from real_servers import missing, require_binary
 from session_notes import SessionNotes
 
@@ -19,7 +29,13 @@ NOTES = SessionNotes("observed on the image", "container")
 
 
 @pytest.fixture(scope="session")
-def built(request: pytest.FixtureRequest) -> Iterator[Image]:
+def pins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The build's constraints: the versions the test venv has (``test_venv_pins``)."""
+    return test_venv_pins(tmp_path_factory.mktemp("image") / "pins.txt")
+
+
+@pytest.fixture(scope="session")
+def built(request: pytest.FixtureRequest, pins: Path) -> Iterator[Image]:
     """The image, built from this checkout's Containerfile by ``deploy/container/build``.
 
     First the machine is asked whether it runs containers at all (``cannot_run_containers``:
@@ -39,7 +55,8 @@ def built(request: pytest.FixtureRequest) -> Iterator[Image]:
     base = subprocess.run([str(BUILD), "--debian-base", "--base-only"], capture_output=True,
                           text=True, check=False)
     assert base.returncode == 0, f"making the base failed:\n{base.stdout}{base.stderr}"
-    built = subprocess.run([str(BUILD), "--debian-base", "--tag", IMAGE, "--", *BUILD_FLAGS],
+    built = subprocess.run([str(BUILD), "--debian-base", "--constraints", str(pins),
+                            "--tag", IMAGE, "--", *BUILD_FLAGS],
                            capture_output=True, text=True, check=False)
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"the build failed:\n{built.stdout[-6000:]}{built.stderr[-6000:]}"

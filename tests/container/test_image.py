@@ -12,6 +12,7 @@ the ``/tmp`` volume.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -38,11 +39,13 @@ from containers import (
     BUILD,
     BUILD_FLAGS,
     DEBIAN_BASE,
+    EXTRAS,
     RUN_FLAGS,
     Image,
     cannot_run_containers,
     podman,
     podman_async,
+    versions_in,
 )
 from helpers import (
     CHAT,
@@ -239,6 +242,21 @@ def test_the_image_is_what_the_manifests_were_checked_against(
     assert sum("No such file or directory" in line for line in inside) == 3
     assert inside[-4:] == ["None", "/opt/epd-trio/bin/python3", str(facts.uid), ""]
     observe(f"{built.size / 1e6:.0f} MB; entrypoint {' '.join(facts.entrypoint)}")
+
+
+def assert_the_test_venvs_versions(in_image: dict[str, str]) -> None:
+    """Every distribution of the image's venv but the proxy itself is at the version this test
+    venv has (the build's ``--constraints``): the image runs what the main suite ran."""
+    here = {re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower(): dist.version
+            for dist in importlib.metadata.distributions()}
+    differ = {name: (version, here.get(name)) for name, version in in_image.items()
+              if name != "epd-trio" and here.get(name) != version}
+    assert not differ, f"(in the image, in the test venv): {differ}"
+    assert len(in_image) > 20 and "epd-trio" in in_image
+
+
+def test_the_image_holds_the_versions_the_tests_ran_with(built: Image) -> None:
+    assert_the_test_venvs_versions(versions_in(built.name))
 
 
 async def test_it_answers_byte_for_byte_as_without_the_container(
@@ -509,28 +527,28 @@ def test_a_stop_during_start_up_ends_the_container_at_once(
 
 
 async def test_the_extras_are_chosen_at_build(
-    nursery: trio.Nursery, built: Image, observe: Callable[[str], None]
+    nursery: trio.Nursery, built: Image, pins: Path, observe: Callable[[str], None]
 ) -> None:
     """``EXTRAS`` (``deploy/container/build --extras``) adds the optional features' packages;
     without it the image has neither, and tracing asked of it stops the start with one line.
     Built with the same script, under a tag of its own."""
     tag = f"{built.name}-extras"
     started = trio.current_time()
-    done = await trio.run_process([str(BUILD), "--debian-base", "--extras", "otel,kubeconfig",
-                                   "--tag", tag, "--", *BUILD_FLAGS],
+    done = await trio.run_process([str(BUILD), "--debian-base", "--extras", EXTRAS,
+                                   "--constraints", str(pins), "--tag", tag, "--", *BUILD_FLAGS],
                                   capture_stdout=True, capture_stderr=True, check=False)
     took = trio.current_time() - started
     assert done.returncode == 0, done.stderr.decode()[-4000:]
     probe = ("import importlib.util as u; "
              "print(*(bool(u.find_spec(m)) for m in ('opentelemetry', 'yaml')))")
-    for name, expected, extras in ((built.name, "False False", ""),
-                                   (tag, "True True", "otel,kubeconfig")):
+    for name, expected, extras in ((built.name, "False False", ""), (tag, "True True", EXTRAS)):
         found = await podman_async("run", "--rm", *RUN_FLAGS, "--entrypoint", "python3", name,
                                    "-c", probe)
         assert found.stdout.strip() == expected, name
         labels = orjson.loads((await podman_async(
             "image", "inspect", "--format", "{{json .Config.Labels}}", name)).stdout)
         assert labels["io.epd-trio.extras"] == extras
+    assert_the_test_venvs_versions(await trio.to_thread.run_sync(versions_in, tag))
     otlp = ("--env", "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:9")
     refused = await podman_async("run", "--rm", *RUN_FLAGS, *otlp, built.name, "--port", "0",
                                  "--decode", "http://127.0.0.1:9", check=False)

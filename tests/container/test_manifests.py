@@ -203,3 +203,61 @@ def test_an_extra_the_image_does_not_take_fails_the_build() -> None:
                            "--build-system"], capture_output=True, text=True, check=True)
     build = tomllib.loads((ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
     assert done.stdout.split("\n")[:-1] == build
+
+
+# -- the constraints a build may pin its dependencies to (requirements.py --installed) ----------
+
+def test_the_pins_follow_each_requirement_and_its_extras_through_what_is_installed() -> None:
+    requirements = load(REQUIREMENTS, "requirements")
+    installed = {
+        "hypercorn": ("Hypercorn", "0.18.0", ["h11", 'trio; extra == "trio"',
+                                              'uvloop; extra == "uvloop"']),
+        "h11": ("h11", "0.16.0", []),
+        "trio": ("trio", "0.35.0", ["sortedcontainers", 'exceptiongroup; python_version < "3.11"']),
+        "sortedcontainers": ("sortedcontainers", "2.4.0", []),
+        "quart-trio": ("quart-trio", "0.12.0", ["hypercorn[trio]>=0.12", "Quart>=0.19"]),
+        "quart": ("Quart", "0.22.0", ["quart-trio; extra == 'never'", "Hypercorn"]),
+        "a": ("a", "1", ["b"]), "b": ("b", "2", ["a"]),  # a cycle
+    }
+    pins = requirements.pins
+    assert pins(["h11>=0.16"], installed) == ["h11==0.16.0"]
+    # An extra's requirements only where the extra is asked for; markers are not evaluated,
+    # a package not installed (uvloop, exceptiongroup) is skipped.
+    assert pins(["hypercorn>=0.18"], installed) == ["Hypercorn==0.18.0", "h11==0.16.0"]
+    assert pins(["hypercorn[trio]>=0.18,<0.19"], installed) == [
+        "Hypercorn==0.18.0", "h11==0.16.0", "sortedcontainers==2.4.0", "trio==0.35.0"]
+    # Met first without the extra, then with it (through quart-trio): the extra still counts.
+    assert pins(["quart-trio>=0.12; python_version < '3.13'", "Quart_Trio"], installed) == [
+        "Hypercorn==0.18.0", "Quart==0.22.0", "h11==0.16.0", "quart-trio==0.12.0",
+        "sortedcontainers==2.4.0", "trio==0.35.0"]
+    assert pins(["a"], installed) == ["a==1", "b==2"]
+    assert pins(["nosuch>=1"], installed) == []
+    assert requirements.parse_requirement("Quart_Trio [A, b] >=1 ; python_version<'3.13'") == (
+        "quart-trio", {"a", "b"}, " python_version<'3.13'")
+
+
+def test_the_test_venvs_pins_hold_every_dependency_within_pyproject() -> None:
+    """What the image's suite builds with (``tests/containers.test_venv_pins``): a pin for each
+    of the project's dependencies and the image's extras', at the version this venv has, which
+    pyproject.toml allows; so the pins never ask pip for what the package refuses."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    done = subprocess.run([sys.executable, str(REQUIREMENTS), str(ROOT / "pyproject.toml"),
+                           "otel,kubeconfig", "--installed"], capture_output=True, text=True,
+                          check=True)
+    pinned = {canonicalize_name(name): version
+              for name, version in (line.split("==") for line in done.stdout.split())}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for line in [*project["dependencies"], *extras["otel"], *extras["kubeconfig"]]:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue  # quart 0.23 on Python >= 3.13: not this venv's
+        name = canonicalize_name(requirement.name)
+        assert name in pinned, f"{line}: not pinned"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), (line, pinned[name])
+    assert all(metadata.version(name) == version for name, version in pinned.items())
+    assert "pytest" not in pinned and "epd-trio" not in pinned  # the tests' own, and the proxy
