@@ -15,12 +15,14 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import shlex
+import socket
 import subprocess
 import sys
 import time
 import tomllib
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,9 @@ from containers import (
     BUILD_FLAGS,
     DEBIAN_BASE,
     EXTRAS,
+    LIMITS,
     RUN_FLAGS,
+    RUNTIME,
     Image,
     cannot_run_containers,
     podman,
@@ -115,6 +119,14 @@ async def container(nursery: trio.Nursery, built: Image, *args: str,
     name = f"epd-trio-test-{uuid.uuid4().hex[:8]}"
     command = ["podman", "run", "--rm", "--name", name, *RUN_FLAGS, *options, built.name,
                "--port", "0", *args]
+    async with server_process(nursery, command, dict(os.environ), limit=START_LIMIT,
+                              stop=removing(name)) as served:
+        yield Running(name, served)
+
+
+def removing(name: str) -> Callable[[trio.Process], Awaitable[None]]:
+    """How ``server_process`` ends the container ``name``: ``podman rm --force``, then the
+    ``podman run`` client's exit."""
 
     async def remove(process: trio.Process) -> None:
         with trio.CancelScope(shield=True):
@@ -122,9 +134,7 @@ async def container(nursery: trio.Nursery, built: Image, *args: str,
                                    capture_stdout=True, capture_stderr=True, check=False)
             await process.wait()
 
-    async with server_process(nursery, command, dict(os.environ), limit=START_LIMIT,
-                              stop=remove) as served:
-        yield Running(name, served)
+    return remove
 
 
 async def until_ready(url: str) -> None:
@@ -490,6 +500,53 @@ async def test_workers_auto_follows_the_containers_cpu_limit(
     log = (await inside.whole_log()).decode()
     assert "--workers auto: 1 (no CPU limit found in this process's cgroup)" in log
     observe(f"--cpus {cpus}: {note.group(0)}")
+
+
+def documented_run(page: Path) -> list[str]:
+    """The arguments of the one ``podman run`` line in ``page``'s shell blocks."""
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+             for line in block.splitlines() if "podman run " in line]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0].split("podman run ", 1)[1])
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/how-to/kubernetes.md"])
+async def test_the_documented_podman_run_serves_as_the_page_says(
+    nursery: trio.Nursery, built: Image, page: str
+) -> None:
+    """The pages' ``podman run`` line, its flags as written (a published port, a read-only
+    root with a tmpfs at ``/tmp``, ``--cpus 2``): it serves on the published port, on a
+    read-only root, with the workers ``--cpus 2`` gives. Changed: the image is the session's
+    (the pages' ``epd-trio`` is what ``deploy/container/build`` tags, built here on the
+    Debian base), the host's side of ``-p`` is a free port, and the runtime and limits this
+    sandbox needs are added (``tests/containers.py``). The vLLM address stays the page's,
+    which resolves nowhere here: ``/health`` answers, ``/ready`` would not."""
+    args = documented_run(ROOT / page)
+    image_at = args.index("epd-trio")
+    flags, proxy_args = args[:image_at], args[image_at + 1:]
+    published = flags.index("-p") + 1
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    inner = flags[published].rpartition(":")[2]
+    flags[published] = f"{port}:{inner}"
+    name = f"epd-trio-test-{uuid.uuid4().hex[:8]}"
+    command = ["podman", "run", "--name", name, *RUNTIME, *LIMITS, *flags, built.name,
+               *proxy_args]
+    cpus = float(flags[flags.index("--cpus") + 1])
+    expected = workers_for(CpuLimit(cpus, ""), available_cpus())
+    async with server_process(nursery, command, dict(os.environ), limit=START_LIMIT,
+                              stop=removing(name)) as served:
+        assert served.url == f"http://0.0.0.0:{inner}"
+        async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
+            health = await client.get(f"http://127.0.0.1:{port}/health")
+        assert health.status_code == 200
+        assert [i["url"] for i in health.json()["roles"]["decode"]] == ["http://d0:8000"]
+        touched = await podman_async("exec", name, "sh", "-c", "touch /probe; touch /tmp/probe",
+                                     check=False)
+        assert "Read-only file system" in touched.stderr and "/tmp" not in touched.stderr
+    log = (await served.whole_log()).decode()
+    assert f"--workers auto: {expected} (CPU limit {cpus:g} in " in log
 
 
 async def test_two_workers_on_a_read_only_root_without_tmp_say_what_to_mount(
