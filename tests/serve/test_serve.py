@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -253,10 +254,13 @@ async def test_a_dead_worker_stops_the_others(nursery: trio.Nursery) -> None:
             assert (await client.get(url + "/health")).status_code == 200
         workers = _workers_of(process.pid)
         assert len(workers) == 2
+        metrics_dir = _environ_of(workers[0])["PROMETHEUS_MULTIPROC_DIR"]
         os.kill(workers[0], signal.SIGKILL)
         with trio.fail_after(15):
             assert await process.wait() != 0  # a worker died: not a clean exit
             await _wait_gone(workers)
+        # The parent removed the metrics directory all the same (docs/how-to/kubernetes.md).
+        assert not await trio.Path(metrics_dir).exists()
 
 
 async def test_workers_do_not_outlive_a_killed_parent(nursery: trio.Nursery) -> None:
@@ -267,10 +271,15 @@ async def test_workers_do_not_outlive_a_killed_parent(nursery: trio.Nursery) -> 
             assert (await client.get(url + "/health")).status_code == 200
         workers = _workers_of(process.pid)
         assert len(workers) == 2
+        metrics_dir = _environ_of(workers[0])["PROMETHEUS_MULTIPROC_DIR"]
         process.kill()
         await process.wait()
         with trio.fail_after(20):  # their lifeline pipe reached end of file
             await _wait_gone(workers)
+    # A SIGKILLed parent cannot remove its metrics directory: it is left behind (the known
+    # limit docs/how-to/kubernetes.md names, with what to do). Removed here.
+    assert await trio.Path(metrics_dir).is_dir()
+    await trio.to_thread.run_sync(shutil.rmtree, metrics_dir)
 
 
 def _environ_of(pid: int) -> dict[str, str]:
