@@ -49,6 +49,7 @@ from ._discovery.start import check_discovery
 from ._environment import load_settings
 from ._observe.tracing import check_tracing
 from ._replicas.tls import tls_context
+from ._serve.process import auto_workers
 from ._serve.runner import (
     WATCHDOG_MARGIN,
     ServeOptions,
@@ -303,7 +304,7 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--version", action="version", version=f"epd-trio {_version()}")
     options = {"--host": "127.0.0.1", "--port": 8000, "--workers": 1,
                "--backlog": DEFAULT_BACKLOG, "--keep-alive": DEFAULT_KEEP_ALIVE}
-    kinds = {"--host": str, "--port": int, "--workers": int, "--backlog": int}
+    kinds = {"--host": str, "--port": int, "--workers": workers_option, "--backlog": int}
     for flag, default in options.items():
         meaning = SERVE_OPTIONS[flag]
         extra = {"--port": "; 0 = any free port, printed"}.get(flag, "")
@@ -358,6 +359,22 @@ def _add_serve(commands: Any) -> None:
                            help=f"vllm-router's mode switch, accepted: {why}")
     for flag in REFUSED:
         serve.add_argument(flag, action=_Refused, nargs="*", help=argparse.SUPPRESS)
+
+
+#: ``--workers auto``: as many workers as the CPUs of the process's cgroup quota.
+AUTO_WORKERS = "auto"
+
+
+def workers_option(text: str) -> int | str:
+    """``--workers``: a count, or ``auto`` (resolved at start from the cgroup's CPU limit:
+    ``_serve/cpu_quota``, ``_serve/process.auto_workers``)."""
+    if text == AUTO_WORKERS:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a number of workers nor {AUTO_WORKERS}") from None
 
 
 def serve_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -416,9 +433,11 @@ def _serve(args: argparse.Namespace) -> int:
     if (problem := port_problem(args.port)) is not None:
         print(f"epd-trio: {problem}", file=sys.stderr)
         return 2
-    options = ServeOptions(host=args.host, port=args.port, workers=args.workers,
+    workers, workers_note = (auto_workers() if args.workers == AUTO_WORKERS
+                             else (args.workers, None))
+    options = ServeOptions(host=args.host, port=args.port, workers=workers,
                            backlog=args.backlog, keep_alive=args.keep_alive,
-                           access_log=args.access_log)
+                           access_log=args.access_log, workers_note=workers_note)
     if options.workers < 1:
         print("epd-trio: --workers must be at least 1", file=sys.stderr)
         return 2

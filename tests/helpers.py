@@ -4,17 +4,21 @@ integration tests."""
 from __future__ import annotations
 
 import hashlib
+import inspect
+import os
 import re
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import orjson
 import trio
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd_trio._core.names import PATH_OF_KIND
@@ -135,6 +139,20 @@ async def scrape(
     return Samples(r.text)
 
 
+def requests_per_worker(metrics_dir: str | os.PathLike[str]) -> dict[int, float]:
+    """Each worker's own count of successful requests, from its own counter file in the
+    ``PROMETHEUS_MULTIPROC_DIR`` of ``epd-trio serve --workers N`` (``counter_<pid>.db``;
+    the pid as the worker knows it, in its container if it runs in one), keyed by that pid.
+    A scrape adds the files up; this shows which worker served what."""
+    counts = {}
+    for path in Path(metrics_dir).glob("counter_*.db"):
+        samples = [s for family in MultiProcessCollector.merge([str(path)])
+                   for s in family.samples
+                   if s.name == "epd_trio_requests_total" and s.labels.get("outcome") == "ok"]
+        counts[int(path.stem.removeprefix("counter_"))] = sum(s.value for s in samples)
+    return counts
+
+
 # -- reading a proxy's own metrics in-process (no scrape) -----------------------------------------
 STAGES = ("encode", "prefill", "decode")
 
@@ -156,14 +174,21 @@ def metric(proxy: Any, name: str, **labels: str) -> float:
                and all(sample.labels.get(key) == value for key, value in labels.items()))
 
 
-async def poll_until(check: Callable[[], bool], limit: float) -> float:
+async def poll_until(check: Callable[[], bool | Awaitable[bool]], limit: float) -> float:
     """Seconds until ``check()`` held (polled every 10 ms); fails after ``limit`` seconds.
+    ``check`` may be async (a request to ask: ``/ready``, a scrape), then it is awaited.
 
     Polling, not sleeping as synchronisation, for what has no event to wait on: the kernel's
-    socket table, another process's fds, a proxy's gauge while a request crosses a socket."""
+    socket table, another process's fds, a proxy's gauge while a request crosses a socket, a
+    server in another process or a container becoming ready."""
     began = trio.current_time()
     with trio.fail_after(limit):
-        while not check():  # noqa: ASYNC110
+        while True:
+            held = check()
+            if inspect.isawaitable(held):
+                held = await held
+            if held:
+                break
             await trio.sleep(0.01)
     return trio.current_time() - began
 
@@ -216,39 +241,51 @@ SERVING = rb"listening on (http://[^\s\"]+)"  # text, or inside a JSON line
 
 @dataclass
 class ServerProcess:
-    """A server started by ``server_process``: its URL, and its stderr so far."""
+    """A server started by ``server_process``: its URL, its stderr so far, and its process."""
 
     url: str
+    process: trio.Process
     #: Everything the process wrote to stderr, growing while it runs (drained in a task).
     log: bytearray = field(default_factory=bytearray)
-    #: Its process id.
-    pid: int = 0
+    #: Set when the drain read the end of that stderr: wait for it before reading ``log`` for
+    #: what the process said last (at exit), or a line still in the pipe is missed.
+    ended: trio.Event = field(default_factory=trio.Event)
+
+    async def whole_log(self, limit: float = 30.0) -> bytes:
+        """``log`` once stderr has ended (the process exited): all of it."""
+        with trio.fail_after(limit):
+            await self.ended.wait()
+        return bytes(self.log)
 
 
 @asynccontextmanager
 async def server_process(
     nursery: trio.Nursery, command: list[str], env: dict[str, str], *,
     pattern: bytes = SERVING, limit: float = 30.0,
+    stop: Callable[[trio.Process], Awaitable[None]] = stop_process,
 ) -> AsyncIterator[ServerProcess]:
-    """Start a server as a subprocess (``epd-trio serve``, plain ``hypercorn``), and yield once
-    ``pattern`` shows its URL in its stderr. A task in ``nursery`` keeps reading that stderr
-    into ``log`` so the process never blocks on a full pipe; on the way out it is stopped with
-    ``stop_process`` (SIGTERM, then SIGKILL), also when the test fails or is cancelled."""
+    """Start a server as a subprocess (``epd-trio serve``, plain ``hypercorn``, ``podman
+    run``), and yield once ``pattern`` shows its URL in its stderr. A task in ``nursery`` keeps
+    reading that stderr into ``log`` so the process never blocks on a full pipe, and sets
+    ``ended`` at its end. On the way out ``stop`` ends it (``stop_process``: SIGTERM, then
+    SIGKILL; a container is removed by name instead), also when the test fails or is
+    cancelled."""
     process = await trio.lowlevel.open_process(command, env=env, stderr=subprocess.PIPE)
     try:
         stderr = process.stderr
         assert stderr is not None
         match, seen = await read_until(stderr, pattern, limit=limit)
-        served = ServerProcess(match.group(1).decode(), bytearray(seen), process.pid)
+        served = ServerProcess(match.group(1).decode(), process, bytearray(seen))
 
         async def drain() -> None:
             async for chunk in stderr:
                 served.log.extend(chunk)
+            served.ended.set()
 
         nursery.start_soon(drain)
         yield served
     finally:
-        await stop_process(process)
+        await stop(process)
 
 
 async def instances_listing(url: str, api_key: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The real servers some tests start themselves (Debian's redis-server, dnsmasq, prometheus).
+"""The real servers some tests start themselves (Debian's redis-server, dnsmasq, prometheus), and
+the container tools of the image's suite (podman, mmdebstrap).
 
 Why one helper: the rule is the same for each. Locally, a test whose server is not installed
 skips and names what is missing (``apt-get install ...``); in CI (``CI=true``, where ``.ci/run``
@@ -19,7 +20,8 @@ from epd_trio.testing import redis_server as testing_redis
 
 #: Debian package of each binary the tests run.
 PACKAGE_OF = {"redis-server": "redis-server", "dnsmasq": "dnsmasq",
-              "prometheus": "prometheus", "promtool": "prometheus"}
+              "prometheus": "prometheus", "promtool": "prometheus",
+              "podman": "podman runc", "mmdebstrap": "mmdebstrap"}
 
 
 def in_ci() -> bool:

@@ -56,7 +56,7 @@ def test_every_setting_flag_says_its_meaning_unit_and_variable() -> None:
     ("--state-url", "URL"), ("--service-discovery-kubeconfig", "PATH"),
     ("--moriio-registration", "HOST:PORT"), ("--replica-id", "ID"),
     ("--connect-timeout", "SECONDS"), ("--max-body-bytes", "BYTES"), ("--render-urls", "URL"),
-    ("--host", "HOST"), ("--port", "PORT"), ("--config", "PATH"),
+    ("--host", "HOST"), ("--port", "PORT"), ("--config", "PATH"), ("--workers", "N|auto"),
 ])
 def test_metavars_say_what_a_flag_takes(flag: str, metavar: str) -> None:
     assert serve_actions()[flag].metavar == metavar
@@ -133,3 +133,27 @@ def test_their_other_flags_are_refused_pointing_at_the_table(
 def test_a_policy_they_have_and_we_do_not_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "invalid choice: 'consistent_hash'" in refused(
         ["serve", "--policy", "consistent_hash"], capsys)
+
+
+@pytest.mark.parametrize(("argv", "workers"), [
+    ([], 1),
+    (["--workers", "3"], 3),
+    (["--workers", "auto"], "auto"),
+    # The image's entrypoint says --workers auto; a pod's or `run`'s own flag comes after it
+    # and wins (deploy/container/Containerfile relies on this).
+    (["--workers", "auto", "--workers", "3"], 3),
+    (["--host", "0.0.0.0", "--host", "127.0.0.1"], 1),
+])
+def test_workers_is_a_count_or_auto_and_the_last_flag_wins(argv: list[str],
+                                                          workers: int | str) -> None:
+    args = build_parser().parse_args(["serve", *argv])
+    assert args.workers == workers
+    if "--host" in argv:
+        assert args.host == "127.0.0.1"
+
+
+def test_workers_that_is_neither_a_count_nor_auto_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    err = refused(["serve", "--workers", "many"], capsys)
+    assert "argument --workers: 'many' is neither a number of workers nor auto" in err

@@ -14,7 +14,9 @@ What is checked, and against what:
   have them) is a whole object the official ``kubernetes`` client's models take without
   losing a field; the replicas example registers through a Service that lists unready pods; the RBAC
   grants the proxy's service account what discovery needs, and the proxy's Deployment's
-  arguments parse with ``epd-trio serve``'s own parser into selectors that match the vLLM pods;
+  arguments, after the image's entrypoint, parse with ``epd-trio serve``'s own parser into
+  selectors that match the vLLM pods; the Kubernetes page's objects from
+  ``deploy/kubernetes/epd-trio.yml`` are the file's;
 - every relative link (and its ``#anchor``) resolves, and no two pages share a file name or a
   title;
 - the README's two commands are the ones ``.ci/run`` and ``pyproject.toml`` provide.
@@ -54,6 +56,7 @@ from epd_trio._models.tables import parse_tables
 from epd_trio.testing import run_cluster
 
 from helpers import slug
+from image_facts import MANIFESTS, containerfile_facts
 from real_servers import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -575,9 +578,12 @@ def test_the_kubernetes_page_grants_what_discovery_needs_and_runs_it() -> None:
     assert namespaces == {"serving"}
 
     (container,) = proxy.spec.template.spec.containers
-    assert container.command[:2] == ["epd-trio", "serve"]
-    args = build_parser().parse_args([*container.command[1:], *container.args])
-    settings = settings_from({}, flags=serve_flags(args))
+    assert container.command is None  # the image's entrypoint runs; the arguments follow it
+    command = containerfile_facts().command
+    assert command[:2] == ("epd-trio", "serve")
+    args = build_parser().parse_args([*command[1:], *container.args])
+    settings = settings_from({e.name: e.value for e in container.env or []},
+                             flags=serve_flags(args))
     assert settings.service_discovery and settings.layout == "P+D"
     assert dict(settings.selectors()) == {"prefill": "app=vllm,role=prefill",
                                           "decode": "app=vllm,role=decode"}
@@ -596,6 +602,21 @@ def test_the_kubernetes_page_grants_what_discovery_needs_and_runs_it() -> None:
     (vllm,) = decode.spec.template.spec.containers
     assert vllm.args[vllm.args.index("--port") + 1] == str(settings.service_discovery_port)
     assert vllm.readiness_probe.http_get.path == "/health"
+
+
+def test_the_kubernetes_page_shows_the_manifest_files_objects_as_they_are() -> None:
+    """The page shows objects of ``deploy/kubernetes/epd-trio.yml`` (checked against the
+    image's facts by ``tests/container/test_manifests.py``): each is the file's, field for
+    field, whatever its YAML style."""
+    in_file = {(doc["kind"], doc["metadata"]["name"]): doc
+               for doc in yaml.safe_load_all(MANIFESTS.read_text()) if doc is not None}
+    shown = [doc for _block, doc in manifests(DOCS / "how-to" / "kubernetes.md")
+             if (doc["kind"], doc["metadata"]["name"]) in in_file]
+    assert {(doc["kind"], doc["metadata"]["name"]) for doc in shown} == {
+        ("ServiceAccount", "epd-trio"), ("Role", "epd-trio-pod-reader"),
+        ("RoleBinding", "epd-trio-pod-reader"), ("Deployment", "epd-trio")}
+    for doc in shown:
+        assert doc == in_file[doc["kind"], doc["metadata"]["name"]], doc["kind"]
 
 
 # -- links and commands --------------------------------------------------------------------------

@@ -192,7 +192,9 @@ MEANINGS: dict[str, Meaning] = {
 SERVE_OPTIONS: dict[str, Meaning] = {
     "--host": Meaning("address to listen on", metavar="HOST"),
     "--port": Meaning("port to listen on", "port"),
-    "--workers": Meaning("worker processes", "processes"),
+    "--workers": Meaning("worker processes, or auto: one per CPU of the cgroup's CPU limit "
+                         "(a container's), rounded down, 1 without a limit", "processes",
+                         metavar="N|auto"),
     "--backlog": Meaning("connections waiting to be accepted, the listen backlog",
                          "connections"),
     "--keep-alive": Meaning("idle seconds before a client's keep-alive connection is closed",

@@ -1,4 +1,5 @@
-"""Process-wide setup of a serving process: logging, the garbage collector, the fd limit.
+"""Process-wide setup of a serving process: logging, the garbage collector, the fd limit; and
+the CPU limit ``--workers auto`` follows.
 
 Only the entry points that own their process call ``setup_serving_process`` (``epd_trio.app``
 for ``hypercorn epd_trio.app:app``, and each ``epd-trio serve`` worker); ``create_app`` does not,
@@ -8,9 +9,11 @@ so a service embedding the app keeps its own logging and collector settings.
 from __future__ import annotations
 
 import gc
+import os
 import resource
 
 from .._core.config import Settings
+from .cpu_quota import CpuLimit, cpu_limit, quota_dirs, workers_for
 from .logs import configure_logging
 
 
@@ -53,3 +56,38 @@ def setup_serving_process(settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_format)
     tune_gc(settings.gc_threshold)
     raise_fd_limit()
+
+
+def read_cpu_limit(root: str = "/") -> CpuLimit | None:
+    """This process's CPU limit from its cgroup files (``_serve/cpu_quota``); None without one.
+
+    ``root`` stands for ``/`` (tests point it at a directory laid out like one). A file that
+    cannot be read counts as setting no limit: a system without cgroups has none to follow."""
+
+    def read(path: str) -> str | None:
+        try:
+            with open(os.path.join(root, path.lstrip("/"))) as file:
+                return file.read()
+        except OSError:
+            return None
+
+    dirs = quota_dirs(read("/proc/self/cgroup") or "", read("/proc/self/mountinfo") or "")
+    return cpu_limit((directory, [read(path) for path in directory.files]) for directory in dirs)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity (a cpuset), where the system has one."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1  # macOS: no affinity, and no cgroup to read either
+
+
+def auto_workers(root: str = "/") -> tuple[int, str]:
+    """``--workers auto``: how many workers, and the line that says why (said at start)."""
+    limit = read_cpu_limit(root)
+    cpus = available_cpus()
+    workers = workers_for(limit, cpus)
+    if limit is None:
+        return workers, f"--workers auto: {workers} (no CPU limit found in this process's cgroup)"
+    return workers, (f"--workers auto: {workers} (CPU limit {limit.cpus:g} in {limit.source}, "
+                     f"{cpus} CPU{'s' if cpus != 1 else ''} to run on)")

@@ -79,6 +79,8 @@ class ServeOptions:
     backlog: int = DEFAULT_BACKLOG
     keep_alive: float = DEFAULT_KEEP_ALIVE
     access_log: bool = False
+    #: Why ``workers`` is what it is, said at start (``--workers auto``); None: it was given.
+    workers_note: str | None = None
 
 
 def hypercorn_config(options: ServeOptions) -> Config:
@@ -206,6 +208,8 @@ def serve(settings: Settings, options: ServeOptions) -> int:
     """Run until SIGINT/SIGTERM; returns the process exit status."""
     configure_logging(settings.log_level, settings.log_format)
     capture_process_output(settings.log_level)
+    if options.workers_note is not None:
+        _say(options.workers_note)
     config = hypercorn_config(options)
     # Listening before any worker runs: early connections wait in the backlog, not refused.
     try:
@@ -245,18 +249,39 @@ def _serve_in_process(settings: Settings, config: Config, sockets: Sockets) -> i
     return 1 if failures else 0
 
 
+def cannot_make_metrics_dir(exc: OSError, tempdir: str | None) -> str:
+    """The one line for a metrics directory that could not be made: where, why, and the fix
+    (a read-only root file system without a writable ``/tmp`` is the usual cause).
+
+    ``tempdir`` is the temporary directory Python's ``tempfile`` settled on
+    (``tempfile.tempdir``), None when it found none writable. Why not name TMPDIR: tempfile
+    takes TMPDIR only if it can write a file there, and otherwise falls back on its own (TEMP,
+    TMP, ``/tmp``, ``/var/tmp``, ``/usr/tmp``, the working directory), so "under TMPDIR" would
+    send the reader to a directory that was never used."""
+    if tempdir is None:
+        where = ("in a temporary directory, and found none writable (Python's tempfile tries "
+                 "TMPDIR, TEMP and TMP when set, then /tmp, /var/tmp, /usr/tmp and the working "
+                 "directory)")
+    else:
+        where = (f"under the temporary directory ({tempdir}) and cannot make one there: "
+                 f"{exc.strerror or exc}")
+    return (f"--workers N keeps its metrics in a directory of its own {where}. On a read-only "
+            "root file system, mount a writable volume at /tmp or at TMPDIR "
+            "(docs/how-to/kubernetes.md), or run with --no-metrics")
+
+
 @contextmanager
-def _metrics_dir(enabled: bool) -> Iterator[str | None]:
-    """A fresh, private ``PROMETHEUS_MULTIPROC_DIR`` for the workers, removed at exit.
+def _metrics_dir(path: str | None) -> Iterator[str | None]:
+    """``path`` (a fresh directory, or None: no metrics) as the workers'
+    ``PROMETHEUS_MULTIPROC_DIR``, removed at exit.
 
     It goes into this process's environment before the workers are spawned, so each one starts
     with it and imports prometheus_client in multiprocess mode. Fresh, replacing any inherited
     value: files left by an earlier run would add their counts to this one's.
     """
-    if not enabled:
+    if path is None:
         yield None
         return
-    path = tempfile.mkdtemp(prefix="epd-trio-metrics-")
     previous = os.environ.get(MULTIPROC_ENV)
     os.environ[MULTIPROC_ENV] = path
     try:
@@ -272,7 +297,12 @@ def _metrics_dir(enabled: bool) -> Iterator[str | None]:
 def _serve_workers(
     settings: Settings, options: ServeOptions, config: Config, sockets: Sockets
 ) -> int:
-    with _metrics_dir(settings.metrics) as metrics_dir:
+    try:
+        fresh = tempfile.mkdtemp(prefix="epd-trio-metrics-") if settings.metrics else None
+    except OSError as exc:
+        _say(cannot_make_metrics_dir(exc, tempfile.tempdir), logging.ERROR)
+        return 2
+    with _metrics_dir(fresh) as metrics_dir:
         return _run_workers(settings, options, config, sockets, metrics_dir)
 
 

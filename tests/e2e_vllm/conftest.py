@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,8 +22,9 @@ from epd_trio.testing.otlp_receiver import OtlpReceiver
 
 from .cluster import Cluster, Server, recorded_cluster, start_cluster, start_kv_cluster
 from .provision import Home
+from session_notes import SessionNotes
 
-_OBSERVED = pytest.StashKey[list[str]]()
+NOTES = SessionNotes("observed on real vLLM", "vllm-e2e")
 #: The suite's first tests, in this order, before any other (issue 30). In each, a fresh vLLM
 #: server's first forward is one token long: a plain server's one-token prompt, then decode's
 #: step after its first KV pull. On a CPU with AMX that is the forward that dies of SIGILL
@@ -58,22 +58,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: run_order(item.name))  # stable: the rest keep their order
 
 
-def _say(config: pytest.Config) -> Callable[[str], None]:
-    """Progress lines shown live (provisioning and start-up take minutes; say why)."""
-    capture = config.pluginmanager.getplugin("capturemanager")
-
-    def say(message: str) -> None:
-        with capture.global_and_fixture_disabled():
-            print(f"\n[vllm-e2e] {message}", file=sys.stderr, flush=True)
-
-    return say
-
-
 @pytest.fixture(scope="session")
 def vllm_session(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, OtlpReceiver]]:
     """The cluster, and the OTLP receiver its servers export their traces to (listening
     before they start, so that no span of the session is dropped)."""
-    say = _say(request.config)
+    say = NOTES.say(request.config)
     home = Home.from_env()
     recorded = recorded_cluster(home)
     if recorded is not None and not recorded.healthy():
@@ -130,7 +119,7 @@ def vllm_kv_servers(request: pytest.FixtureRequest) -> Iterator[Cluster]:
     working on the tests without paying their start-up at every run. The file is written back
     at the end (a test that restarted a server changed its pid).
     """
-    say = _say(request.config)
+    say = NOTES.say(request.config)
     state = os.environ.get("EPD_E2E_KV_SERVERS")
     if state:
         records = json.loads(Path(state).read_text())
@@ -169,7 +158,7 @@ def _healthy(servers: Cluster, which: str) -> Iterator[Cluster]:
 @pytest.fixture
 def say(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Progress lines shown live (a server started by a test itself takes a minute)."""
-    return _say(request.config)
+    return NOTES.say(request.config)
 
 
 @pytest.fixture
@@ -183,17 +172,8 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
 @pytest.fixture
 def observe(request: pytest.FixtureRequest) -> Callable[[str], None]:
     """Record what a test saw on the real servers; printed in the session's summary."""
-    lines = request.config.stash.setdefault(_OBSERVED, [])
-
-    def record(line: str) -> None:
-        lines.append(f"{request.node.name}: {line}")
-
-    return record
+    return NOTES.recorder(request)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    lines = terminalreporter.config.stash.get(_OBSERVED, [])
-    if lines:
-        terminalreporter.section("observed on real vLLM")
-        for line in lines:
-            terminalreporter.write_line(line)
+    NOTES.summary(terminalreporter)
