@@ -48,9 +48,9 @@ from ._core.moriio import (
 from ._core.names import Stage
 from ._core.rewrite import build_decode_body, build_prefill_body, kv_transfer_params_of
 from ._core.routing import Instance
-from ._reply import Reply
 from ._upstream.fanout import fan_out
 from ._upstream.legs import Answer
+from ._upstream.reply import Reply
 
 log = logging.getLogger("epd_trio")
 T = TypeVar("T")

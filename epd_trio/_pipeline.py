@@ -37,7 +37,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any, TypeVar
 
-from ._adapter_loading import AdapterLoader
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.ec_handoff import EncoderReport, consumer_body, match_reports
@@ -54,13 +53,14 @@ from ._handoff import DECODE_ONLY, HandOff, choose_handoff
 from ._kv_routing import KvLookup, KvRouting
 from ._model_pools import ModelPools
 from ._models.catalog import AdapterOf
+from ._models.loading import AdapterLoader
 from ._observe.accounting import Accounting, Leg, RequestAccount
 from ._observe.tracing import NO_TRACE_CONTEXT, TraceHeaders
-from ._reply import Reply as Reply
 from ._state.cursors import choose_slot
 from ._state.loads import DECODE_TOKENS, Loads
 from ._upstream.legs import Answer, StreamRelay, open_stream, post_json, run_encoder_fanout
 from ._upstream.pool import UpstreamPool
+from ._upstream.reply import Reply as Reply
 
 #: The MoRIIO side of an instance (None: it did not register over ZMQ), and the transfer mode
 #: the roster's first MoRIIO registration fixed.
@@ -311,7 +311,7 @@ class RequestRun:
 
     async def _load_adapter(self) -> None:
         """A configured adapter no live instance of a needed stage holds, loaded there on
-        demand (``_adapter_loading``): on the instance the pool's policy picks, or after the
+        demand (``_models.loading``): on the instance the pool's policy picks, or after the
         load another request started for it; then the request routes to its holders."""
         adapter, pipeline = self.adapter, self.pipeline
         loader = pipeline.adapter_loader

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ._adapter_loading import AdapterLoader
 from ._admission.fair import Ticket
 from ._core.config import Settings
 from ._core.counters import CursorCounters, LocalPoolCounters
@@ -40,6 +39,7 @@ from ._membership.roster_owner import Membership
 from ._model_api import ApiRun
 from ._model_pools import ModelPools, ModelRoute
 from ._models.learner import ModelLearner
+from ._models.loading import AdapterLoader
 from ._models.pools import Pool, reloaded_adapters
 from ._models.tables import Tables, parse_tables
 from ._observe.accounting import Accounting

@@ -179,10 +179,10 @@ async def test_the_body_limit_and_a_20_mb_upload_held_once(
                               headers={"content-type": kind})
         assert r.status_code == 413
         upload, kind = form("E", b"\x02" * size)
-        before = peak_rss(served.pid)
+        before = peak_rss(served.process.pid)
         r = await client.post(served.url + "/v1/audio/transcriptions", content=upload,
                               headers={"content-type": kind})
-        after = peak_rss(served.pid)
+        after = peak_rss(served.process.pid)
         assert r.status_code == 200, r.text
         assert f"({size} bytes)" in r.json()["text"]
     grown = after - before

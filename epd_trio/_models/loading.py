@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import trio
 
-from ._core.errors import AdapterLoadFailed, UpstreamError
-from ._core.roster import Card
-from ._core.routing import Instance
-from ._models.tables import AdapterTable
+from .._core.errors import AdapterLoadFailed, UpstreamError
+from .._core.roster import Card
+from .._core.routing import Instance
+from .tables import AdapterTable
 
 log = logging.getLogger("epd_trio")
 
