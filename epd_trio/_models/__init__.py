@@ -2,8 +2,9 @@
 
 A fleet serves several models; each has its own pool: the instances of each role that serve its
 name, with their own cursors and counters (``_model_pools`` holds those). What belongs here: the
-rules that say who serves what and where a name leads, and the one shell that asks the
-instances. What does not: the cursors, the pipeline, the web answers (they import from here).
+rules that say who serves what and where a name leads, and the two shells that ask the
+instances (what they serve; to load an adapter). What does not: the cursors, the pipeline, the
+web answers (they import from here).
 
     cards     an instance's ``GET /v1/models`` answer read: its cards, "any name" (no such
               route), or no answer
@@ -13,11 +14,12 @@ instances. What does not: the cursors, the pipeline, the web answers (they impor
     choice    an alias's target: exact weighted turns, or a weighted hash of a session key
     catalog   a name resolved (a pool, an alias's target, "any name", vLLM's 404, the 400 of
               a missing name) and the ``GET /v1/models`` listing
-    learner   the shell: every instance asked when it joins and every ``EPD_MODELS_INTERVAL``
+    learner   a shell: every instance asked when it joins and every ``EPD_MODELS_INTERVAL``
+    loading   a shell: LoRA adapters loaded on demand, one load per adapter and stage at a time
 
 Rule: cards, tables, pools, choice and catalog are pure (values in, values out; no trio, no
 sockets, no clock): they import only the standard library, orjson and ``epd_trio._core``. Only
-learner imports trio, and it is handed its one call to an instance (I/O passed in).
+the shells import trio, and each is handed its one call to an instance (I/O passed in).
 ``tests/models/test_models_layout.py`` enforces it. Like ``_kv``, this ``__init__`` imports
 nothing, so importing a pure module loads no shell.
 """

@@ -10,4 +10,5 @@ a transport error becomes an ``UpstreamError`` is ``legs``.
     prober        the health probes, one task per process
     load_scraper  the optional ``/metrics`` scrape of every instance's running and waiting requests
     profile       ``/start_profile`` and ``/stop_profile`` fanned out to every instance
+    reply         what the request path hands the web layer: a status, headers, bytes or a relay
 """
