@@ -47,6 +47,12 @@ Peers (``--peers``; the references are optional and skipped, with the reason, wh
   started by the lean fakes with ``--other-models``). The load names the measured model: what
   routing by model costs a request, side by side with ``epd_trio`` (one pool, learned).
 
+A peer's name may end in ``/embeddings`` (``epd_trio/embeddings``, ``direct/embeddings``): the
+same peer, loaded with ``POST /v1/embeddings`` (one input, the lean fakes answer one vector of
+``EMBEDDING_DIM`` floats after ``--prefill-time``) instead of the chat request: what an
+embeddings request costs beside a non-stream chat, side by side (non-stream runs only; the
+references route chat alone here). Each such peer's ratio to its chat peer is reported.
+
 Clients (``--client``): ``epoll`` (default; ``bench._epoll_load``: one epoll loop, each request
 written with one ``send``), ``split`` (the same loop writing each request's head and body with two
 ``send`` calls, as httpx and so the OpenAI SDK do), ``aiohttp`` (``bench._aiohttp_load``: a plain
@@ -76,7 +82,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -91,6 +97,9 @@ from bench.lean_fake import DEFAULT_PREFILL_TIME, DEFAULT_TOKEN_INTERVAL, PACING
 from epd_trio.testing.process import read_until, stop_process
 
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
+#: A peer name's suffix that loads it with embeddings requests instead of chat.
+EMBEDDINGS_SUFFIX = "/embeddings"
 REFS = Path.home() / ".cache" / "epd-refs"
 DEFAULT_VLLM_ROUTER = REFS / "vllm-router-venv" / "bin" / "vllm-router"
 DEFAULT_EPD_PROXY = REFS / "disagg_epd_proxy.py"
@@ -137,6 +146,8 @@ class Peer:
     cwd: str | None = None
     #: Environment variables it gets on top of this process's (``+otel``: tracing on).
     env: dict[str, str] | None = None
+    #: The path its load posts to (``/embeddings`` peers: ``EMBEDDINGS``).
+    path: str = CHAT
 
 
 # -- pure helpers -------------------------------------------------------------------------------
@@ -144,83 +155,97 @@ def peer_commands(args: argparse.Namespace, backends: Backends) -> tuple[list[Pe
     """The peers to run, in ``--peers`` order, and a line for each one skipped (and why)."""
     peers: list[Peer] = []
     skipped: list[str] = []
-    e, p, d = backends.encode, backends.prefill, backends.decode
-    for name in args.peers:
-        if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w", "epd_trio+")):
-            name_base, pooled, _ = name.partition("+pools")
-            name_base, traced, otel = (name_base + _).partition("+otel")
-            env = None
-            if traced:
-                ratio = otel.removeprefix("=")
-                env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint or "http://127.0.0.1:9",
-                       "OTEL_TRACES_SAMPLER": "parentbased_traceidratio" if ratio else "always_on",
-                       **({"OTEL_TRACES_SAMPLER_ARG": ratio} if ratio else {})}
-            base, _, workers_tag = name_base.partition(":w")
-            workers = int(workers_tag) if workers_tag else args.workers
-            checkout = base.partition("@")[2] or None
-            if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
-                skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
-                continue
-
-            def epd_trio(port: int, workers: int = workers, pooled: bool = bool(pooled)
-                         ) -> list[str]:
-                cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
-                       "--port", str(port), "--workers", str(workers)]
-                if pooled:  # the measured model in a table of its own, beside the others'
-                    return [*cmd, "--models", models_tables(backends)]
-                for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
-                    if urls:
-                        cmd += [f"--{role}", *urls]
-                return cmd
-            peers.append(Peer(name, epd_trio, "/ready", cwd=checkout, env=env))
-        elif name == "hypercorn" or name.startswith("hypercorn@"):
-            checkout = name.partition("@")[2] or None
-            if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
-                skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
-                continue
-
-            def plain(port: int) -> list[str]:
-                return [sys.executable, "-m", "hypercorn", "--worker-class", "trio",
-                        "--bind", f"127.0.0.1:{port}", "epd_trio.app:app"]
-            urls = {f"EPD_{role.upper()}_URLS": " ".join(u)
-                    for role, u in (("encode", e), ("prefill", p), ("decode", d)) if u}
-            peers.append(Peer(name, plain, "/ready", cwd=checkout, env=urls))
-        elif name == "vllm-router":
-            if e:
-                skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
-            elif not p:
-                skipped.append("vllm-router: skipped, its P/D mode needs a prefill instance")
-            elif not os.access(args.vllm_router, os.X_OK):
-                skipped.append(f"vllm-router: skipped, {args.vllm_router} not found (see "
-                               "docs/discussion/performance.md, or --vllm-router / EPD_BENCH_VLLM_ROUTER)")
-            else:
-                def router(port: int) -> list[str]:
-                    cmd = [str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
-                           "--vllm-pd-disaggregation", "--policy", "round_robin"]
-                    for url in p:
-                        cmd += ["--prefill", url]
-                    for url in d:
-                        cmd += ["--decode", url]
-                    return cmd
-                peers.append(Peer(name, router))
-        elif name == "vllm-epd-proxy":
-            if not Path(args.epd_proxy).is_file():
-                skipped.append(f"vllm-epd-proxy: skipped, {args.epd_proxy} not found (see "
-                               "docs/discussion/performance.md, or --epd-proxy / EPD_BENCH_EPD_PROXY)")
-            elif not os.access(args.epd_proxy_python, os.X_OK):
-                skipped.append(f"vllm-epd-proxy: skipped, no Python at {args.epd_proxy_python} "
-                               "(--epd-proxy-python / EPD_BENCH_EPD_PROXY_PYTHON)")
-            else:
-                def epd_proxy(port: int) -> list[str]:
-                    return [str(args.epd_proxy_python), str(args.epd_proxy), "--host",
-                            "127.0.0.1", "--port", str(port),
-                            "--encode-servers-urls", ",".join(e or d),
-                            "--prefill-servers-urls", ",".join(p) or "disable",
-                            "--decode-servers-urls", ",".join(d)]
-                peers.append(Peer(name, epd_proxy))
-        else:  # direct
-            peers.append(Peer(name, None))
+    for full_name in args.peers:
+        name, embeddings, _ = full_name.partition(EMBEDDINGS_SUFFIX)
+        if embeddings and not name.startswith(("epd_trio", "hypercorn", "direct")):
+            skipped.append(f"{full_name}: skipped, only epd_trio, hypercorn and direct are "
+                           "loaded with embeddings here")
+            continue
+        before = len(peers)
+        _add_peer(args, backends, name, peers, skipped)
+        if embeddings and len(peers) > before:
+            peers[-1] = replace(peers[-1], name=full_name, path=EMBEDDINGS)
     return peers, skipped
+
+
+def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: list[Peer],
+              skipped: list[str]) -> None:
+    """``name``'s peer appended to ``peers``, or a line saying why not to ``skipped``."""
+    e, p, d = backends.encode, backends.prefill, backends.decode
+    if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w", "epd_trio+")):
+        name_base, pooled, _ = name.partition("+pools")
+        name_base, traced, otel = (name_base + _).partition("+otel")
+        env = None
+        if traced:
+            ratio = otel.removeprefix("=")
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp_endpoint or "http://127.0.0.1:9",
+                   "OTEL_TRACES_SAMPLER": "parentbased_traceidratio" if ratio else "always_on",
+                   **({"OTEL_TRACES_SAMPLER_ARG": ratio} if ratio else {})}
+        base, _, workers_tag = name_base.partition(":w")
+        workers = int(workers_tag) if workers_tag else args.workers
+        checkout = base.partition("@")[2] or None
+        if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
+            skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
+            return
+
+        def epd_trio(port: int, workers: int = workers, pooled: bool = bool(pooled)
+                     ) -> list[str]:
+            cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
+                   "--port", str(port), "--workers", str(workers)]
+            if pooled:  # the measured model in a table of its own, beside the others'
+                return [*cmd, "--models", models_tables(backends)]
+            for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
+                if urls:
+                    cmd += [f"--{role}", *urls]
+            return cmd
+        peers.append(Peer(name, epd_trio, "/ready", cwd=checkout, env=env))
+    elif name == "hypercorn" or name.startswith("hypercorn@"):
+        checkout = name.partition("@")[2] or None
+        if checkout is not None and not (Path(checkout) / "epd_trio" / "__init__.py").is_file():
+            skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
+            return
+
+        def plain(port: int) -> list[str]:
+            return [sys.executable, "-m", "hypercorn", "--worker-class", "trio",
+                    "--bind", f"127.0.0.1:{port}", "epd_trio.app:app"]
+        urls = {f"EPD_{role.upper()}_URLS": " ".join(u)
+                for role, u in (("encode", e), ("prefill", p), ("decode", d)) if u}
+        peers.append(Peer(name, plain, "/ready", cwd=checkout, env=urls))
+    elif name == "vllm-router":
+        if e:
+            skipped.append("vllm-router: skipped, it has no encoder stage (layout epd)")
+        elif not p:
+            skipped.append("vllm-router: skipped, its P/D mode needs a prefill instance")
+        elif not os.access(args.vllm_router, os.X_OK):
+            skipped.append(f"vllm-router: skipped, {args.vllm_router} not found (see "
+                           "docs/discussion/performance.md, or --vllm-router / EPD_BENCH_VLLM_ROUTER)")
+        else:
+            def router(port: int) -> list[str]:
+                cmd = [str(args.vllm_router), "--host", "127.0.0.1", "--port", str(port),
+                       "--vllm-pd-disaggregation", "--policy", "round_robin"]
+                for url in p:
+                    cmd += ["--prefill", url]
+                for url in d:
+                    cmd += ["--decode", url]
+                return cmd
+            peers.append(Peer(name, router))
+    elif name == "vllm-epd-proxy":
+        if not Path(args.epd_proxy).is_file():
+            skipped.append(f"vllm-epd-proxy: skipped, {args.epd_proxy} not found (see "
+                           "docs/discussion/performance.md, or --epd-proxy / EPD_BENCH_EPD_PROXY)")
+        elif not os.access(args.epd_proxy_python, os.X_OK):
+            skipped.append(f"vllm-epd-proxy: skipped, no Python at {args.epd_proxy_python} "
+                           "(--epd-proxy-python / EPD_BENCH_EPD_PROXY_PYTHON)")
+        else:
+            def epd_proxy(port: int) -> list[str]:
+                return [str(args.epd_proxy_python), str(args.epd_proxy), "--host",
+                        "127.0.0.1", "--port", str(port),
+                        "--encode-servers-urls", ",".join(e or d),
+                        "--prefill-servers-urls", ",".join(p) or "disable",
+                        "--decode-servers-urls", ",".join(d)]
+            peers.append(Peer(name, epd_proxy))
+    else:  # direct
+        peers.append(Peer(name, None))
 
 
 #: The model the load names (the lean fakes' own name).
@@ -239,6 +264,13 @@ def models_tables(backends: Backends) -> str:
     for model, url in backends.others:
         tables[model] = {"decode": [url]}
     return json.dumps(tables)
+
+
+def embeddings_body_factory(model: str) -> Callable[[int], bytes]:
+    """The body of embeddings request ``i``: one input, the chat load's text."""
+    def make(i: int) -> bytes:
+        return json.dumps({"model": model, "input": f"Describe request {i}."}).encode()
+    return make
 
 
 def rotated(items: list[Any], by: int) -> list[Any]:
@@ -343,7 +375,8 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"  {line}" for line in report["skipped"]]
     if "spans_received" in report:
         lines.append(f"  spans received from the +otel peers: {report['spans_received']}")
-    header = (f"{'peer':<15}{'ok':>11}{'req/s':>10}{'lat p50 ms':>15}{'lat p99 ms':>15}"
+    width = max([15, *(len(n) + 2 for n in names)])
+    header = (f"{'peer':<{width}}{'ok':>11}{'req/s':>10}{'lat p50 ms':>15}{'lat p99 ms':>15}"
               f"{'TTFB p50 ms':>14}{'proxy ms/req':>14}{'µs/token':>10}{'fakes ms/req':>13}"
               f"{'loadgen ms/req':>16}")
     lines += ["", header]
@@ -352,7 +385,7 @@ def render(report: dict[str, Any]) -> str:
         runs = [r[name] for r in rounds if name in r]
         ok = f"{sum(r['ok'] for r in runs)}/{sum(r['requests'] for r in runs)}"
         lines.append(
-            f"{name:<15}{ok:>11}{span([r['rps'] for r in runs], 0):>10}"
+            f"{name:<{width}}{ok:>11}{span([r['rps'] for r in runs], 0):>10}"
             f"{span([r['latency_ms']['p50'] for r in runs], lat_digits):>15}"
             f"{span([r['latency_ms']['p99'] for r in runs], lat_digits):>15}"
             f"{span([r['ttfb_ms']['p50'] for r in runs], lat_digits):>14}"
@@ -377,7 +410,7 @@ def render(report: dict[str, Any]) -> str:
     for name, fails in failures.items():
         lines.append(f"  {name} failures: " + ", ".join(f"{k}: {v}" for k, v in fails.items()))
     if "epd_trio" in names:
-        refs = [n for n in names if n != "epd_trio"]
+        refs = [n for n in names if n != "epd_trio" and not n.endswith(EMBEDDINGS_SUFFIX)]
         for ref in refs:
             parts = []
             for title, key in RATIO_FIGURES:
@@ -386,6 +419,13 @@ def render(report: dict[str, Any]) -> str:
                     parts.append(f"{title} x{span(ratios)}")
             if parts:
                 lines.append(f"\nepd_trio / {ref} (per round): " + ", ".join(parts))
+    for name in names:
+        chat = name.removesuffix(EMBEDDINGS_SUFFIX)
+        if name != chat and chat in names:
+            ratios = round_ratios(rounds, name, chat, RATIO_FIGURES[0][1])
+            if ratios:
+                lines.append(f"\n{name} / {chat} (per round): proxy CPU/request "
+                             f"x{span(ratios)}")
     return "\n".join(lines)
 
 
@@ -488,17 +528,18 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                          **({"PYTHONPATH": peer.cwd} if peer.cwd else {}), **(peer.env or {})})
             await wait_ready(process, url + peer.ready_path, log)
         host, port_ = url.removeprefix("http://").rsplit(":", 1)
-        make_body = make_body_factory(args.images, args.stream, args.max_tokens, args.model)
+        make_body = (embeddings_body_factory(args.model) if peer.path == EMBEDDINGS else
+                     make_body_factory(args.images, args.stream, args.max_tokens, args.model))
 
         async def load(requests: int, concurrency: int) -> tuple[list[Result], float]:
             """The results, and the CPU seconds a client process of its own spent."""
             if args.client in CLIENT_SCRIPTS:
-                return await run_load_process(args, host, int(port_), make_body, requests,
-                                              concurrency, logdir)
+                return await run_load_process(args, host, int(port_), peer.path, make_body,
+                                              requests, concurrency, logdir)
             # The epoll client runs in a thread: this process has nothing else to do meanwhile,
             # and its CPU (os.times: every thread) is the load generator's.
             return await trio.to_thread.run_sync(partial(
-                run_load_epoll, host, int(port_), CHAT, make_body, requests=requests,
+                run_load_epoll, host, int(port_), peer.path, make_body, requests=requests,
                 concurrency=concurrency, stream=args.stream, request_timeout=args.timeout,
                 record_gaps=args.stream, split_head=args.client == "split")), 0.0
 
@@ -522,7 +563,7 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
             await stop(process)
 
 
-async def run_load_process(args: argparse.Namespace, host: str, port: int,
+async def run_load_process(args: argparse.Namespace, host: str, port: int, path: str,
                            make_body: Callable[[int], bytes], requests: int, concurrency: int,
                            logdir: Path) -> tuple[list[Result], float]:
     """``bench._aiohttp_load`` or ``bench._openai_load`` in a process of its own; its results
@@ -535,7 +576,7 @@ async def run_load_process(args: argparse.Namespace, host: str, port: int,
     bodies.write_bytes(b"\n".join(make_body(i) for i in range(requests)) + b"\n")
     script, python = CLIENT_SCRIPTS[args.client]
     cmd = [str(getattr(args, python)), str(script), "--host", host, "--port", str(port),
-           "--path", CHAT, "--bodies", str(bodies), "--concurrency", str(concurrency),
+           "--path", path, "--bodies", str(bodies), "--concurrency", str(concurrency),
            "--timeout", str(args.timeout)]
     if args.stream:
         cmd += ["--stream", "--record-gaps"]
@@ -654,7 +695,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
-    unknown = [x for x in args.peers if x not in PEERS
+    bases = [x.removesuffix(EMBEDDINGS_SUFFIX) for x in args.peers]
+    unknown = [x for x in bases if x not in PEERS
                and not x.startswith(("epd_trio@", "epd_trio:w", "epd_trio+otel", "epd_trio+pools",
                                      "hypercorn@"))]
     if unknown:
@@ -672,6 +714,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--client {args.client}: no Python at {python} (--{option} / "
                     f"EPD_BENCH_{option.upper().replace('-', '_')}; "
                     "bench/install_references.sh makes one)")
+    if args.stream and any(x.endswith(EMBEDDINGS_SUFFIX) for x in args.peers):
+        p.error("/embeddings peers measure non-stream requests: leave out --stream")
+    if any(x.endswith(EMBEDDINGS_SUFFIX) for x in args.peers) and args.fake == "aiohttp":
+        p.error("/embeddings peers need the lean fakes (--fake lean): they answer embeddings")
     if any("+pools" in x for x in args.peers) and args.fake == "aiohttp":
         p.error("+pools peers need the lean fakes (--fake lean): they start the other models")
     if args.fake == "aiohttp" and args.pacing != "engine":

@@ -22,6 +22,10 @@ What a benchmark figure depends on, and this fake does as vLLM does:
   apart from its own start, as a server whose handler sleeps between writes paces them, e.g.
   ``bench/aiohttp_fake.py``): streams started at different moments then deliver their tokens
   at different moments, and a proxy wakes up for few at a time instead of for the whole batch.
+- ``POST /v1/embeddings`` (a decode or combined instance) answers one JSON body after
+  ``--prefill-time`` (an embedding is one forward pass, like a prefill): one vector of
+  ``EMBEDDING_DIM`` floats per input, written as vLLM's answer is (``object: list``, ``data``,
+  ``usage``).
 - HTTP/1.1 keep-alive; ``GET /health`` and ``GET /v1/models`` answer 200.
 
 What it does not do: validate DP ranks or prompt lengths, record requests, inject faults (that is
@@ -68,6 +72,9 @@ _WORDS = [orjson.dumps(" " + w) for w in (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()]
 _DONE = b"data: [DONE]\n\n"
+#: Floats in a fake embedding: a small sentence-embedding model's (all-MiniLM-L6-v2's 384).
+EMBEDDING_DIM = 384
+_VECTOR = [round(((i * 7919) % 1000) / 1000 - 0.5, 7) for i in range(EMBEDDING_DIM)]
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found"}
 
 
@@ -277,6 +284,10 @@ class LeanFake:
             self.answered += 1
             await self._completion(sock, conn, body, path == b"/v1/chat/completions",
                                    request_id)
+        elif method == b"POST" and path == b"/v1/embeddings" and self.role in (
+                "decode", "prefill_decode"):
+            self.answered += 1
+            await self._embeddings(sock, conn, raw, request_id)
         else:
             await self._json(sock, conn, 404, orjson.dumps({"detail": "Not Found"}), request_id)
 
@@ -332,6 +343,29 @@ class LeanFake:
         if stream.broken:
             raise BrokenPipeError("client went away")
         await _send_all(sock, conn.send(h11.EndOfMessage()))
+
+    async def _embeddings(self, sock: socket.socket, conn: h11.Connection, raw: bytes,
+                          request_id: str) -> None:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
+        inputs = body.get("input") if isinstance(body, dict) else None
+        if not isinstance(inputs, (str, list)) or not inputs:
+            await self._json(sock, conn, 400, orjson.dumps({"error": {
+                "message": "input must be a string or a non-empty list", "type":
+                "BadRequestError", "param": None, "code": 400}}), request_id)
+            return
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        await trio.sleep(self.prefill_time)
+        tokens = 8 * len(texts)
+        await self._json(sock, conn, 200, orjson.dumps({
+            "id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
+            "model": body.get("model", self.model),
+            "data": [{"index": i, "object": "embedding", "embedding": _VECTOR}
+                     for i in range(len(texts))],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                      "completion_tokens": 0}}), request_id)
 
     async def _flush(self, stream: Stream) -> None:
         # While this task sends, the engine appends to the backlog instead of sending itself.

@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 import trio
@@ -381,6 +382,56 @@ async def test_compare_runs_epd_trio_plain_hypercorn_and_direct_side_by_side(
         assert by_peer[peer]["proxy_cpu_us_per_token"] > 0
         assert by_peer[peer]["events_per_request"] == 6
     # (6 events: the role chunk and 5 tokens)
+
+
+async def test_compare_runs_the_pools_peer_and_embeddings_beside_chat(tmp_path: Path) -> None:
+    """``epd_trio+pools`` routes by its tables beside two other models' pools; the
+    ``/embeddings`` peers post embeddings, answered by the lean fakes' decode, and each gets
+    its ratio to the same peer's chat."""
+    report_path = tmp_path / "compare.json"
+    with trio.fail_after(120):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.compare", "--peers",
+             "epd_trio,epd_trio+pools,epd_trio/embeddings,direct,direct/embeddings",
+             "--requests", "20", "--concurrency", "4", "--max-tokens", "3", "--rounds", "1",
+             "--warmup", "4", "--quiet", "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    assert "epd_trio/embeddings / epd_trio (per round): proxy CPU/request x" in out
+    assert "epd_trio / epd_trio+pools (per round):" in out
+    assert "epd_trio / epd_trio/embeddings" not in out
+    (by_peer,) = json.loads(report_path.read_text())["rounds"]
+    assert {name: run["ok"] for name, run in by_peer.items()} == dict.fromkeys(by_peer, 20)
+    assert by_peer["epd_trio/embeddings"]["proxy_cpu_ms_per_request"] > 0
+
+
+def test_embeddings_peers_are_the_ones_that_route_them_and_never_stream(tmp_path: Path) -> None:
+    args = compare_args(["--peers", "epd_trio/embeddings,vllm-router/embeddings,direct"])
+    peers, skipped = peer_commands(args, Backends((), ("http://p",), ("http://d",)))
+    assert [(p.name, p.path) for p in peers] == [
+        ("epd_trio/embeddings", "/v1/embeddings"), ("direct", "/v1/chat/completions")]
+    assert skipped == ["vllm-router/embeddings: skipped, only epd_trio, hypercorn and direct "
+                       "are loaded with embeddings here"]
+    with pytest.raises(SystemExit):
+        compare_args(["--peers", "epd_trio/embeddings", "--stream"])
+
+
+async def test_the_lean_fake_answers_embeddings_like_vllm() -> None:
+    from bench.lean_fake import EMBEDDING_DIM
+    fake = LeanFake("decode", prefill_time=0)
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(fake.serve)
+        async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
+            ok = await client.post("/v1/embeddings", json={"model": "m", "input": ["a", "b"]})
+            bad = await client.post("/v1/embeddings", json={"model": "m"})
+        nursery.cancel_scope.cancel()
+    answer = ok.json()
+    assert ok.status_code == 200 and answer["object"] == "list" and answer["model"] == "m"
+    assert [d["index"] for d in answer["data"]] == [0, 1]
+    assert len(answer["data"][0]["embedding"]) == EMBEDDING_DIM
+    assert answer["usage"]["prompt_tokens"] == 16
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
 # -- bench.policies: its workload, its ideal, and a tiny real run ---------------------------------
