@@ -434,6 +434,18 @@ async def test_the_lean_fake_answers_embeddings_like_vllm() -> None:
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
 
+def test_model_lookup_measures_each_case_and_each_finds_its_pool() -> None:
+    from bench.model_lookup import cases, lookup_costs
+    found = {name: lookup(proxy) for name, (proxy, lookup) in cases().items()}
+    assert {name: (route.model, leg, adapter and adapter.name)
+            for name, (route, leg, adapter) in found.items()} == {
+        "one pool": ("bench", None, None), "three pools": ("bench", None, None),
+        "alias": ("bench", "bench", None), "sticky alias": ("bench", "bench", None),
+        "adapter": ("bench", None, "bench-sql")}
+    costs = lookup_costs(50)
+    assert set(costs) == set(found) and all(c > 0 for c in costs.values())
+
+
 # -- bench.policies: its workload, its ideal, and a tiny real run ---------------------------------
 def _policies_args(*extra: str) -> argparse.Namespace:
     from bench.policies import parse_args as policies_args
