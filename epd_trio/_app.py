@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,7 +235,7 @@ def _lifespan(app: QuartTrio, proxy: Proxy, asgi: ProxyASGI, gate: _AdmissionWir
                 named("stalled-send watchdog", asgi.watch_stalled_sends)))
             watchdog.extend(await gate.start(nursery))
 
-        await app.nursery.start(proxy.tasks.run, start)
+        await app.nursery.start(_closed_when_cancelled, proxy, start)
 
     @app.after_serving
     async def _close() -> None:
@@ -243,6 +243,24 @@ def _lifespan(app: QuartTrio, proxy: Proxy, asgi: ProxyASGI, gate: _AdmissionWir
             scope.cancel()
         await proxy.aclose()
         await tracing.aclose()  # the last spans, within a bounded time
+
+
+async def _closed_when_cancelled(
+    proxy: Proxy, start: Callable[[trio.Nursery], Awaitable[None]],
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """The per-process tasks; the proxy's upstream sockets closed if they are cancelled.
+
+    Why: a serve cancelled from outside (an embedding application's nursery, a test's) never
+    reaches ``after_serving``, and its keep-alive connections were left for the garbage
+    collector to find (a ``ResourceWarning`` in whatever ran next). A task's death is not a
+    cancellation: the proxy keeps serving and says it failed (``Supervisor``)."""
+    try:
+        await proxy.tasks.run(start, task_status=task_status)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await proxy.aclose()
+        raise
 
 
 def _openai_routes(app: QuartTrio, proxy: Proxy, settings: Settings, client_keys: ClientKeys,

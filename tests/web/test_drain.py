@@ -3,9 +3,12 @@ how it is counted. ``tests/serve/test_serve.py`` runs it under the real ``epd-tr
 
 from __future__ import annotations
 
+import gc
+import warnings
 from typing import Any
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
@@ -97,3 +100,25 @@ async def test_a_body_still_arriving_when_the_grace_ends_gets_503_shutting_down(
     proxy = app.extensions["epd_trio.proxy"]
     assert metric(proxy, "epd_trio_requests_total", endpoint=CHAT, outcome="shutdown") == 1
     assert not decode.requests()
+
+
+async def test_a_serve_cancelled_from_outside_closes_the_upstream_connections(
+    client: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    """No graceful stop: the owner's nursery is cancelled (an embedding application's, a
+    test's). The keep-alive connections to the instance, the request's and the model learner's,
+    are closed, not left for the garbage collector."""
+    (decode,) = await start_fakes(nursery, FakeVLLM("prefill_decode"))
+    app = create_app(Settings(decode_urls=(Instance(decode.url),)))
+    proxy = app.extensions["epd_trio.proxy"]
+    async with trio.open_nursery() as server:
+        url = await server.start(serve_app, app, quiet_config(), trio.Event())
+        assert (await client.post(url + CHAT, json=chat_body())).status_code == 200
+        server.cancel_scope.cancel()
+    with pytest.raises(RuntimeError, match="outside start"):
+        proxy.client(Instance(decode.url))
+    peer = f"('127.0.0.1', {decode.url.rsplit(':', 1)[1]})"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        gc.collect()
+    assert [str(w.message) for w in caught if peer in str(w.message)] == []
