@@ -9,6 +9,7 @@ installs them) a missing server is a failure, so a green run can never hide a sk
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, NoReturn
@@ -72,3 +73,26 @@ def tls_redis_server(directory: Path, binary: str | None = None,
         if "tls-port" in str(exc) and "Bad directive" in str(exc):
             missing("redis-server was built without TLS (--tls-port); Debian's package has it")
         raise
+
+
+def require_one_process(suite: str) -> None:
+    """Fail a one-process suite's session fixture run by an xdist worker (an explicit ``-n``):
+    each worker would start its own vLLM cluster or image build, in no particular order."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        pytest.fail(f"the {suite} runs in one process, not in xdist worker {worker}: run it "
+                    "without -n (tests/conftest.py gives it none) or with -n 0")
+
+
+#: The suites whose servers belong to the session and whose tests run in an order (one vLLM
+#: cluster, started once and stopped last; one image build): they run in one process.
+ONE_PROCESS_SUITES = ("vllm_e2e", "container")
+
+
+def one_process_suite(markexpr: str) -> str | None:
+    """The one-process suite a ``-m`` expression selects (the main suite's own expression
+    deselects both with ``not``), or None."""
+    for marker in ONE_PROCESS_SUITES:
+        if re.search(rf"(?<!not )\b{marker}\b", markexpr):
+            return marker
+    return None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -161,7 +162,8 @@ def peak_rss(pid: int) -> int:
 
 
 async def test_the_body_limit_and_a_20_mb_upload_held_once(
-    client: httpx.AsyncClient, nursery: trio.Nursery, capsys: pytest.CaptureFixture[str],
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+    record_property: Callable[[str, object], None],
 ) -> None:
     """The audio form through ``epd-trio serve`` (a process of its own, so its memory is its
     own): over the body limit, a 413; 20 MB under it raise the proxy's peak memory by about
@@ -186,7 +188,6 @@ async def test_the_body_limit_and_a_20_mb_upload_held_once(
         assert r.status_code == 200, r.text
         assert f"({size} bytes)" in r.json()["text"]
     grown = after - before
-    with capsys.disabled():
-        print(f"\n  20 MB upload through epd-trio serve: its peak RSS {before / 2**20:.0f} -> "
-              f"{after / 2**20:.0f} MiB (+{grown / 2**20:.1f} MiB)")
+    record_property("observed", f"20 MB upload through epd-trio serve: its peak RSS "
+                    f"{before / 2**20:.0f} -> {after / 2**20:.0f} MiB (+{grown / 2**20:.1f} MiB)")
     assert grown < 1.5 * size, grown  # held once (joined from chunks it was held twice)

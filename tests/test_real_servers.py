@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from real_servers import require_binary, tls_redis_server
+from real_servers import one_process_suite, require_binary, require_one_process, tls_redis_server
 
 
 def test_a_present_binary_is_found() -> None:
@@ -39,3 +39,23 @@ def test_a_redis_server_without_tls_skips_locally_and_fails_in_ci(
     monkeypatch.setenv("CI", ci)
     with pytest.raises(outcome, match="built without TLS"):
         tls_redis_server(tmp_path, binary=str(built_without))
+
+
+@pytest.mark.parametrize(("markexpr", "suite"), [
+    ("not vllm_e2e and not container", None),  # the main suite's own
+    ("", None), ("vllm_e2e", "vllm_e2e"), ("container", "container"),
+    ("vllm_e2e and not slow", "vllm_e2e"), ("not container and vllm_e2e", "vllm_e2e"),
+])
+def test_the_one_process_suites_are_told_from_the_mark_expression(
+    markexpr: str, suite: str | None
+) -> None:
+    assert one_process_suite(markexpr) == suite
+
+
+def test_a_one_process_suite_fails_in_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    with pytest.raises(pytest.fail.Exception, match="image's suite runs in one process, not "
+                       "in xdist worker gw1"):
+        require_one_process("image's suite")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    require_one_process("image's suite")

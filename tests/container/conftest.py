@@ -22,7 +22,7 @@ from containers import (
     podman,
     test_venv_pins,
 )
-from real_servers import missing, require_binary
+from real_servers import missing, require_binary, require_one_process
 from session_notes import SessionNotes
 
 NOTES = SessionNotes("observed on the image", "container")
@@ -43,6 +43,7 @@ def built(request: pytest.FixtureRequest, pins: Path) -> Iterator[Image]:
     skips the suite locally and fails it under ``CI=true`` (``tests/real_servers.py``), saying
     why. A build that fails on a machine that runs containers is a failure everywhere: the
     Containerfile's fault, or the build script's."""
+    require_one_process("image's suite")
     say = NOTES.say(request.config)
     require_binary("podman")
     reason = cannot_run_containers()

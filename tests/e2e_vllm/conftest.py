@@ -22,6 +22,7 @@ from epd_trio.testing.otlp_receiver import OtlpReceiver
 
 from .cluster import Cluster, Server, recorded_cluster, start_cluster, start_kv_cluster
 from .provision import Home
+from real_servers import require_one_process
 from session_notes import SessionNotes
 
 NOTES = SessionNotes("observed on real vLLM", "vllm-e2e")
@@ -62,6 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def vllm_session(request: pytest.FixtureRequest) -> Iterator[tuple[Cluster, OtlpReceiver]]:
     """The cluster, and the OTLP receiver its servers export their traces to (listening
     before they start, so that no span of the session is dropped)."""
+    require_one_process("real-vLLM suite")
     say = NOTES.say(request.config)
     home = Home.from_env()
     recorded = recorded_cluster(home)
