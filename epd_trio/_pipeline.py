@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from functools import partial
@@ -137,11 +137,11 @@ class Pipeline:
         self.stage_failover = Failover(max_attempts=settings.max_attempts)
         self.decode_failover = Failover(max_attempts=1 + settings.decode_retries)
 
-    async def run(
+    def run(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
         trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
         session: str | None = None,
-    ) -> Reply:
+    ) -> Coroutine[Any, Any, Reply]:
         """Run the request through its stages and produce the reply.
 
         ``resources`` is the request's owner of anything that outlives this call (the open decode
@@ -152,8 +152,11 @@ class Pipeline:
         parsed body, and the answer's usage reported back. ``session``: the value of
         ``EPD_ALIAS_STICKY_HEADER``, which keeps the client on one alias target. Raises
         ``ProxyError`` for anything the client must be told.
+
+        The coroutine to await is ``run_on``'s: a frame of its own here would resume with
+        every wait of the request, for nothing.
         """
-        return await self.run_on(RequestRun, PATH_OF_KIND[kind], partial(
+        return self.run_on(RequestRun, PATH_OF_KIND[kind], partial(
             RequestRun.reply, kind=kind, raw_body=raw_body, resources=resources,
             session=session), request_id=request_id, resources=resources,
             trace_context=trace_context, ticket=ticket)
@@ -469,7 +472,8 @@ class RequestRun:
             with self.account.leg(stage, slot, beside=beside) as leg:
                 answer = await post_json(
                     pipeline.pools(instance), stage=stage, instance=instance, path=self.path,
-                    body=body, headers=leg.traced(self._headers(leg_id, rank)),
+                    body=body, headers=leg.traced(upstream_headers(
+                        leg_id, rank, content_type=self.content_type)),
                     deadline=(pipeline.settings.prefill_timeout if prefill
                               else pipeline.settings.decode_timeout))
                 leg.answered(answer.status)
@@ -493,7 +497,8 @@ class RequestRun:
         with self.account.leg("decode", slot) as leg:
             relay = await open_stream(
                 self.pipeline.pools(instance), stage="decode", instance=instance,
-                path=self.path, body=body, headers=leg.traced(self._headers(leg_id, rank)),
+                path=self.path, body=body, headers=leg.traced(upstream_headers(
+                    leg_id, rank, content_type=self.content_type)),
                 deadline=settings.decode_timeout, idle_timeout=settings.stream_idle_timeout,
                 on_error=leg.stream_failed, on_abandon=self._abandoned,
             )
@@ -508,11 +513,6 @@ class RequestRun:
             stream=relay,
         )
 
-    def _headers(self, leg_id: str, rank: int | None) -> dict[str, str]:
-        headers = upstream_headers(leg_id, rank)
-        if self.content_type is not None:
-            headers["content-type"] = self.content_type
-        return headers
 
     def _abandoned(self) -> None:
         """The stream was closed before its end: the client left, unless the stream was a

@@ -18,7 +18,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from functools import partial
@@ -428,25 +428,29 @@ class Proxy:
         self._upstream = self._probe_client = None
 
     # -- client requests -------------------------------------------------------------------------
-    async def handle(
+    def handle(
         self, kind: RequestKind, raw_body: bytes, *, request_id: str, resources: AsyncExitStack,
         trace_context: TraceHeaders = NO_TRACE_CONTEXT, ticket: Ticket | None = None,
         session: str | None = None,
-    ) -> Reply:
-        """One client request: ``Pipeline.run``, on the roster as it is now."""
-        self.sync()  # one word read: did the roster change (here, or in another worker)?
-        return await self.pipeline.run(kind, raw_body, request_id=request_id,
-                                       resources=resources, trace_context=trace_context,
-                                       ticket=ticket, session=session)
+    ) -> Coroutine[Any, Any, Reply]:
+        """One client request: ``Pipeline.run``, on the roster as it is now, to await.
 
-    async def handle_api(
+        Not a coroutine of its own: every time the request's innermost wait resumes, each
+        coroutine frame around it resumes too, and this one would add nothing but that cost
+        (its caller awaits the pipeline's coroutine at once)."""
+        self.sync()  # one word read: did the roster change (here, or in another worker)?
+        return self.pipeline.run(kind, raw_body, request_id=request_id, resources=resources,
+                                 trace_context=trace_context, ticket=ticket, session=session)
+
+    def handle_api(
         self, path: str, raw_body: bytes, *, content_type: str | None, request_id: str,
         resources: AsyncExitStack, trace_context: TraceHeaders = NO_TRACE_CONTEXT,
         ticket: Ticket | None = None, session: str | None = None,
-    ) -> Reply:
-        """One request of vLLM's other endpoints (``MODEL_ENDPOINTS``): ``_model_api``."""
+    ) -> Coroutine[Any, Any, Reply]:
+        """One request of vLLM's other endpoints (``MODEL_ENDPOINTS``): ``_model_api``, to
+        await (no frame of its own, as ``handle``)."""
         self.sync()
-        return await self.pipeline.run_on(
+        return self.pipeline.run_on(
             ApiRun, path, partial(ApiRun.answer, form=MODEL_ENDPOINTS[path] == "form",
                                   raw_body=raw_body, content_type=content_type,
                                   resources=resources, session=session),

@@ -370,10 +370,12 @@ def _top_level(response: bytes, key: str) -> Any:
 
 
 def upstream_headers(
-    request_id: str, rank: int | None, authorization: str | None = None
+    request_id: str, rank: int | None, authorization: str | None = None, *,
+    content_type: str | None = None,
 ) -> dict[str, str]:
-    """Headers for one upstream leg; the DP rank header only for a ``dp_size > 1`` instance."""
-    headers = {"content-type": "application/json", "x-request-id": request_id}
+    """Headers for one upstream leg; the DP rank header only for a ``dp_size > 1`` instance.
+    ``content_type``: the body's when it is not JSON (a multipart upload's, with its boundary)."""
+    headers = {"content-type": content_type or "application/json", "x-request-id": request_id}
     if rank is not None:
         headers["x-data-parallel-rank"] = str(rank)
     if authorization:
