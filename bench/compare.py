@@ -67,6 +67,11 @@ aiohttp server, each stream on its own timer, under ``--fake-python``). ``--lab`
 independent setup: ``--fake aiohttp --client aiohttp --token-interval 0.005``. For streams the
 report gives each peer's tokens per wake-up (its threads' voluntary context switches).
 
+``--instructions`` also counts the instructions each ``epd_trio`` peer's process executes per
+measured request, under callgrind (``bench._callgrind``: nearly deterministic where CPU time
+moves 10 to 40 % between rounds; the peer runs tens of times slower, so use a few hundred
+requests at low concurrency; one worker).
+
 docs/discussion/performance.md says how to install the references and gives the figures.
 """
 
@@ -90,6 +95,7 @@ from typing import Any
 import httpx
 import trio
 
+from bench import _callgrind
 from bench._epoll_load import run_load_epoll
 from bench._load import Result
 from bench.burst import make_body_factory, percentile, process_tree_cpu, process_tree_wakeups
@@ -283,7 +289,8 @@ def rotated(items: list[Any], by: int) -> list[Any]:
 
 def summarize_run(results: list[Result], wall: float, *, requests: int, stream: bool,
                   max_tokens: int, proxy_cpu: float | None, fakes_cpu: float,
-                  generator_cpu: float, proxy_wakeups: int | None = None) -> dict[str, Any]:
+                  generator_cpu: float, proxy_wakeups: int | None = None,
+                  proxy_instructions: int | None = None) -> dict[str, Any]:
     """One peer's one round, in numbers (CPU arguments in seconds; output in ms and µs)."""
     ok = [r for r in results if r.error is None]
     failures: dict[str, int] = {}
@@ -309,6 +316,8 @@ def summarize_run(results: list[Result], wall: float, *, requests: int, stream: 
                                       else proxy_wakeups / max(requests, 1)),
         "tokens_per_proxy_wakeup": (None if proxy_wakeups is None or not stream or not tokens
                                     else tokens / max(proxy_wakeups, 1)),
+        "proxy_instructions_per_request": (None if proxy_instructions is None
+                                           else proxy_instructions / max(requests, 1)),
     }
     if stream:
         out["gap_ms"] = {f"p{q}": _ms(percentile(gaps, q)) for q in (50, 90, 99)} | {
@@ -346,6 +355,7 @@ def round_ratios(rounds: list[dict[str, dict[str, Any]]], ours: str, ref: str,
 
 RATIO_FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
     ("proxy CPU/request", lambda r: r["proxy_cpu_ms_per_request"]),
+    ("proxy instructions/request", lambda r: r.get("proxy_instructions_per_request")),
     ("req/s", lambda r: r["rps"]),
     ("latency p50", lambda r: r["latency_ms"]["p50"]),
     ("TTFB p50", lambda r: r["ttfb_ms"]["p50"]),
@@ -406,6 +416,13 @@ def render(report: dict[str, Any]) -> str:
                 f"{span([r['ttfb_ms']['p99'] for r in runs], 2)}  |  events "
                 f"{span([r['events_per_request'] for r in runs], 1)}  |  tokens per proxy "
                 f"wake-up {span([r.get('tokens_per_proxy_wakeup') for r in runs], 2)}")
+    counted = {n: [r[n].get("proxy_instructions_per_request") for r in rounds if n in r]
+               for n in names}
+    counted = {n: v for n, v in counted.items() if any(x is not None for x in v)}
+    if counted:
+        lines += ["", "proxy instructions per request (callgrind), millions:"]
+        lines += [f"  {name:<{width}}{span([x and x / 1e6 for x in v], 3)}"
+                  for name, v in counted.items()]
     failures = {n: f for n in names for r in rounds if n in r and (f := r[n]["failures"])}
     for name, fails in failures.items():
         lines.append(f"  {name} failures: " + ", ".join(f"{k}: {v}" for k, v in fails.items()))
@@ -415,8 +432,8 @@ def render(report: dict[str, Any]) -> str:
             parts = []
             for title, key in RATIO_FIGURES:
                 ratios = round_ratios(rounds, "epd_trio", ref, key)
-                if ratios:
-                    parts.append(f"{title} x{span(ratios)}")
+                if ratios:  # instructions: nearly exact, so one more digit
+                    parts.append(f"{title} x{span(ratios, 3 if 'instr' in title else 2)}")
             if parts:
                 lines.append(f"\nepd_trio / {ref} (per round): " + ", ".join(parts))
     for name in names:
@@ -513,6 +530,7 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                   logdir: Path) -> dict[str, Any]:
     """Start ``peer``, warm it up, send the measured load, stop it; its figures."""
     process = None
+    counting = args.instructions and peer.command is not None and peer.name.startswith("epd_trio")
     log = logdir / f"{peer.name.replace('/', '_')}.log"
     try:
         if peer.command is None:
@@ -520,9 +538,12 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
         else:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
+            command = peer.command(port)
+            if counting:
+                command = _callgrind.wrapped(command, logdir)
             with open(log, "wb") as out:  # noqa: ASYNC230 (a local file, opened once)
                 process = await trio.lowlevel.open_process(
-                    peer.command(port), stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
+                    command, stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
                     preexec_fn=pinned(args.proxy_cpus),
                     env={**os.environ, "PYTHONUNBUFFERED": "1",
                          **({"PYTHONPATH": peer.cwd} if peer.cwd else {}), **(peer.env or {})})
@@ -544,6 +565,9 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                 record_gaps=args.stream, split_head=args.client == "split")), 0.0
 
         await load(args.warmup, min(args.concurrency, 16))
+        if counting:
+            assert process is not None
+            await _callgrind.start(process.pid)
         proxy0 = process_tree_cpu(process.pid) if process else None
         wakes0 = process_tree_wakeups(process.pid) if process else None
         fakes0, self0, t0 = process_tree_cpu(fakes_pid), _self_cpu(), trio.current_time()
@@ -552,12 +576,17 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
         self1, fakes1 = _self_cpu(), process_tree_cpu(fakes_pid)
         proxy1 = process_tree_cpu(process.pid) if process else None
         wakes1 = process_tree_wakeups(process.pid) if process else None
+        instructions = None
+        if counting:
+            assert process is not None
+            instructions = await _callgrind.read(process.pid, logdir)
         return summarize_run(
             results, wall, requests=args.requests, stream=args.stream,
             max_tokens=args.max_tokens,
             proxy_cpu=None if proxy0 is None or proxy1 is None else proxy1 - proxy0,
             fakes_cpu=fakes1 - fakes0, generator_cpu=self1 - self0 + client_cpu,
-            proxy_wakeups=None if wakes0 is None or wakes1 is None else wakes1 - wakes0)
+            proxy_wakeups=None if wakes0 is None or wakes1 is None else wakes1 - wakes0,
+            proxy_instructions=instructions)
     finally:
         if process is not None:
             await stop(process)
@@ -692,6 +721,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a Python with fastapi, uvicorn, uvloop, aiohttp, msgspec")
     p.add_argument("--otlp-endpoint", default=None, metavar="URL",
                    help="where +otel peers export (default: a receiver in this process)")
+    p.add_argument("--instructions", action="store_true",
+                   help="count each epd_trio peer's instructions per request under callgrind "
+                   "(valgrind; nearly deterministic; slow: a few hundred requests, one worker)")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     args = p.parse_args(argv)
@@ -720,6 +752,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("/embeddings peers need the lean fakes (--fake lean): they answer embeddings")
     if any("+pools" in x for x in args.peers) and args.fake == "aiohttp":
         p.error("+pools peers need the lean fakes (--fake lean): they start the other models")
+    if args.instructions:
+        why = _callgrind.available()
+        if why is not None:
+            p.error(f"--instructions: {why}")
+        if args.workers != 1 or any(":w" in x for x in args.peers):
+            p.error("--instructions counts one process: one worker (no --workers, no :wN peer)")
     if args.fake == "aiohttp" and args.pacing != "engine":
         p.error("--pacing is the lean fakes' option (--fake aiohttp paces every stream alone)")
     if args.fake == "aiohttp" and not os.access(args.fake_python, os.X_OK):

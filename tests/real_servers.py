@@ -22,7 +22,8 @@ from epd_trio.testing import redis_server as testing_redis
 #: Debian package of each binary the tests run.
 PACKAGE_OF = {"redis-server": "redis-server", "dnsmasq": "dnsmasq",
               "prometheus": "prometheus", "promtool": "prometheus",
-              "podman": "podman runc", "mmdebstrap": "mmdebstrap"}
+              "podman": "podman runc", "mmdebstrap": "mmdebstrap",
+              "valgrind": "valgrind"}
 
 
 def in_ci() -> bool:

@@ -16,6 +16,8 @@ import pytest
 import trio
 import trio.testing
 
+from bench._callgrind import available as available_callgrind
+from bench._callgrind import total as callgrind_total
 from bench._load import Result, request_head
 from bench._wire import ResponseReader, SSECounter, WireError
 from bench.burst import jain_index, percentile
@@ -23,7 +25,7 @@ from bench.compare import Backends, peer_commands, rotated, round_ratios, span, 
 from bench.compare import parse_args as compare_args
 from bench.lean_fake import LeanFake, Stream, chunk
 
-from real_servers import RedisServer
+from real_servers import RedisServer, require_binary
 
 
 @pytest.mark.parametrize(
@@ -404,6 +406,48 @@ async def test_compare_runs_the_pools_peer_and_embeddings_beside_chat(tmp_path: 
     (by_peer,) = json.loads(report_path.read_text())["rounds"]
     assert {name: run["ok"] for name, run in by_peer.items()} == dict.fromkeys(by_peer, 20)
     assert by_peer["epd_trio/embeddings"]["proxy_cpu_ms_per_request"] > 0
+
+
+async def test_compare_counts_instructions_per_request_under_callgrind(tmp_path: Path) -> None:
+    """``--instructions``: each epd_trio peer runs under callgrind, counted from after its
+    warm-up to after its load; the other peers are measured as usual, without a count."""
+    require_binary("valgrind")
+    report_path = tmp_path / "compare.json"
+    with trio.fail_after(240):
+        result = await trio.run_process(
+            [sys.executable, "-m", "bench.compare", "--instructions", "--peers",
+             "epd_trio,epd_trio+pools,direct", "--requests", "8", "--concurrency", "1",
+             "--max-tokens", "3", "--rounds", "1", "--warmup", "2", "--quiet",
+             "--json", str(report_path)],
+            capture_stdout=True, capture_stderr=True, check=False)
+    out = result.stdout.decode()
+    assert result.returncode == 0, out + result.stderr.decode()
+    (by_peer,) = json.loads(report_path.read_text())["rounds"]
+    counted = {name: run["proxy_instructions_per_request"] for name, run in by_peer.items()}
+    # A request through the proxy is a few million instructions (2.6 on x86-64 at 16 tokens).
+    assert all(10**5 < counted[name] < 10**8 for name in ("epd_trio", "epd_trio+pools"))
+    assert counted["direct"] is None
+    assert "proxy instructions per request (callgrind), millions:" in out
+    assert re.search(r"epd_trio / epd_trio\+pools \(per round\):.* proxy instructions/request "
+                     r"x\d\.\d{3}", out)
+
+
+def test_a_callgrind_dump_is_read_from_its_summary() -> None:
+    dump = "version: 1\ncmd: python\nevents: Ir\nfl=(1) x.c\n0 5\nsummary: 2605123\ntotals: 2605999\n"
+    assert callgrind_total(dump) == 2605123
+    assert callgrind_total("events: Ir\ntotals: 17\n") == 17
+    with pytest.raises(ValueError, match="not a callgrind dump"):
+        callgrind_total("hello")
+
+
+def test_instructions_need_valgrind_and_one_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit):
+        compare_args(["--instructions", "--peers", "epd_trio:w2"])
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert available_callgrind() == ("valgrind and callgrind_control not found "
+                                     "(apt-get install valgrind)")
+    with pytest.raises(SystemExit):
+        compare_args(["--instructions", "--peers", "epd_trio"])
 
 
 def test_embeddings_peers_are_the_ones_that_route_them_and_never_stream(tmp_path: Path) -> None:
