@@ -546,7 +546,8 @@ async def measure(args: argparse.Namespace, peer: Peer, backends: Backends, fake
                     command, stdout=out, stderr=subprocess.STDOUT, cwd=peer.cwd,
                     preexec_fn=pinned(args.proxy_cpus),
                     env={**os.environ, "PYTHONUNBUFFERED": "1",
-                         **({"PYTHONPATH": peer.cwd} if peer.cwd else {}), **(peer.env or {})})
+                         **({"PYTHONPATH": peer.cwd} if peer.cwd else {}), **(peer.env or {}),
+                         **(_callgrind.QUIET if counting else {})})
             await wait_ready(process, url + peer.ready_path, log)
         host, port_ = url.removeprefix("http://").rsplit(":", 1)
         make_body = (embeddings_body_factory(args.model) if peer.path == EMBEDDINGS else
