@@ -445,7 +445,7 @@ async def test_metrics_add_up_over_two_workers_whose_files_are_on_the_tmp_volume
                 assert r.status_code == 200
 
         def ok(m: Samples) -> float:
-            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok")
+            return m.get("epd_trio_requests_total", endpoint=CHAT, outcome="ok", model="fake-model")
 
         # Which worker accepts a connection is the kernel's choice: bursts of concurrent
         # requests on fresh connections, until each worker has served some (one burst, as a
