@@ -180,10 +180,12 @@ class CompletionEndpoints:
                          receive: ASGIReceiveCallable) -> bytes:
         limit = self._max_body_bytes
         declared = first_header(headers, b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise BodyTooLarge(limit)
-        if declared is not None and declared.isdigit() and int(declared) > LARGE_BODY_BYTES:
-            return await self._read_large_body(int(declared), receive)
+        if declared is not None and declared.isdigit():
+            length = int(declared)
+            if length > limit:
+                raise BodyTooLarge(limit)
+            if length > LARGE_BODY_BYTES:
+                return await self._read_large_body(length, receive)
         parts: list[bytes] = []
         size = 0
         while True:
