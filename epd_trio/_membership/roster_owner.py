@@ -112,9 +112,13 @@ class Membership:
         self.discovery = discovery_sources(
             settings, self.discovered, registered=self._registered_names,
             apply_registered=partial(self.discovered, registered=True)) if discovery else []
+        #: Where a changed pool starts its rotation: a random slot with replicas sharing the
+        #: store (``with_pool_epochs``), else where it left off.
+        self._pool_offset: Callable[[int], int] | None = None
         if isinstance(store, ReplicatedRoster):
             store.on_change = self._wake  # the sync task changed the view: wake the waiters
             store.refine = self._with_pools
+            self._pool_offset = store.offset
         static = static_roster(settings.listed("encode"), settings.listed("prefill"),
                                settings.listed("decode"))
         store.attach(self._with_pools(static, static, {}))
@@ -159,7 +163,8 @@ class Membership:
     def _with_pools(self, old: Roster, new: Roster, counters: Mapping[str, int]) -> Roster:
         """``new`` with its pools' epochs (``_models/pools.with_pool_epochs``): every change of
         every store passes here, under the store's lock for the shared one."""
-        return with_pool_epochs(old, new, self._tables, self._pool_counters.peek)
+        return with_pool_epochs(old, new, self._tables, self._pool_counters.peek,
+                                self._pool_offset)
 
     def _update(self, change: Change[T]) -> T:
         """Every change goes through here: the store makes it, the pools follow it; waiters

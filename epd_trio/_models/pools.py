@@ -132,6 +132,7 @@ def _pinned_elsewhere(member: Member, tables: Mapping[str, PoolTable]) -> bool:
 
 def with_pool_epochs(
     old: Roster, new: Roster, tables: Mapping[str, PoolTable], peek: Peek,
+    offset: Callable[[int], int] | None = None,
 ) -> Roster:
     """``new`` with what the pools need: answers of members that left dropped, every pool's
     model given its counter slot (``Roster.models``, append-only, at most ``MAX_MODELS``), and
@@ -139,7 +140,11 @@ def with_pool_epochs(
     bumped when a pool changed and nothing else bumped it (a new answer alone).
 
     One function for every store's changes (``_membership``, ``_replicas``): the pools are
-    derived the same way everywhere."""
+    derived the same way everywhere. With ``offset`` (replicas sharing a store), a pool whose
+    slots changed starts at ``offset(slot count)`` instead, as ``reseeded`` does for a stage:
+    replicas that see one change at about the same time must not send their next requests to
+    the same instances in lockstep (a pool that had none would otherwise start at slot 0 in
+    every replica)."""
     urls = {m.url for m in new.members}
     served = new.served
     if any(url not in urls for url in served):
@@ -158,8 +163,10 @@ def with_pool_epochs(
             old_keys = slot_keys(was.of(stage) if was else (), dp)
             if now_keys != old_keys:
                 changed = True
-                epochs[(model, stage)] = rebase_epoch(
-                    epochs.get((model, stage), (0, 0)), old_keys, now_keys, peek(index, stage))
+                epochs[(model, stage)] = (
+                    rebase_epoch(epochs.get((model, stage), (0, 0)), old_keys, now_keys,
+                                 peek(index, stage)) if offset is None
+                    else (peek(index, stage), offset(len(now_keys)) if now_keys else 0))
     moved = changed or new.served != old.served or tuple(models) != old.models
     if not moved and tuple(models) == new.models and epochs == new.pool_epochs:
         return new

@@ -85,7 +85,7 @@ class ReplicatedRoster:
         return self._roster
 
     def attach(self, initial: Roster) -> None:
-        self._roster = reseeded(Roster(), initial, self._values(), self._offset, every_stage=True)
+        self._roster = reseeded(Roster(), initial, self._values(), self.offset, every_stage=True)
 
     def update(self, change: Change[T]) -> T:
         values = self._values()
@@ -231,7 +231,7 @@ class ReplicatedRoster:
         new = changed_members(old, merged.members, values, merged.transfer_mode)
         if source is not old:  # what the change said each instance serves (no record has it)
             new = replace(new, served=source.served)
-        new = reseeded(old, new, values, self._offset)
+        new = reseeded(old, new, values, self.offset)
         if self.refine is not None:
             new = self.refine(old, new, values)
         self._roster = new
@@ -241,7 +241,8 @@ class ReplicatedRoster:
     def _values(self) -> dict[str, int]:
         return {stage: getattr(self._counters, stage).fetch_add(0) for stage in STAGES}
 
-    def _offset(self, slots: int) -> int:
+    def offset(self, slots: int) -> int:
+        """Where a changed stage or pool starts its rotation here: a random slot."""
         return self._rng.randrange(slots) if slots else 0
 
     def _local_clock(self, member: Member) -> Callable[[], float]:

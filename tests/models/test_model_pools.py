@@ -3,6 +3,7 @@ needs, and each pool's own rotation across changes."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from epd_trio._core.config import settings_from
@@ -120,6 +121,27 @@ def test_a_pool_continues_its_rotation_when_an_instance_joins_and_other_pools_st
     assert new[i0] == old[(a_epoch[1] + 7 - a_epoch[0]) % 2]
     # Nothing new: the same roster back, no version.
     assert with_pool_epochs(second, second, {}, peek) is second
+
+
+def test_with_an_offset_a_changed_pool_starts_there_and_an_unchanged_one_stays() -> None:
+    """Replicas sharing a store (``offset``: the store's random slot) must not start a pool
+    that had no instance at slot 0 together, nor continue a grown one in lockstep."""
+    counters = {(0, "decode"): 7, (1, "decode"): 3}
+
+    def peek(index: int, stage: str) -> int:
+        return counters.get((index, stage), 0)
+
+    first = with_pool_epochs(Roster(), fleet(), {}, peek, offset=lambda slots: slots - 1)
+    assert first.pool_epochs[("A", "decode")] == (7, 1)  # d0 and d1: 2 slots
+    grown = set_served(first, {D2.url: cards("B", "A")})
+    second = with_pool_epochs(first, grown, {}, peek, offset=lambda slots: slots - 1)
+    assert second.pool_epochs[("A", "decode")] == (7, 2)  # d2 too: 3 slots
+    assert second.pool_epochs[("B", "decode")] == first.pool_epochs[("B", "decode")]
+    starts = {with_pool_epochs(Roster(), fleet(), {}, peek,
+                               offset=random.Random(seed).randrange).pool_epochs[("A", "decode")]
+              for seed in range(8)}
+    assert len(starts) > 1  # without the offset, every replica's is (7, 0)
+    assert with_pool_epochs(Roster(), fleet(), {}, peek).pool_epochs[("A", "decode")] == (7, 0)
 
 
 def test_answers_of_instances_that_left_are_dropped_and_model_slots_are_kept() -> None:
