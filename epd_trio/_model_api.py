@@ -25,11 +25,9 @@ from __future__ import annotations
 
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from ._core.errors import BadRequest, NoInstance
-from ._core.failover import with_failover
+from ._core.errors import BadRequest
 from ._core.rewrite import PROXY_OWNED_FIELDS, form_fields, json_object, with_form_field
 from ._pipeline import Reply, RequestRun
 
@@ -72,14 +70,8 @@ class ApiRun(RequestRun):
                 body, changed = {**body, "model": leg_model}, True
             elif "model" in fields:
                 body = with_form_field(raw_body, fields["model"], leg_model)
-        ticket = self.ticket
-        if ticket is not None:  # its tenant's limits; on a JSON body, its priority too
-            trace = self.account.trace
-            trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
-            try:
-                admitted = await ticket.admitted(body if isinstance(body, dict) else {})
-            finally:
-                trace.priority = ticket.priority
+        if self.ticket is not None:  # its tenant's limits; on a JSON body, its priority too
+            admitted = await self._admit(body if isinstance(body, dict) else {})
             if isinstance(body, dict) and admitted != body:
                 body, changed = admitted, True
         if isinstance(body, dict) and not changed:
@@ -89,10 +81,5 @@ class ApiRun(RequestRun):
         self.body, self.items = body, []  # type: ignore[assignment]
         self.with_prefill = self.encode = False
         self.size = 0
-        self._check_pool()
-        first = await self.next_slot("decode", ())
-        if first is None:  # the last decode instance left while this request started
-            raise NoInstance("no decode instance is configured or registered")
-        return await with_failover(
-            self.pipeline.decode_failover, "decode", first, self.attempt,
-            partial(self.next_slot, "decode", any_slot=True), self.account.retried)
+        await self._ready_pool()  # an adapter loaded on demand, as for a chat request
+        return await self._decode_with_failover()

@@ -235,17 +235,12 @@ class RequestRun:
         request = parse_request(raw_body, kind)
         pipeline = self.pipeline
         ticket = self.ticket
-        trace = self.account.trace
         leg_model = await self.resolve(request.body.get("model"), resources, session)
         if leg_model is not None:  # an alias's target, or the one model: every leg names it
             request = replace(request, body={**request.body, "model": leg_model})
         route, adapter = self.route, self.adapter
         if ticket is not None:  # its tenant's priority and token limit, on the body
-            trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
-            try:
-                request = replace(request, body=await ticket.admitted(request.body))
-            finally:  # a request its limits refuse is logged at its priority too
-                trace.priority = ticket.priority
+            request = replace(request, body=await self._admit(request.body))
         self.request = request
         if request.dropped:
             log.debug("request %s: dropped the client's %s (the hand-off is the proxy's)",
@@ -256,23 +251,43 @@ class RequestRun:
         self.body, self.items = body, items = with_item_uuids(request)
         self.with_prefill = route.needs("prefill")
         self.encode = bool(items) and route.needs("encode")
-        if adapter is not None and adapter.table is not None and pipeline.adapter_loader:
-            await self._load_adapter()
-        self._check_pool()
+        await self._ready_pool()
         self.hint = prefix_hint(prompt_text(body)) if route.hinted else None
         #: What the engines hold of this prompt (None: no index, or no render in time).
         self.kv = (None if pipeline.kv is None else await pipeline.kv.lookup(
             self.path, body, self.request_id, account, route.pool,
             None if adapter is None else adapter.name))
         self.size = requested_tokens(body) if route.settings.size_tiebreak else 0
-        handoff = pipeline.handoff(self.with_prefill)
+        return await self._decode_with_failover(pipeline.handoff(self.with_prefill).also_retry)
+
+    async def _admit(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with its tenant's priority and token limit (``Ticket.admitted``), once its
+        limits let it in; a request they refuse is logged at its priority too."""
+        ticket, trace = self.ticket, self.account.trace
+        assert ticket is not None
+        trace.tenant, trace.queued = ticket.tenant.name, ticket.queued
+        try:
+            return await ticket.admitted(body)
+        finally:
+            trace.priority = ticket.priority
+
+    async def _ready_pool(self) -> None:
+        """A configured adapter loaded where a stage this request needs lacks it
+        (``EPD_LORA_LOAD``: ``_load_adapter``), then the pool checked (``_check_pool``)."""
+        adapter = self.adapter
+        if adapter is not None and adapter.table is not None and self.pipeline.adapter_loader:
+            await self._load_adapter()
+        self._check_pool()
+
+    async def _decode_with_failover(self, also_retry: Collection[str] = ()) -> Reply:
+        """The request's attempts (``attempt``), each on its own decode slot."""
         first = await self.next_slot("decode", ())
         if first is None:  # the last decode instance left while this request started
             raise NoInstance("no decode instance is configured or registered")
         return await with_failover(
-            pipeline.decode_failover, "decode", first, self.attempt,
-            partial(self.next_slot, "decode", any_slot=True), account.retried,
-            also_retry=handoff.also_retry)
+            self.pipeline.decode_failover, "decode", first, self.attempt,
+            partial(self.next_slot, "decode", any_slot=True), self.account.retried,
+            also_retry=also_retry)
 
     async def resolve(self, asked: Any, resources: AsyncExitStack,
                       session: str | None) -> str | None:

@@ -362,6 +362,20 @@ async def test_fifty_requests_for_an_adapter_nobody_holds_load_it_once_per_stage
         assert entry["url"] == decode.url
 
 
+async def test_another_endpoint_loads_an_adapter_nobody_holds_on_its_decode_alone(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """vLLM's other endpoints take an adapter as a chat request does, loading included: on
+    the one stage they use (decode), not on a prefill they never reach."""
+    prefills, decodes, config = await adapter_fleet(nursery, **parse_file_tables(LOADABLE))
+    async with serve_proxy(config) as (url, _proxy):
+        r = await client.post(url + "/tokenize", json={"model": "sql-v2", "prompt": "hi"})
+        assert r.status_code == 200, r.text
+        (loaded,) = [f for f in decodes if f.loads]
+        assert loaded.loads == ["sql-v2"] and len(loaded.requests("/tokenize")) == 1
+        assert not any(f.loads or f.requests() for f in prefills)
+
+
 async def test_a_failed_load_is_a_503_naming_the_instance_and_it_is_not_asked_again(
     client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
