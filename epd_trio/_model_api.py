@@ -27,8 +27,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from ._core.errors import BadRequest
-from ._core.rewrite import PROXY_OWNED_FIELDS, form_fields, json_object, with_form_field
+from ._core.rewrite import client_fields, form_fields, json_object, with_form_field
 from ._pipeline import Reply, RequestRun
 
 
@@ -57,13 +56,10 @@ class ApiRun(RequestRun):
             self.content_type = content_type  # the form's own, with its boundary
         else:
             fields = {}
-            parsed = json_object(raw_body)
-            asked = parsed.get("model")
-            if asked is not None and (not isinstance(asked, str) or not asked):
-                raise BadRequest("'model' must be a non-empty string")
-            stream = parsed.get("stream") is True
-            changed = any(name in parsed for name in PROXY_OWNED_FIELDS)
-            body = {k: v for k, v in parsed.items() if k not in PROXY_OWNED_FIELDS}
+            body, dropped = client_fields(json_object(raw_body))
+            asked = body.get("model")
+            stream = body.get("stream") is True
+            changed = bool(dropped)
         leg_model = await self.resolve(asked, resources, session)
         if leg_model is not None:  # an alias's target, or the one model, on the leg
             if isinstance(body, dict):

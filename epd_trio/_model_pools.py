@@ -102,6 +102,7 @@ class ModelPools:
         pools = pools_of(roster, self._tables.pools)
         version = roster.version
         by_name: dict[str, ModelRoute] = {}
+        epochs = roster.pool_epochs
         for index, model in enumerate(roster.models):
             pool = pools.get(model)
             if pool is None:
@@ -110,13 +111,9 @@ class ModelPools:
             if route is None:
                 route = self._routes[model] = self._route(model, index)
             route.pool = pool
-            epochs = roster.pool_epochs
-            route.encoders.update(pool.of("encode"), epochs.get((model, "encode"), (0, 0)),
-                                  version)
-            route.prefills.update(pool.of("prefill"), epochs.get((model, "prefill"), (0, 0)),
-                                  version)
-            route.decodes.update(pool.of("decode"), epochs.get((model, "decode"), (0, 0)),
-                                 version)
+            for stage, cursor in (("encode", route.encoders), ("prefill", route.prefills),
+                                  ("decode", route.decodes)):
+                cursor.update(pool.of(stage), epochs.get((model, stage), (0, 0)), version)
             by_name[model] = route
         if len(by_name) < len(pools) and not self._full_logged:
             self._full_logged = True
@@ -223,14 +220,15 @@ class ModelPools:
         holders, usable = pool.holders(adapter), self._registry.usable(stage)
         return any(inst.url in holders and usable(inst) for inst in pool.of(stage))
 
+    def live(self, pool: Pool, stage: str) -> bool:
+        """Whether ``pool`` has a live instance of ``stage`` now."""
+        usable = self._registry.usable(stage)
+        return any(usable(inst) for inst in pool.of(stage))
+
     def complete(self, pool: Pool) -> bool:
         """Whether every stage ``pool`` needs has a live instance now (what ``GET /v1/models``
         lists and ``epd_trio_model_pool_complete`` reports)."""
-        for stage in pool.needs:
-            usable = self._registry.usable(stage)
-            if not any(usable(inst) for inst in pool.of(stage)):
-                return False
-        return True
+        return all(self.live(pool, stage) for stage in pool.needs)
 
     def listing(self, allowed: Collection[str] | None = None) -> dict[str, Any]:
         """``GET /v1/models`` from what the instances said (no call made)."""

@@ -314,17 +314,15 @@ class RequestRun:
         if not route.needs("decode"):
             raise NoInstance(f"model {route.model!r} has no decode instance configured or "
                              "registered yet")
-        registry = self.pipeline.registry
+        models = self.pipeline.models
         for stage, needed in (("decode", True), ("prefill", self.with_prefill),
                               ("encode", self.encode)):
-            if needed:
-                usable = registry.usable(stage)
-                if not any(usable(inst) for inst in route.pool.of(stage)):
-                    raise ModelUnavailable(route.model, stage)
+            if needed and not models.live(route.pool, stage):
+                raise ModelUnavailable(route.model, stage)
         adapter = self.adapter
         if adapter is not None:
             for stage, needed in (("decode", True), ("prefill", self.with_prefill)):
-                if needed and not self.pipeline.models.holds(route.pool, adapter.name, stage):
+                if needed and not models.holds(route.pool, adapter.name, stage):
                     raise AdapterUnavailable(adapter.name, route.model, stage)
 
     async def _load_adapter(self) -> None:

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +26,7 @@ import trio
 
 from ._admission.fair import Ticket
 from ._core.config import Settings
-from ._core.counters import CursorCounters, LocalPoolCounters
+from ._core.counters import CursorCounters
 from ._core.errors import NoInstance, UpstreamStatusError, UpstreamTransportError
 from ._core.health import Registry
 from ._core.names import MODEL_ENDPOINTS, ROLES, STAGES, RequestKind
@@ -98,18 +96,18 @@ class Proxy:
         if replicated:
             if shared is not None:
                 raise ValueError("a shared state store replaces the workers' shared memory")
+            # Each replica's pools start their rotation at a random slot (the store's offset,
+            # ``with_pool_epochs``): replicas restarted together do not move in lockstep.
             counters, load_table = CursorCounters.local(), LocalLoadTable()
-            # Each replica's pools start their own rotation at a random place: replicas
-            # restarted together must not send their first requests in lockstep.
-            counters = replace(counters, pools=LocalPoolCounters(random.randrange(1 << 20)))
             self._replicated = ReplicatedRoster(counters, moriio_clock=clock)
             store: RosterStore = self._replicated
         else:
             counters, store, load_table = routing_state(shared)
         self.registry = Registry(threshold=settings.health_threshold)
         #: Every count the proxy exports (``/metrics``).
+        reads_index = reads_kv_index(settings, self.tables)
         self.metrics = ProxyMetrics(enabled=settings.metrics, shared_state=replicated,
-                                    kv_index=reads_kv_index(settings, self.tables),
+                                    kv_index=reads_index,
                                     tenants=bool(settings.tenants or settings.tenant_header))
         self.registry.on_change.append(_log_health_change)
         self.registry.on_change.append(self.metrics.health_changed)
@@ -129,7 +127,7 @@ class Proxy:
         follow = Follow(version=lambda: store.seen.version, pull=partial(self.sync, look=False))
         #: The KV index and the render call, when a policy or the prefill bypass reads them.
         self.kv: KvRouting | None = None
-        if reads_kv_index(settings, self.tables):
+        if reads_index:
             self.kv = KvRouting(settings, pools=self.client, metrics=self.metrics,
                                 render_targets=self._render_targets)
         #: Each model's pool and its routing state (cursors, policies, cap).
@@ -531,11 +529,11 @@ def served_names(member: Member, roster: Roster) -> dict[str, Any]:
     return {"models": [], "models_from": "not answered yet: serves no model"}
 
 
-def reads_kv_index(settings: Settings, tables: Tables | None = None) -> bool:
+def reads_kv_index(settings: Settings, tables: Tables) -> bool:
     """Whether a policy (the proxy's or a model table's) or the prefill bypass reads the KV
     index (else none is made)."""
     policies = [settings.prefill_policy, settings.decode_policy]
-    for table in (tables.pools.values() if tables is not None else ()):
+    for table in tables.pools.values():
         policies += [table.settings.get("prefill_policy"), table.settings.get("decode_policy")]
     return settings.pd_uncached_token_threshold > 0 or "precise_cache_aware" in policies
 

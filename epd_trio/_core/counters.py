@@ -47,17 +47,16 @@ class PoolCounters(Protocol):
 
 
 class LocalPoolCounters:
-    """The pools' counters of one process, made on first use, each from ``start`` (a
-    replica's own cursors start at a random offset, so replicas do not move in lockstep)."""
+    """The pools' counters of one process, made on first use. (Where a replica's rotation
+    starts is its pools' epoch, not the counter's value: ``_models/pools.with_pool_epochs``.)"""
 
-    def __init__(self, start: int = 0) -> None:
-        self._start = start
+    def __init__(self) -> None:
         self._counters: dict[tuple[int, str], LocalCounter] = {}
 
     def counter(self, index: int, stage: str) -> LocalCounter:
         found = self._counters.get((index, stage))
         if found is None:
-            found = self._counters[(index, stage)] = LocalCounter(self._start)
+            found = self._counters[(index, stage)] = LocalCounter()
         return found
 
     def peek(self, index: int, stage: str) -> int:

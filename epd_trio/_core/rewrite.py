@@ -171,14 +171,23 @@ def _not_json(raw: bytes, exc: orjson.JSONDecodeError) -> str:
     return f"request body is not valid JSON: {exc}"
 
 
-def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
-    """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
-    body = json_object(raw)
+def client_fields(body: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``body`` without the fields the proxy owns, and which it had; ``BadRequest`` for a
+    ``model`` that is not a name (every endpoint's body, completions and the others)."""
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or not model):
         # Absent is fine (the one model served is meant, as vLLM reads it: the model
         # registry decides); present, it must be a name.
         raise BadRequest("'model' must be a non-empty string")
+    dropped = tuple(name for name in PROXY_OWNED_FIELDS if name in body)
+    if dropped:
+        body = {key: value for key, value in body.items() if key not in PROXY_OWNED_FIELDS}
+    return body, dropped
+
+
+def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
+    """Parse and validate a client body; raise ``BadRequest`` with an OpenAI-style message."""
+    body, dropped = client_fields(json_object(raw))
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -189,9 +198,6 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     else:
         _check_prompt(body.get("prompt"))
         media = ()
-    dropped = tuple(name for name in PROXY_OWNED_FIELDS if name in body)
-    if dropped:
-        body = {key: value for key, value in body.items() if key not in PROXY_OWNED_FIELDS}
     return ParsedRequest(kind=kind, body=body, stream=stream, media=media, dropped=dropped)
 
 

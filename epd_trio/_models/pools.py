@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from .._core.names import STAGES
 from .._core.roster import MAX_MODELS, Card, Member, Roster, Served
 from .._core.routing import Epoch, Instance, rebase_epoch, slot_keys
+from .cards import base_names
 from .tables import PoolTable
 
 #: The pool of the instances that serve any name (no ``/v1/models``), for the names no other
@@ -68,7 +69,7 @@ def names_of(member: Member, served: Mapping[str, Served]) -> tuple[str, ...] | 
     name (a 404), () for none (it never answered and declared nothing)."""
     if member.url in served:
         cards = served[member.url]
-        return None if cards is None else tuple(c.id for c in cards if c.parent is None)
+        return None if cards is None else base_names(cards)
     return member.models
 
 
