@@ -179,8 +179,8 @@ def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: li
     """``name``'s peer appended to ``peers``, or a line saying why not to ``skipped``."""
     e, p, d = backends.encode, backends.prefill, backends.decode
     if name == "epd_trio" or name.startswith(("epd_trio@", "epd_trio:w", "epd_trio+")):
-        name_base, pooled, _ = name.partition("+pools")
-        name_base, traced, otel = (name_base + _).partition("+otel")
+        pooled = "+pools" in name
+        name_base, traced, otel = name.replace("+pools", "").partition("+otel")
         env = None
         if traced:
             ratio = otel.removeprefix("=")
@@ -194,12 +194,11 @@ def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: li
             skipped.append(f"{name}: skipped, {checkout} is not an epd_trio checkout")
             return
 
-        def epd_trio(port: int, workers: int = workers, pooled: bool = bool(pooled)
-                     ) -> list[str]:
+        def epd_trio(port: int, workers: int = workers, pooled: bool = pooled) -> list[str]:
             cmd = [sys.executable, "-m", "epd_trio", "serve", "--host", "127.0.0.1",
                    "--port", str(port), "--workers", str(workers)]
             if pooled:  # the measured model in a table of its own, beside the others'
-                return [*cmd, "--models", models_tables(backends)]
+                return [*cmd, "--models", models_tables(backends, args.model)]
             for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
                 if urls:
                     cmd += [f"--{role}", *urls]
@@ -254,16 +253,15 @@ def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: li
         peers.append(Peer(name, None))
 
 
-#: The model the load names (the lean fakes' own name).
-MEASURED_MODEL = "fake-model"
 #: The other models of a ``+pools`` peer: two more pools, three in all.
 OTHER_MODELS = ("pool-b", "pool-c")
 
 
-def models_tables(backends: Backends) -> str:
+def models_tables(backends: Backends, measured: str) -> str:
     """``--models`` for a ``+pools`` peer: the measured model's pool (every backend of the
-    layout) and one pool per other model (its own instance), as JSON tables."""
-    tables: dict[str, dict[str, list[str]]] = {MEASURED_MODEL: {
+    layout, under the name the load asks for) and one pool per other model (its own
+    instance), as JSON tables."""
+    tables: dict[str, dict[str, list[str]]] = {measured: {
         role: list(urls) for role, urls in (("encode", backends.encode),
                                             ("prefill", backends.prefill),
                                             ("decode", backends.decode)) if urls}}

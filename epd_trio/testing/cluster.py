@@ -46,9 +46,10 @@ class Cluster:
 
 
 async def _start_fakes(
-    nursery: trio.Nursery, count: int, role: Role, dp_size: int, host: str
+    nursery: trio.Nursery, count: int, role: Role, dp_size: int, host: str,
+    model: str = "fake-model",
 ) -> list[FakeVLLM]:
-    fakes = [FakeVLLM(role=role, dp_size=dp_size) for _ in range(count)]
+    fakes = [FakeVLLM(role=role, dp_size=dp_size, model=model) for _ in range(count)]
     for fake in fakes:
         await nursery.start(fake.serve, host)
     return fakes
@@ -203,14 +204,13 @@ async def run_fleet(
         urls: dict[str, dict[str, list[str]]] = {}
         for model, (encoders, (prefills, prefill_dp), (decodes, decode_dp)) in layouts.items():
             roles: dict[str, list[FakeVLLM]] = {
-                "encode": [FakeVLLM("encode", model=model) for _ in range(encoders)],
-                "prefill": [FakeVLLM("prefill", prefill_dp, model=model) for _ in range(prefills)],
-                "decode": [FakeVLLM("decode", decode_dp, model=model) for _ in range(decodes)]}
-            fakes[model], urls[model] = roles, {}
-            for role, group in roles.items():
-                for fake in group:
-                    await nursery.start(fake.serve, host)
-                urls[model][role] = [f"{f.url}#dp={f.dp_size}" for f in group]
+                "encode": await _start_fakes(nursery, encoders, "encode", 1, host, model),
+                "prefill": await _start_fakes(nursery, prefills, "prefill", prefill_dp, host,
+                                              model),
+                "decode": await _start_fakes(nursery, decodes, "decode", decode_dp, host, model)}
+            fakes[model] = roles
+            urls[model] = {role: [f"{f.url}#dp={f.dp_size}" for f in group]
+                           for role, group in roles.items()}
         if tables:
             lists: dict[str, Any] = {"models": {
                 m: {**{r: u for r, u in roles.items() if u}, **(pool_settings or {}).get(m, {})}

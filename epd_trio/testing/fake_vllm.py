@@ -56,6 +56,8 @@ ROLES: tuple[Role, ...] = ("encode", "prefill", "decode", "prefill_decode")
 _MEDIA = ("image_url", "audio_url", "input_audio", "video_url")
 #: The model list: asked by the proxy's model learner, not a request it routes.
 MODELS_PATH = "/v1/models"
+#: FastAPI's 404 body for a path with no route (vLLM's, for an endpoint its task lacks).
+NO_ROUTE = orjson.dumps({"detail": "Not Found"})
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
     "oscar papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
@@ -337,7 +339,7 @@ class FakeVLLM:
     async def _api(self, record: Received, respond: Any, body_chunk: Any) -> None:
         """One of the other endpoints (``fake_api``), where its tasks serve it."""
         if not any(record.path in fake_api.TASK_ENDPOINTS[t] for t in self.tasks):
-            await respond(404, orjson.dumps({"detail": "Not Found"}))  # FastAPI's: no route
+            await respond(404, NO_ROUTE)  # FastAPI's: no route
             return
         if await self._misbehave(respond):  # the engine's time, and any injected failure
             return
@@ -446,7 +448,7 @@ class FakeVLLM:
             return
         if record.path == "/v1/models" and record.method == "GET":
             if not self.models_route:
-                await respond(404, orjson.dumps({"detail": "Not Found"}))
+                await respond(404, NO_ROUTE)
                 return
             await respond(200, orjson.dumps({"object": "list", "data": [*({
                 "id": name, "object": "model", "created": 0, "owned_by": "vllm",
@@ -466,7 +468,7 @@ class FakeVLLM:
             return
         if record.path in ("/start_profile", "/stop_profile") and record.method == "POST":
             if not b.profiler:  # FastAPI's answer for a route that does not exist
-                await respond(404, orjson.dumps({"detail": "Not Found"}))
+                await respond(404, NO_ROUTE)
             elif not await self._misbehave(respond):
                 self.profiling = record.path == "/start_profile"
                 await respond(200, b"")
@@ -477,7 +479,7 @@ class FakeVLLM:
         if (record.method != "POST" or record.path not in ("/v1/chat/completions",
                                                             "/v1/completions")
                 or "generate" not in self.tasks):
-            await respond(404, orjson.dumps({"detail": "Not Found"}) if record.method == "POST"
+            await respond(404, NO_ROUTE if record.method == "POST"
                           and "generate" not in self.tasks
                           else _error("Not Found", "NotFoundError", 404))
             return
