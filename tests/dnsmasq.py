@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import getpass
 import signal
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -24,21 +23,9 @@ from pathlib import Path
 
 import trio
 
+from epd_trio.testing.ports import free_port
+
 from real_servers import require_binary
-
-
-def free_port() -> int:
-    """A loopback port free for UDP and TCP now (dnsmasq listens on both)."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-            udp.bind(("127.0.0.1", 0))
-            port = udp.getsockname()[1]
-            with socket.socket() as tcp:
-                try:
-                    tcp.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
 
 
 class Dnsmasq:
@@ -152,7 +139,7 @@ async def dnsmasq(
         server = Dnsmasq(nursery, binary, hosts_file, zone, srv, txt)
         try:
             for attempt in range(3):  # the free port may be taken before dnsmasq binds it
-                server.port = free_port()
+                server.port = free_port(udp=True)  # dnsmasq listens on both
                 try:
                     await server.start()
                     break

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from .ports import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,13 +24,6 @@ class TLSFiles:
     cert: str
     key: str
     ca: str
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on now (for servers that cannot take port 0)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RedisServer:

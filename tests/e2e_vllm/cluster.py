@@ -37,8 +37,10 @@ from pathlib import Path
 
 import httpx
 
+from epd_trio.testing.ports import free_ports
+
 from . import amx
-from .processes import alive, free_ports, start_ticks, stop_tree, tail, tree
+from .processes import alive, start_ticks, stop_tree, tail, tree
 from .provision import VLLM_CLI, Home, Log, ensure_model, ensure_venv
 
 #: Where every server exports its traces (``--otlp-traces-endpoint``): OTLP over HTTP/protobuf

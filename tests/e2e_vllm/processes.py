@@ -1,4 +1,4 @@
-"""Processes by PID: liveness, process trees, stopping a tree, free ports, log tails.
+"""Processes by PID: liveness, process trees, stopping a tree, log tails.
 
 Why by PID and never by name: other vLLM servers may run on the same machine (another checkout's
 cluster, a colleague's benchmark); only the processes this harness started, identified by PID
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -80,24 +79,6 @@ def stop_tree(pid: int, ticks: int | None = None, *, timeout: float = 30.0) -> l
     while any(alive(p) for p in left) and time.monotonic() < deadline:
         time.sleep(POLL_INTERVAL)
     return left
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports the kernel considers free now (all held open until all are picked).
-
-    A server started afterwards may still lose its port to someone else in between: the start
-    retry covers that rare case.
-    """
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sockets.append(sock)
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 def tail(path: Path, lines: int = 30) -> str:

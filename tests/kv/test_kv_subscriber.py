@@ -7,7 +7,6 @@ nothing sleeps to synchronise.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from epd_trio._kv.keys import request_keys
 from epd_trio._kv.subscriber import KvEvents, SlotReport, SlotSource
 from epd_trio._kv.wire import AllBlocksCleared, BlockRemoved
 from epd_trio.testing.kv_publisher import KVEventPublisher
+from epd_trio.testing.ports import free_port
 
 SLOT = ("http://prefill:8000", 0)
 DEADLINE = 10.0
@@ -238,12 +238,6 @@ async def test_malformed_messages_are_counted_and_the_subscription_goes_on() -> 
         assert (stats[SLOT].malformed, stats[SLOT].received) == (3, 4)
         assert trust(stats) is Trust.DEGRADED                        # the bad batch's events: lost
         assert stats[SLOT].index.losses == 1
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def test_an_absent_publisher_raises_nothing_and_the_slot_waits_for_it() -> None:

@@ -4,7 +4,6 @@ scripted transport, then against real proxies over real sockets."""
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from epd_trio import Settings
 from epd_trio._core.roster import Roster
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
+from epd_trio.testing.ports import free_port
 from epd_trio.testing.registrar import (
     DEFAULT_ANNOUNCE_INTERVAL,
     DEFAULT_RETRY_INTERVAL,
@@ -110,13 +110,6 @@ async def test_one_url_as_a_string_and_no_key_header_without_a_key(
 
 
 # -- against real proxies -------------------------------------------------------------------------
-def free_port() -> int:
-    """A loopback port nothing listens on (the "down" proxy, started on it later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def listed(url: str) -> Callable[[Roster], bool]:
     return lambda roster: roster.find(url) is not None
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -31,6 +30,7 @@ import trio
 from epd_trio._core.tenants import Tenant
 from epd_trio.testing import Behaviour
 from epd_trio.testing.cluster import run_cluster
+from epd_trio.testing.ports import free_port
 from epd_trio.testing.process import stop_process
 
 from helpers import CHAT, chat_body, hold_admission_places, image
@@ -63,12 +63,6 @@ def rules_without_for(into: Path) -> Path:
     assert count >= 1  # EpdTrioNoHealthyInstance has one, of 1m
     into.write_text(text)
     return into
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def panel_queries() -> list[tuple[str, str]]:

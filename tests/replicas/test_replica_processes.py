@@ -20,8 +20,8 @@ from epd_trio import Instance, Settings
 from epd_trio._core.shared_state import load_field
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
 from epd_trio.testing.moriio import MoriioStandIn
+from epd_trio.testing.ports import free_port
 from epd_trio.testing.process import read_url, stop_process
-from epd_trio.testing.redis_server import free_port
 
 from helpers import CHAT, chat_body, instances_listing, moriio_pair, server_process, start_fakes
 from real_servers import RedisServer
