@@ -6,11 +6,13 @@
 
 Layouts: ``epd`` = encoder (``--mm-encoder-only``, encoder-cache producer) + prefill (encoder-cache
 consumer, NIXL KV producer) + decode (NIXL KV consumer), vision model; ``pd`` = prefill + decode.
-Every server listens on a free port picked at start (its NIXL side channel too) and has its own
-temp dir; the encoder cache (``ECExampleConnector``: one safetensors file per item ``uuid``)
-is a folder under ``run/``. A server counts as started when ``/health`` answers 200 within
-``EPD_E2E_START_TIMEOUT`` seconds (default 240) while its process is alive; a failed start is
-retried once on fresh ports, then reported with the servers' log tails.
+Every server listens on a free port picked at start (its NIXL side channel too), below the
+kernel's ephemeral range so that no connection takes it while a test restarts the server
+(``epd_trio.testing.ports``), and has its own temp dir; the encoder cache
+(``ECExampleConnector``: one safetensors file per item ``uuid``) is a folder under ``run/``. A
+server counts as started when ``/health`` answers 200 within ``EPD_E2E_START_TIMEOUT`` seconds
+(default 240) while its process is alive; a failed start is retried once on fresh ports, then
+reported with the servers' log tails.
 
 Servers are stopped by PID (with their start time, against PID reuse): SIGTERM, then SIGKILL for
 whatever is left of the process tree. A cluster started by a test session is also tied to that
