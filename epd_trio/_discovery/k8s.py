@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable, Sequence
+from contextlib import aclosing
 from typing import Any
 
 import httpx
@@ -244,18 +245,20 @@ class KubernetesDiscovery:
             if response.status_code != 200:
                 await response.aread()
                 _json_or_raise(response)
-            async for line in response.aiter_lines():
-                if not line.strip():
-                    continue
-                event = watch_event(line.encode())
-                if event.expired:
-                    raise Gone
-                if event.type == "ERROR":
-                    raise ApiError(int(event.object.get("code") or 500),
-                                   str(event.object.get("message", "watch error")))
-                view = view.apply(event)
-                self.events[role] += 1
-                self._publish(role, selector, view)
+            # Closed here, not by the garbage collector, when an event ends the watch early.
+            async with aclosing(response.aiter_lines()) as lines:
+                async for line in lines:
+                    if not line.strip():
+                        continue
+                    event = watch_event(line.encode())
+                    if event.expired:
+                        raise Gone
+                    if event.type == "ERROR":
+                        raise ApiError(int(event.object.get("code") or 500),
+                                       str(event.object.get("message", "watch error")))
+                    view = view.apply(event)
+                    self.events[role] += 1
+                    self._publish(role, selector, view)
         return view
 
     def _publish(self, role: str, selector: str, view: PodView) -> None:

@@ -46,6 +46,11 @@ PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_WORDS = 40
 #: Seconds for an engine's events to reach the proxy's index (a loaded 2-core machine).
 EVENTS_DEADLINE = 30.0
+#: Seconds for a new proxy's every slot to be exact. Three engines on 2 cores put the load at
+#: 9 to 10, and once every replay of a 30 s wait went unanswered within the proxy's 2 s; the
+#: proxy asks again after 2, 4, 8, 16 and 32 s (its first-replay back-off), so this covers six
+#: asks where 30 s covered four.
+SYNC_DEADLINE = 90.0
 #: Render calls on a loaded machine can take seconds; the default (0.5 s) would fall back.
 RENDER_TIMEOUT = 30.0
 
@@ -93,7 +98,8 @@ async def proxy_over(servers: Cluster, **settings: Any) -> AsyncIterator[tuple[s
                       **{"prefill_policy": "precise_cache_aware", **settings})
     async with serve_proxy(config) as (url, proxy):
         await until(proxy, lambda: len(slots(proxy)) == 3
-                    and all(s["trust"] == "exact" for s in slots(proxy).values()))
+                    and all(s["trust"] == "exact" for s in slots(proxy).values()),
+                    SYNC_DEADLINE)
         yield url, proxy
 
 
