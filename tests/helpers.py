@@ -299,13 +299,15 @@ async def instances_listing(url: str, api_key: str) -> dict[str, Any]:
 async def every_worker_lists(url: str, count: int, api_key: str, *, workers: int = 2,
                              role: str = "decode", limit: float = 30.0) -> None:
     """Return once ``workers`` different worker processes behind ``url`` have each listed
-    ``count`` instances of ``role`` (polled: no event crosses processes; each call is a
-    round trip, so the loop does not spin)."""
+    ``count`` instances of ``role``, every one of them serving a model: an instance serves
+    nothing until it has answered ``/v1/models``, and a request sent before that would miss it
+    (polled: no event crosses processes; each call is a round trip, so the loop does not spin)."""
     seen: set[int] = set()
     with trio.fail_after(limit):
         while len(seen) < workers:
             answer = await instances_listing(url, api_key)
-            if len(answer["instances"][role]) == count:
+            listed = answer["instances"][role]
+            if len(listed) == count and all(entry["models"] for entry in listed):
                 seen.add(answer["worker_pid"])
 
 

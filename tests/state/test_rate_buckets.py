@@ -70,8 +70,15 @@ async def test_epd_trio_serve_with_two_workers_grants_a_limit_once(
     command = [sys.executable, "-m", "epd_trio", "serve", "--port", "0", "--workers", "2"]
     async with server_process(nursery, command, env, limit=60) as served:
         statuses = []
+        started = trio.current_time()
         for _ in range(20):  # a fresh connection each: either worker may take it
             async with httpx.AsyncClient(trust_env=False, timeout=10) as client:
                 r = await client.post(served.url + CHAT, json=chat_body(), headers=TEAM)
                 statuses.append(r.status_code)
-    assert statuses.count(200) == 10 and statuses.count(429) == 10, statuses
+        took = trio.current_time() - started
+    # The bucket refills one request every 6 s: a loaded machine that took longer than that
+    # for the 20 may see one granted per 6 s more. Each worker on its own would grant 20.
+    refilled = int(took * TABLES["team"]["requests_per_minute"] / 60)
+    granted = statuses.count(200)
+    assert 10 <= granted <= 10 + refilled, (took, statuses)
+    assert statuses.count(429) == 20 - granted, statuses
