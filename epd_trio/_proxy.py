@@ -273,13 +273,17 @@ class Proxy:
         return created
 
     async def ask_newcomers(self) -> None:
-        """Ask the instances that have not said what they serve yet, now (a registration's
-        route: the instance serves its models when the registration is answered, not at the
-        learner's next wake-up)."""
+        """Ask the instances never asked, that have not said what they serve, now (a
+        registration's route: the instance serves its models when the registration is answered,
+        not at the learner's next wake-up).
+
+        Only those: one asked before that did not answer (down, or too slow) is the learner's
+        to ask again at its next round; asking it here would hold every registration for up to
+        the probe timeout, for an instance the registration did not name."""
         if self._probe_client is None:
             return
-        roster = self.membership.current()
-        waiting = [m for m in roster.members if m.url not in roster.served]
+        served = self.membership.current().served
+        waiting = [m for m in self.learner.newcomers() if m.url not in served]
         if waiting:
             await self.learner.round(waiting)
 

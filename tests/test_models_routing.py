@@ -277,6 +277,50 @@ async def test_a_registered_instance_joins_the_pool_of_what_it_serves(
         assert (entry["models"], entry["models_from"]) == (["B"], "/v1/models")
 
 
+class Silent:
+    """An instance that takes every connection and never answers: each request's path is
+    recorded, then held until the test ends (a server hung, or behind a dead link)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def serve(self, nursery: trio.Nursery) -> str:
+        listeners = await nursery.start(partial(trio.serve_tcp, self._hold, 0, host="127.0.0.1"))
+        return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+    async def _hold(self, stream: trio.SocketStream) -> None:
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await stream.receive_some()
+            if not data:
+                return
+            head += data
+        self.paths.append(head.split(b" ", 2)[1].decode())
+        await trio.sleep_forever()
+
+
+async def test_a_registration_does_not_wait_on_an_instance_that_never_answered(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """A registration asks only the instances never asked: one that did not answer before
+    is the learner's to ask again at its next round, and would otherwise hold every
+    registration for up to the probe timeout."""
+    silent = Silent()
+    silent_url = await silent.serve(nursery)
+    (a, b) = await start_fakes(nursery, FakeVLLM("prefill_decode", model="A"),
+                               FakeVLLM("prefill_decode", model="B"))
+    config = Settings(decode_urls=(Instance(a.url), Instance(silent_url)), admin_key="k",
+                      health_timeout=0.5, models_interval=3600.0)
+    async with serve_proxy(config) as (url, _proxy):
+        assert silent.paths.count("/v1/models") == 1  # asked once before serving, in vain
+        r = await client.post(url + "/instances", headers={"x-api-key": "k"},
+                              json={"role": "prefill_decode", "url": b.url})
+        assert r.json() == {"registered": True}
+        assert silent.paths.count("/v1/models") == 1  # not asked again for B's registration
+        assert (await client.post(url + CHAT, json=body("B"))).status_code == 200  # B was asked
+        assert len(b.requests()) == 1
+
+
 def parse_file_tables(values: dict[str, Any]) -> dict[str, Any]:
     """Settings' values as a config file's (its tables parsed)."""
     return {key: parse_setting(key, value, key) for key, value in values.items()}

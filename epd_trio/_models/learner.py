@@ -71,14 +71,15 @@ class ModelLearner:
                 while True:
                     # Newcomers first, then wait: one that joined during a round was not
                     # waited for (its change woke nobody), and must not wait an interval.
-                    newcomers = self._newcomers()
+                    newcomers = self.newcomers()
                     if newcomers:
                         await self.round(newcomers)
                     else:
                         await self._changed()
             await self.round()
 
-    def _newcomers(self) -> list[Member]:
+    def newcomers(self) -> list[Member]:
+        """The instances not asked since they joined."""
         return [m for m in self._roster().members if m.url not in self._asked]
 
     async def round(self, members: list[Member] | None = None) -> None:
