@@ -157,12 +157,6 @@ def requests_per_worker(metrics_dir: str | os.PathLike[str]) -> dict[int, float]
 STAGES = ("encode", "prefill", "decode")
 
 
-async def answered(proxy: Any) -> None:
-    """Until every instance of ``proxy``'s roster has said what it serves (the learner asks
-    a newcomer at once, one round trip after it joined)."""
-    await proxy.wait_roster(lambda roster: all(m.url in roster.served for m in roster.members))
-
-
 def metric(proxy: Any, name: str, **labels: str) -> float:
     """The current value in ``proxy``'s registry (all workers') of the samples of ``name``
     whose labels include ``labels`` (one sample when they name them all), 0 when absent."""

@@ -55,6 +55,12 @@ async def _start_fakes(
     return fakes
 
 
+async def answered(proxy: Proxy) -> None:
+    """Until every instance of ``proxy``'s roster has said what it serves (the learner asks
+    a newcomer at once, one round trip after it joined): before that, it serves no model."""
+    await proxy.wait_roster(lambda roster: all(m.url in roster.served for m in roster.members))
+
+
 @asynccontextmanager
 async def serve_proxy(
     settings: Settings,
@@ -162,8 +168,7 @@ async def run_moriio_cluster(
                     transfer_mode=mode).run)
                 # One at a time: the roster (and so the rotation) is in the fakes' order.
                 await proxy.wait_roster(lambda r, url=fake.url: r.find(url) is not None)
-            # ... and each has said what it serves (the learner asks a newcomer at once).
-            await proxy.wait_roster(lambda r: all(m.url in r.served for m in r.members))
+            await answered(proxy)
             yield Cluster(e, p, d, config, url, proxy)
         nursery.cancel_scope.cancel()
 

@@ -32,11 +32,11 @@ from epd_trio._discovery.dns import DnsDiscovery, ask, make_resolver
 from epd_trio._discovery.start import check_discovery
 from epd_trio._proxy import Proxy
 from epd_trio.testing import FakeVLLM, serve_proxy
+from epd_trio.testing.cluster import answered
 
 from helpers import (
     CHAT,
     POD_ADDRESSES,
-    answered,
     chat_body,
     every_worker_lists,
     serve_on_addresses,

@@ -30,12 +30,12 @@ from epd_trio._discovery.kube_api import KubeApi
 from epd_trio._proxy import Proxy
 from epd_trio._state.roster_store import LocalRosterStore
 from epd_trio.testing import Behaviour, FakeVLLM, serve_proxy
+from epd_trio.testing.cluster import answered
 from epd_trio.testing.kube_api import FakeKubeApi, make_pod
 
 from helpers import (
     CHAT,
     POD_ADDRESSES,
-    answered,
     chat_body,
     every_worker_lists,
     instances_listing,
