@@ -140,6 +140,12 @@ class Backends:
     #: ``(model, URL)``: one combined instance per other model (``+pools`` peers).
     others: tuple[tuple[str, str], ...] = ()
 
+    def by_role(self) -> list[tuple[str, tuple[str, ...]]]:
+        """``(role, URLs)`` of the roles the layout has, in the request's order."""
+        return [(role, urls) for role, urls in (("encode", self.encode),
+                                                ("prefill", self.prefill),
+                                                ("decode", self.decode)) if urls]
+
 
 @dataclass(frozen=True)
 class Peer:
@@ -199,9 +205,8 @@ def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: li
                    "--port", str(port), "--workers", str(workers)]
             if pooled:  # the measured model in a table of its own, beside the others'
                 return [*cmd, "--models", models_tables(backends, args.model)]
-            for role, urls in (("encode", e), ("prefill", p), ("decode", d)):
-                if urls:
-                    cmd += [f"--{role}", *urls]
+            for role, urls in backends.by_role():
+                cmd += [f"--{role}", *urls]
             return cmd
         peers.append(Peer(name, epd_trio, "/ready", cwd=checkout, env=env))
     elif name == "hypercorn" or name.startswith("hypercorn@"):
@@ -213,8 +218,7 @@ def _add_peer(args: argparse.Namespace, backends: Backends, name: str, peers: li
         def plain(port: int) -> list[str]:
             return [sys.executable, "-m", "hypercorn", "--worker-class", "trio",
                     "--bind", f"127.0.0.1:{port}", "epd_trio.app:app"]
-        urls = {f"EPD_{role.upper()}_URLS": " ".join(u)
-                for role, u in (("encode", e), ("prefill", p), ("decode", d)) if u}
+        urls = {f"EPD_{role.upper()}_URLS": " ".join(u) for role, u in backends.by_role()}
         peers.append(Peer(name, plain, "/ready", cwd=checkout, env=urls))
     elif name == "vllm-router":
         if e:
@@ -261,10 +265,8 @@ def models_tables(backends: Backends, measured: str) -> str:
     """``--models`` for a ``+pools`` peer: the measured model's pool (every backend of the
     layout, under the name the load asks for) and one pool per other model (its own
     instance), as JSON tables."""
-    tables: dict[str, dict[str, list[str]]] = {measured: {
-        role: list(urls) for role, urls in (("encode", backends.encode),
-                                            ("prefill", backends.prefill),
-                                            ("decode", backends.decode)) if urls}}
+    tables: dict[str, dict[str, list[str]]] = {
+        measured: {role: list(urls) for role, urls in backends.by_role()}}
     for model, url in backends.others:
         tables[model] = {"decode": [url]}
     return json.dumps(tables)
@@ -496,9 +498,7 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
     others = tuple(tuple(pair.split("=", 1)) for pair in urls("OTHER"))
     backends = Backends(urls("ENCODE"), urls("PREFILL"), urls("DECODE"),
                         others)  # type: ignore[arg-type]
-    described = ", ".join(f"{len(v)} {k}" for k, v in (
-        ("encode", backends.encode), ("prefill", backends.prefill),
-        ("decode", backends.decode)) if v)
+    described = ", ".join(f"{len(urls)} {role}" for role, urls in backends.by_role())
     return process, backends, described
 
 

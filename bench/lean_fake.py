@@ -271,23 +271,26 @@ class LeanFake:
             await self._json(sock, conn, 200, orjson.dumps({"object": "list", "data": [{
                 "id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
                 "root": self.model, "parent": None, "max_model_len": 4096}]}), request_id)
-        elif method == b"POST" and path in (b"/v1/chat/completions", b"/v1/completions"):
+        elif method == b"POST" and (
+                path in (b"/v1/chat/completions", b"/v1/completions")
+                or (path == b"/v1/embeddings" and self.role in ("decode", "prefill_decode"))):
             try:
                 body = orjson.loads(raw)
             except orjson.JSONDecodeError:
                 body = None
             if not isinstance(body, dict):
-                await self._json(sock, conn, 400, orjson.dumps({"error": {
-                    "message": "request body must be a JSON object", "type": "BadRequestError",
-                    "param": None, "code": 400}}), request_id)
-                return
-            self.answered += 1
-            await self._completion(sock, conn, body, path == b"/v1/chat/completions",
-                                   request_id)
-        elif method == b"POST" and path == b"/v1/embeddings" and self.role in (
-                "decode", "prefill_decode"):
-            self.answered += 1
-            await self._embeddings(sock, conn, raw, request_id)
+                await self._bad_request(sock, conn, "request body must be a JSON object",
+                                        request_id)
+            elif path != b"/v1/embeddings":
+                self.answered += 1
+                await self._completion(sock, conn, body, path == b"/v1/chat/completions",
+                                       request_id)
+            elif not isinstance(inputs := body.get("input"), (str, list)) or not inputs:
+                await self._bad_request(sock, conn, "input must be a string or a non-empty list",
+                                        request_id)
+            else:
+                self.answered += 1
+                await self._embeddings(sock, conn, body, inputs, request_id)
         else:
             await self._json(sock, conn, 404, orjson.dumps({"detail": "Not Found"}), request_id)
 
@@ -344,18 +347,14 @@ class LeanFake:
             raise BrokenPipeError("client went away")
         await _send_all(sock, conn.send(h11.EndOfMessage()))
 
-    async def _embeddings(self, sock: socket.socket, conn: h11.Connection, raw: bytes,
-                          request_id: str) -> None:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            body = None
-        inputs = body.get("input") if isinstance(body, dict) else None
-        if not isinstance(inputs, (str, list)) or not inputs:
-            await self._json(sock, conn, 400, orjson.dumps({"error": {
-                "message": "input must be a string or a non-empty list", "type":
-                "BadRequestError", "param": None, "code": 400}}), request_id)
-            return
+    async def _bad_request(self, sock: socket.socket, conn: h11.Connection, message: str,
+                           request_id: str) -> None:
+        await self._json(sock, conn, 400, orjson.dumps({"error": {
+            "message": message, "type": "BadRequestError", "param": None, "code": 400}}),
+            request_id)
+
+    async def _embeddings(self, sock: socket.socket, conn: h11.Connection, body: dict[str, Any],
+                          inputs: str | list[Any], request_id: str) -> None:
         texts = [inputs] if isinstance(inputs, str) else inputs
         await trio.sleep(self.prefill_time)
         tokens = 8 * len(texts)
