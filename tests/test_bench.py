@@ -469,6 +469,7 @@ async def test_the_lean_fake_answers_embeddings_like_vllm() -> None:
         async with httpx.AsyncClient(base_url=url, trust_env=False) as client:
             ok = await client.post("/v1/embeddings", json={"model": "m", "input": ["a", "b"]})
             bad = await client.post("/v1/embeddings", json={"model": "m"})
+            not_object = await client.post("/v1/embeddings", content=b"[1]")
         nursery.cancel_scope.cancel()
     answer = ok.json()
     assert ok.status_code == 200 and answer["object"] == "list" and answer["model"] == "m"
@@ -476,6 +477,9 @@ async def test_the_lean_fake_answers_embeddings_like_vllm() -> None:
     assert len(answer["data"][0]["embedding"]) == EMBEDDING_DIM
     assert answer["usage"]["prompt_tokens"] == 16
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+    assert not_object.status_code == 400
+    assert not_object.json()["error"]["message"] == "request body must be a JSON object"
+    assert fake.answered == 1  # the two 400s are not counted as answered
 
 
 def test_model_lookup_measures_each_case_and_each_finds_its_pool() -> None:
