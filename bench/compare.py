@@ -498,7 +498,7 @@ async def start_backends(args: argparse.Namespace) -> tuple[trio.Process, Backen
     others = tuple(tuple(pair.split("=", 1)) for pair in urls("OTHER"))
     backends = Backends(urls("ENCODE"), urls("PREFILL"), urls("DECODE"),
                         others)  # type: ignore[arg-type]
-    described = ", ".join(f"{len(urls)} {role}" for role, urls in backends.by_role())
+    described = ", ".join(f"{len(listed)} {role}" for role, listed in backends.by_role())
     return process, backends, described
 
 

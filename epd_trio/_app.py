@@ -306,8 +306,9 @@ def _admin_routes(app: QuartTrio, proxy: Proxy, admin_key: AdminKey) -> None:
     @app.post("/instances")
     async def register_instance() -> Response:
         admin_key.check(request.headers.get("x-api-key"), required=True)
-        created = proxy.register(await request.get_data(cache=False))
-        await proxy.ask_newcomers()  # what it serves, before it is told it is in
+        body = await request.get_data(cache=False)
+        created = proxy.register(body)
+        await proxy.ask_registered(body)  # what it serves, before it is told it is in
         return _json(200, {"registered": created})
 
     @app.delete("/instances")

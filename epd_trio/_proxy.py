@@ -30,7 +30,14 @@ from ._core.counters import CursorCounters
 from ._core.errors import NoInstance, UpstreamStatusError, UpstreamTransportError
 from ._core.health import Registry
 from ._core.names import MODEL_ENDPOINTS, ROLES, STAGES, RequestKind
-from ._core.roster import Card, Member, Roster, layout_name
+from ._core.roster import (
+    Card,
+    Member,
+    Roster,
+    layout_name,
+    parse_name_registration,
+    parse_registration,
+)
 from ._core.routing import Instance
 from ._kv_routing import KvRouting
 from ._membership.roster_owner import Membership
@@ -272,20 +279,21 @@ class Proxy:
         self.sync()
         return created
 
-    async def ask_newcomers(self) -> None:
-        """Ask the instances never asked, that have not said what they serve, now (a
-        registration's route: the instance serves its models when the registration is answered,
-        not at the learner's next wake-up).
+    async def ask_registered(self, raw_body: bytes) -> None:
+        """Ask the instance a registration (``raw_body``, registered already) names what it
+        serves, now, unless it has said so: the instance serves its models when the
+        registration is answered, not at the learner's next wake-up. An instance that
+        registers again after it left is asked again (its answer left with it).
 
-        Only those: one asked before that did not answer (down, or too slow) is the learner's
-        to ask again at its next round; asking it here would hold every registration for up to
-        the probe timeout, for an instance the registration did not name."""
-        if self._probe_client is None:
+        Only that one: another instance that has not answered (down, hung) is the learner's to
+        ask again, and asking it here would hold every registration for up to the probe
+        timeout. A DNS name's instances are asked by the learner once they resolve."""
+        if self._probe_client is None or parse_name_registration(raw_body) is not None:
             return
-        served = self.membership.current().served
-        waiting = [m for m in self.learner.newcomers() if m.url not in served]
-        if waiting:
-            await self.learner.round(waiting)
+        roster = self.membership.current()
+        member = roster.find(parse_registration(raw_body, time.monotonic()).url)
+        if member is not None and member.url not in roster.served:
+            await self.learner.round([member])
 
     def unregister(self, url: object) -> bool:
         """``DELETE /instances`` (``Membership.unregister``), followed here at once."""

@@ -302,23 +302,45 @@ class Silent:
 async def test_a_registration_does_not_wait_on_an_instance_that_never_answered(
     client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
-    """A registration asks only the instances never asked: one that did not answer before
-    is the learner's to ask again at its next round, and would otherwise hold every
+    """A registration asks the instance it names, and only that one: another that did not
+    answer is the learner's to ask again at its next round, and would otherwise hold every
     registration for up to the probe timeout."""
     silent = Silent()
     silent_url = await silent.serve(nursery)
     (a, b) = await start_fakes(nursery, FakeVLLM("prefill_decode", model="A"),
                                FakeVLLM("prefill_decode", model="B"))
     config = Settings(decode_urls=(Instance(a.url), Instance(silent_url)), admin_key="k",
-                      health_timeout=0.5, models_interval=3600.0)
+                      health_timeout=2.0, models_interval=3600.0)
     async with serve_proxy(config) as (url, _proxy):
-        assert silent.paths.count("/v1/models") == 1  # asked once before serving, in vain
+        asked = silent.paths.count("/v1/models")  # once before serving, in vain
         r = await client.post(url + "/instances", headers={"x-api-key": "k"},
                               json={"role": "prefill_decode", "url": b.url})
         assert r.json() == {"registered": True}
-        assert silent.paths.count("/v1/models") == 1  # not asked again for B's registration
+        assert silent.paths.count("/v1/models") == asked  # not asked again for B's sake
         assert (await client.post(url + CHAT, json=body("B"))).status_code == 200  # B was asked
         assert len(b.requests()) == 1
+
+
+async def test_an_instance_registered_again_after_it_left_is_asked_again(
+    client: httpx.AsyncClient, nursery: trio.Nursery,
+) -> None:
+    """Its answer left with it (a vLLM restart: DELETE, then POST): the registration asks it
+    again, so its models route as soon as the registration is answered."""
+    admin = {"x-api-key": "k"}
+    async with run_fleet({"A": (0, (0, 1), (1, 1))}, admin_key="k") as fleet:
+        (b,) = await start_fakes(nursery, FakeVLLM("prefill_decode", model="B"))
+        for _ in range(2):
+            r = await client.post(fleet.proxy_url + "/instances", headers=admin,
+                                  json={"role": "prefill_decode", "url": b.url})
+            assert r.json() == {"registered": True}
+            r = await client.post(fleet.proxy_url + CHAT, json=body("B"))
+            assert r.status_code == 200, r.text
+            r = await client.delete(fleet.proxy_url + "/instances", headers=admin,
+                                    params={"url": b.url})
+            assert r.json() == {"removed": True}
+            r = await client.post(fleet.proxy_url + CHAT, json=body("B"))
+            assert r.status_code == 404  # its name left with it
+        assert len(b.requests()) == 2
 
 
 def parse_file_tables(values: dict[str, Any]) -> dict[str, Any]:

@@ -71,16 +71,19 @@ class ModelLearner:
                 while True:
                     # Newcomers first, then wait: one that joined during a round was not
                     # waited for (its change woke nobody), and must not wait an interval.
-                    newcomers = self.newcomers()
+                    newcomers = self._newcomers()
                     if newcomers:
                         await self.round(newcomers)
                     else:
                         await self._changed()
             await self.round()
 
-    def newcomers(self) -> list[Member]:
-        """The instances not asked since they joined."""
-        return [m for m in self._roster().members if m.url not in self._asked]
+    def _newcomers(self) -> list[Member]:
+        """The instances not asked since they joined. An instance that left is forgotten here
+        too, so that it is asked again when it comes back (its answer left with it)."""
+        members = self._roster().members
+        self._asked &= {m.url for m in members}
+        return [m for m in members if m.url not in self._asked]
 
     async def round(self, members: list[Member] | None = None) -> None:
         """Ask ``members`` (default: every instance) at once; apply what they answered."""
