@@ -481,6 +481,8 @@ async def test_an_adapters_holders_running_it_are_preferred_when_loads_are_scrap
         assert [len(f.requests(CHAT)) for f in decodes] == [0, 0, 6, 0]
         decodes[2].lora_info = (("x", "y"), (), 2)  # now the other one has room
         decodes[0].lora_info = (("a",), (), 2)
-        await poll_until(lambda: proxy.loads.lora[decodes[0].url].running == {"a"}, 10)
+        # Each instance is scraped on its own: wait until both new states are read.
+        await poll_until(lambda: proxy.loads.lora[decodes[0].url].running == {"a"}
+                         and proxy.loads.lora[decodes[2].url].running == {"x", "y"}, 10)
         await send_all(client, url, [body("sql") for _ in range(4)])
         assert [len(f.requests(CHAT)) for f in decodes] == [4, 0, 6, 0]
