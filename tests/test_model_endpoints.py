@@ -21,7 +21,7 @@ from epd_trio._core.names import MODEL_ENDPOINTS
 from epd_trio.testing import FakeVLLM, serve_proxy
 from epd_trio.testing.fake_api import TASK_ENDPOINTS, form_of
 
-from helpers import metric, retries, server_process, start_fakes
+from helpers import metric, poll_until, retries, server_process, start_fakes
 
 #: A body for each JSON endpoint.
 BODIES: dict[str, dict[str, Any]] = {
@@ -142,13 +142,20 @@ async def test_failover_before_the_first_byte_and_a_client_that_leaves(
         assert retries(proxy) == {"decode": 1}
         # The client leaves while the instance works: the leg is cancelled there too.
         second.behaviour.hang = first.behaviour.hang = True
+        seen = {f.url: len(f.requests("/v1/embeddings")) for f in fakes["E"]}
+
+        def reached() -> list[FakeVLLM]:
+            return [f for f in fakes["E"] if len(f.requests("/v1/embeddings")) > seen[f.url]]
+
         async with trio.open_nursery() as requests:
             requests.start_soon(partial(client.post, url + "/v1/embeddings",
                                         json={"model": "E", "input": "x"}))
-            await trio.testing.wait_all_tasks_blocked()
-            busy = [f for f in fakes["E"] if f.in_flight]
+            # Polled: the request crosses two sockets, and the kernel may deliver it after
+            # every task here has blocked (in_flight would not do: the failed request's
+            # handler may still be finishing).
+            await poll_until(lambda: bool(reached()), 10)
             requests.cancel_scope.cancel()
-        (held,) = busy
+        (held,) = reached()
         with trio.fail_after(10):
             await held.wait_until(lambda: held.disconnects == 1)
 

@@ -386,8 +386,9 @@ async def test_an_adapter_request_reaches_a_holder_on_prefill_and_decode_both(
 async def test_an_adapter_no_live_decode_holds_is_a_503_naming_it_and_the_stage(
     client: httpx.AsyncClient, nursery: trio.Nursery,
 ) -> None:
+    # Three failed probes evict: one slowed by a busy machine does not take out a holder.
     prefills, decodes, config = await adapter_fleet(nursery, health_interval=0.05,
-                                                    health_threshold=1)
+                                                    health_threshold=3)
     async with serve_proxy(config) as (url, proxy):
         decodes[2].behaviour.healthy = False
         gone = trio.Event()
@@ -481,8 +482,11 @@ async def test_an_adapters_holders_running_it_are_preferred_when_loads_are_scrap
         assert [len(f.requests(CHAT)) for f in decodes] == [0, 0, 6, 0]
         decodes[2].lora_info = (("x", "y"), (), 2)  # now the other one has room
         decodes[0].lora_info = (("a",), (), 2)
-        # Each instance is scraped on its own: wait until both new states are read.
-        await poll_until(lambda: proxy.loads.lora[decodes[0].url].running == {"a"}
-                         and proxy.loads.lora[decodes[2].url].running == {"x", "y"}, 10)
+        # A scrape round may straddle the change: wait until both new states are read.
+        def read(fake: FakeVLLM) -> set[str] | None:
+            info = proxy.loads.lora.get(fake.url)  # absent for a round it did not answer
+            return None if info is None else set(info.running)
+
+        await poll_until(lambda: read(decodes[0]) == {"a"} and read(decodes[2]) == {"x", "y"}, 10)
         await send_all(client, url, [body("sql") for _ in range(4)])
         assert [len(f.requests(CHAT)) for f in decodes] == [4, 0, 6, 0]

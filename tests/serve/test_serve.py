@@ -20,6 +20,7 @@ from epd_trio._serve.process import auto_workers
 from epd_trio._serve.runner import cannot_make_metrics_dir
 from epd_trio.testing import FakeVLLM
 from epd_trio.testing.moriio import MoriioStandIn
+from epd_trio.testing.ports import free_port
 from epd_trio.testing.process import read_until, read_url
 
 from helpers import (
@@ -363,9 +364,7 @@ async def test_metrics_add_up_across_workers(nursery: trio.Nursery) -> None:
 
 async def test_moriio_registrations_reach_every_worker(nursery: trio.Nursery) -> None:
     """With --workers 2, one worker binds the ZMQ socket; both route over what it hears."""
-    with socket.socket() as probe:  # a free port for the registration socket
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # for the registration socket, bound by a worker later
     prefill, decode = moriio_pair("WRITE", 6400, 62000, prefill_dp=2)
     await start_fakes(nursery, prefill, decode)
     admin = {"x-api-key": "k"}
@@ -386,7 +385,10 @@ async def test_moriio_registrations_reach_every_worker(nursery: trio.Nursery) ->
         with trio.fail_after(60):
             while len(pids) < 2:
                 listing = (await call("GET", "/instances", headers=admin)).json()
-                if listing["layout"] == "P+D":
+                # In, and said what they serve: until then a chat would get a 503.
+                if listing["layout"] == "P+D" and all(
+                        entry["models"] for role in ("prefill", "decode")
+                        for entry in listing["instances"][role]):
                     pids.add(listing["worker_pid"])
         for n in range(8):
             r = await call("POST", "/v1/chat/completions", json=chat_body(image(n)))
